@@ -1,0 +1,11 @@
+"""megarl: RL post-training for LLMs on megatron-core (training) and vLLM (rollout)."""
+
+import os as _os
+
+__version__ = "0.1.0"
+
+if _os.environ.get("MEGARL_CPU_SHIM") == "1":
+    # A child spawned by megatron or vLLM re-imports modules but never runs our entry point: re-install the shim.
+    from megarl.compat import cpu as _cpu
+
+    _cpu.install_if_needed()

@@ -1,0 +1,8 @@
+"""The only package that patches torch, megatron-core or vLLM.
+
+- ``cpu``: the CPU shim for megatron-core (installed only when CUDA is absent; see its docstring).
+"""
+
+from megarl.compat.cpu import install_if_needed, megatron_mode
+
+__all__ = ["install_if_needed", "megatron_mode"]

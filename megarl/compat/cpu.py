@@ -1,0 +1,138 @@
+"""CPU compatibility shim: lets megatron-core 0.16.1 run on a CPU-only torch over gloo.
+
+Applied only when CUDA is absent (``install_if_needed``); on a GPU host nothing here runs.
+What it patches, and why (each item was hit by megatron-core 0.16.1 on CPU):
+
+Process-wide (module attributes, so they hold in every thread):
+  * ``torch.cuda.current_device`` -> ``torch.device("cpu")``: ~70 call sites pass it as ``device=``.
+  * ``torch.cuda.synchronize`` / ``empty_cache`` / ``set_device`` -> no-ops.
+  * ``torch.cuda.device_count`` -> 1: the persistent async checkpoint worker computes ``rank % device_count()``.
+  * ``torch.cuda.{get,set}_rng_state``, ``manual_seed``, ``manual_seed_all`` (and ``torch.cuda.random.*``) -> the CPU
+    default generator. ``manual_seed`` must call ``torch.default_generator.manual_seed``; ``torch.manual_seed`` would
+    call back into ``torch.cuda.manual_seed_all`` and recurse.
+  * ``megatron.core.tensor_parallel.random._{get,set}_cuda_rng_state`` -> CPU generator state, so the model-parallel
+    RNG tracker (``fork()``) works.
+  * ``torch.cuda.is_available`` is deliberately NOT stubbed: vLLM and HF must keep seeing a CPU machine.
+
+Scoped (``megatron_mode()``, a thread-local ``TorchFunctionMode``):
+  * ``device="cuda"`` (keyword or positional, str or ``torch.device``) -> cpu; ``Tensor.cuda()`` -> identity;
+    ``pin_memory=True`` dropped; ``Tensor.type()`` answers ``'torch.cuda.FloatTensor'``-style names
+    (``clip_grads.py``, ``optimizer.py`` and ``distrib_optimizer.py`` assert on them).
+  * It is entered only around Megatron entry points: process-wide it costs ~3.3 us per torch call and made vLLM
+    generation 1.4x slower (shared/facts/cpu-shim-with-vllm.md). The mode is thread-local, so Megatron work must
+    run on the thread that entered it.
+
+Spawned children (megatron's checkpoint writers, vLLM workers) re-import modules but never run ``main``:
+``install`` sets ``MEGARL_CPU_SHIM=1`` and ``import megarl`` re-installs the stubs when it sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ENV_VAR = "MEGARL_CPU_SHIM"
+_CPU = torch.device("cpu")
+_state = {"installed": False}  # set once per process by install(); not a cache
+
+
+def is_installed() -> bool:
+    """True once the shim has been installed in this process."""
+    return _state["installed"]
+
+
+def needed() -> bool:
+    """The shim is needed exactly when this torch has no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def install_if_needed() -> bool:
+    """Install the shim when CUDA is absent. Returns whether it is installed."""
+    if needed():
+        install()
+    return is_installed()
+
+
+def _cpu_get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def install() -> None:
+    """Apply the process-wide stubs (idempotent). See the module docstring for the list."""
+    if _state["installed"]:
+        return
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.set_device = lambda device: None
+    cuda.device_count = lambda: 1
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.manual_seed_all = _cpu_manual_seed
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.random.manual_seed = _cpu_manual_seed
+    cuda.random.manual_seed_all = _cpu_manual_seed
+
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random._get_cuda_rng_state = _cpu_get_rng_state
+    mc_random._set_cuda_rng_state = _cpu_set_rng_state
+    os.environ[ENV_VAR] = "1"
+    _state["installed"] = True
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # a bare index means a CUDA ordinal
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placement requests to CPU for the torch calls made inside the mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and "dtype" not in kwargs:
+            return _TYPE_NAMES.get(args[0].dtype, "torch.cuda.FloatTensor")
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones):
+            args = tuple(_CPU if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def megatron_mode():
+    """Context manager to wrap every Megatron entry point: the CUDA->CPU mode when the shim is installed, else nothing."""
+    return CudaToCpuMode() if _state["installed"] else contextlib.nullcontext()

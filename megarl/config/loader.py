@@ -1,0 +1,81 @@
+"""YAML + dotted command-line overrides -> a validated MegarlConfig (OmegaConf structured configs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from megarl.config.schema import ConfigFieldError, MegarlConfig
+
+
+class ConfigError(ValueError):
+    """A config could not be loaded; the message names the key and the fix."""
+
+
+def load_config(yaml_path: str | None = None, overrides: list[str] = ()) -> MegarlConfig:
+    """Merge the YAML file and ``a.b=value`` overrides onto the schema and return the typed config.
+
+    Unknown keys, wrong types and field-local checks fail here with a ConfigError naming the key.
+    """
+    merged = _merge_raw(yaml_path, overrides)
+    return _build(MegarlConfig, merged, "")
+
+
+def _merge_raw(yaml_path, overrides) -> dict:
+    schema = OmegaConf.structured(MegarlConfig)
+    layers = []
+    if yaml_path:
+        with open(yaml_path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{yaml_path}: top level must be a mapping of sections (model, actor, trainer)")
+        layers.append(OmegaConf.create(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. actor.parallel.tp=2)")
+        key, _, value = item.partition("=")
+        layers.append(OmegaConf.from_dotlist([f"{key.strip()}={value}"]))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+    except ConfigKeyError as e:
+        raise ConfigError(_unknown_key_message(e)) from None
+    except (ValidationError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{e.full_key}: {e.msg.splitlines()[0]}") from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{missing[0]}: required but not set (set it in the YAML or as {missing[0]}.<field>=... on the command line)")
+    return OmegaConf.to_container(merged, resolve=True)
+
+
+def _unknown_key_message(e: ConfigKeyError) -> str:
+    key = e.full_key or e.key
+    parent_type = e.object_type
+    hint = ""
+    if parent_type is not None and dataclasses.is_dataclass(parent_type):
+        names = [f.name for f in dataclasses.fields(parent_type)]
+        close = difflib.get_close_matches(str(e.key), names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(names)}."
+    return f"{key}: unknown key.{hint}"
+
+
+def _build(cls, data: dict, prefix: str):
+    """Instantiate the dataclass tree bottom-up, so each __post_init__ sees final values; errors get their path."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name]
+        kwargs[f.name] = _build(sub, data[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else data[f.name]
+    try:
+        return cls(**kwargs)
+    except ConfigFieldError as e:
+        raise ConfigError(f"{prefix}{e.field_name}: {e.message}") from None
+
+
+def to_yaml(cfg: MegarlConfig) -> str:
+    """The effective config, for logs and checkpoint metadata."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

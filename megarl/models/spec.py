@@ -1,0 +1,103 @@
+"""ModelSpec: the architecture megarl needs, read once from a HuggingFace config and checked against its family."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from megarl.models.family import ModelFamily, family_for_hf_config
+
+DEFAULT_VOCAB_PAD_MULTIPLE = 128
+"""megarl pads the vocabulary to a multiple that does not depend on TP, so checkpoints keep one global shape."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer (Llama/Qwen2/Mistral style), independent of any parallel layout."""
+
+    family: str
+    """Registry name of the model family (``llama``, ``qwen2``, ``mistral``)."""
+    hidden_size: int
+    """Model width."""
+    num_layers: int
+    """Number of transformer layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (query groups); equal to num_heads without GQA."""
+    head_dim: int
+    """Per-head width."""
+    ffn_hidden_size: int
+    """SwiGLU intermediate size (per gate/up half)."""
+    vocab_size: int
+    """True vocabulary size (the tokenizer's)."""
+    padded_vocab_size: int
+    """Vocabulary rows held by embedding and output layer (vocab_size rounded up to the pad multiple)."""
+    max_position_embeddings: int
+    """Longest sequence the positional encoding is configured for."""
+    rope_theta: float
+    """RoPE base."""
+    rope_scaling_factor: float | None
+    """Llama-3 style RoPE scaling factor, or None for plain RoPE."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool
+    """Output layer shares the input embedding."""
+    qkv_bias: bool
+    """Q/K/V projections carry a bias (Qwen2)."""
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pad_vocab(vocab_size: int, multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def read_hf_config(model_dir: str) -> dict:
+    """Read ``config.json`` from a HuggingFace model directory, with an actionable error when it is missing."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no HuggingFace config at {path}: model.path must be a HF model directory "
+            f"(for a tiny local model run `megarl tiny-model --out {model_dir}`)"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def spec_from_hf_config(hf: dict, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> ModelSpec:
+    """Build a ModelSpec from a HF config dict; refuses architectures and options megarl does not support."""
+    family: ModelFamily = family_for_hf_config(hf)
+    family.check_supported(hf)
+    heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    head_dim = family.head_dim(hf)
+    return ModelSpec(
+        family=family.name,
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        padded_vocab_size=pad_vocab(hf["vocab_size"], vocab_pad_multiple),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope_theta=float(_rope_theta(hf)),
+        rope_scaling_factor=family.rope_scaling_factor(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias,
+    )
+
+
+def _rope_theta(hf: dict) -> float:
+    # transformers 5 moved rope_theta into rope_parameters; accept both spellings.
+    params = hf.get("rope_parameters") or {}
+    return params.get("rope_theta", hf.get("rope_theta", 10000.0))

@@ -1,0 +1,133 @@
+"""ParallelLayout: the one owner of TP/PP/DP degrees and all rank arithmetic.
+
+Rank order is Megatron's default ``"tp-cp-ep-dp-pp"`` (TP innermost, PP outermost; CP = EP = 1 for now):
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so a TP group is a block of ``tp`` consecutive ranks. vLLM's TP groups are also blocks of consecutive ranks, which is
+why a rollout TP equal to the actor TP gives identical groups. Context and expert parallelism would add factors
+between TP and DP here; they are not built yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in the layout."""
+
+    tp: int
+    """Tensor-parallel rank (position inside its TP group)."""
+    pp: int
+    """Pipeline stage."""
+    dp: int
+    """Data-parallel replica index."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """TP x PP x DP degrees over ``world_size`` ranks, optionally placed on nodes of ``gpus_per_node`` ranks."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (number of stages)."""
+    dp: int = 1
+    """Data-parallel size (number of model replicas)."""
+    gpus_per_node: int | None = None
+    """Ranks per node (for rank -> node). None: unknown, node queries are refused."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    # --- rank <-> coordinates -------------------------------------------------------------------------------
+    def coords(self, rank: int) -> RankCoords:
+        """Coordinates of a global rank."""
+        self._check_rank(rank)
+        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def rank(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+        """Global rank of the given coordinates."""
+        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
+            raise ValueError(f"coordinates (tp={tp}, pp={pp}, dp={dp}) outside layout {self}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    # --- groups ---------------------------------------------------------------------------------------------
+    def tp_group(self, rank: int) -> list[int]:
+        """Ranks of the TP group that holds ``rank`` (same pp and dp), ordered by tp rank."""
+        c = self.coords(rank)
+        return [self.rank(t, c.pp, c.dp) for t in range(self.tp)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        """Ranks of the pipeline that holds ``rank`` (same tp and dp), ordered by stage."""
+        c = self.coords(rank)
+        return [self.rank(c.tp, p, c.dp) for p in range(self.pp)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        """Ranks holding the same model shard as ``rank`` (same tp and pp), ordered by dp rank."""
+        c = self.coords(rank)
+        return [self.rank(c.tp, c.pp, d) for d in range(self.dp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        return _distinct(self.tp_group(r) for r in range(self.world_size))
+
+    def pp_groups(self) -> list[list[int]]:
+        return _distinct(self.pp_group(r) for r in range(self.world_size))
+
+    def dp_groups(self) -> list[list[int]]:
+        return _distinct(self.dp_group(r) for r in range(self.world_size))
+
+    def model_parallel_group(self, rank: int) -> list[int]:
+        """All ranks of one model replica (TP x PP) holding ``rank``."""
+        c = self.coords(rank)
+        return sorted(self.rank(t, p, c.dp) for t in range(self.tp) for p in range(self.pp))
+
+    # --- nodes ----------------------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        g = self._require_gpus_per_node()
+        return -(-self.world_size // g)
+
+    def node(self, rank: int) -> int:
+        """Node index of ``rank``: ranks fill nodes in order, ``gpus_per_node`` per node (torchrun/SLURM convention)."""
+        self._check_rank(rank)
+        return rank // self._require_gpus_per_node()
+
+    def node_ranks(self, node: int) -> list[int]:
+        g = self._require_gpus_per_node()
+        return [r for r in range(node * g, min((node + 1) * g, self.world_size))]
+
+    def tp_groups_within_nodes(self) -> bool:
+        """True when every TP group lies inside one node (TP traffic stays on NVLink)."""
+        return all(len({self.node(r) for r in group}) == 1 for group in self.tp_groups())
+
+    # --- helpers --------------------------------------------------------------------------------------------
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size} ({self})")
+
+    def _require_gpus_per_node(self) -> int:
+        if self.gpus_per_node is None:
+            raise ValueError("this layout has no gpus_per_node; build it with gpus_per_node=N for node queries")
+        return self.gpus_per_node
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size})"
+
+
+def _distinct(groups) -> list[list[int]]:
+    seen: dict[tuple[int, ...], None] = {}
+    for g in groups:
+        seen.setdefault(tuple(g), None)
+    return [list(g) for g in seen]
