@@ -48,7 +48,8 @@ def _merge_raw(yaml_path, overrides) -> dict:
         raise ConfigError(f"{e.full_key}: {e.msg.splitlines()[0]}") from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
-        raise ConfigError(f"{missing[0]}: required but not set (set it in the YAML or as {missing[0]}.<field>=... on the command line)")
+        key = missing[0]
+        raise ConfigError(f"{key}: required but not set (set it in the YAML or as {key}.<field>=...)")
     return OmegaConf.to_container(merged, resolve=True)
 
 
@@ -69,7 +70,8 @@ def _build(cls, data: dict, prefix: str):
     kwargs = {}
     for f in dataclasses.fields(cls):
         sub = hints[f.name]
-        kwargs[f.name] = _build(sub, data[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else data[f.name]
+        value = data[f.name]
+        kwargs[f.name] = _build(sub, value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else value
     try:
         return cls(**kwargs)
     except ConfigFieldError as e:

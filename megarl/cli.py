@@ -1,0 +1,79 @@
+"""The `megarl` command: subcommands train and tiny-model (convert, plan and launch arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _cmd_train(args) -> int:
+    from megarl.config import ConfigError, load_config, validate
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+        spec = validate(cfg, world_size=launched)
+    except ConfigError as e:
+        print(f"megarl: config error: {e}", file=sys.stderr)
+        return 2
+    par = cfg.actor.parallel
+    world = par.tp * par.pp * par.dp
+    if launched is None and world > 1:
+        return _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
+    from megarl.trainer.smoke import run_smoke
+
+    losses = run_smoke(cfg, spec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megarl] done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    return 0
+
+
+def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use launch/."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megarl.cli", *argv]
+    print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def _cmd_tiny_model(args) -> int:
+    from megarl.models.tiny import make_tiny_hf_model
+
+    if os.path.isfile(os.path.join(args.out, "config.json")) and not args.overwrite:
+        print(f"[megarl] tiny model already at {args.out} (use --overwrite to rebuild)")
+        return 0
+    make_tiny_hf_model(args.out, args.family, tie_word_embeddings=args.tied, seed=args.seed)
+    print(f"[megarl] wrote a tiny random {args.family} model and byte tokenizer to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description="RL post-training on megatron-core + vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run a job from a YAML recipe with key.sub=value overrides")
+    train.add_argument("config", help="YAML recipe, e.g. configs/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=2 trainer.total_steps=5")
+    train.set_defaults(func=_cmd_train)
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")
+    tiny.add_argument("--out", required=True, help="output directory")
+    tiny.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral"])
+    tiny.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--overwrite", action="store_true")
+    tiny.set_defaults(func=_cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

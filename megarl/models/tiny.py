@@ -1,0 +1,85 @@
+"""Tiny random HuggingFace models and a byte-level tokenizer, built locally (tests, demo, benchmarks never download)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+
+_HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+_HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def save_byte_tokenizer(out_dir: str):
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + pad/bos/eos), saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_tiny_hf_model(
+    out_dir: str,
+    family: str = "llama",
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: int = 256,
+    vocab_size: int = 320,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+    rope_theta: float = 10000.0,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> str:
+    """Write a random HF model (config.json, safetensors) and the byte tokenizer to ``out_dir``; returns it.
+
+    Every parameter (norms and biases included) is drawn from N(0, init_std), norms around 1, so a layout
+    mistake in any tensor changes the logits.
+    """
+    import transformers
+
+    if family not in _HF_CONFIG_CLASSES:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(_HF_CONFIG_CLASSES)}")
+    config = getattr(transformers, _HF_CONFIG_CLASSES[family])(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=ffn_hidden_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        head_dim=hidden_size // num_heads,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    if family == "mistral":
+        config.sliding_window = None
+    torch.manual_seed(seed)
+    model = getattr(transformers, _HF_MODEL_CLASSES[family])(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * init_std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    save_byte_tokenizer(out_dir)
+    return out_dir

@@ -1,0 +1,100 @@
+"""One optimizer step over micro-batches through Megatron's pipeline schedule (1F1B for PP > 1).
+
+A micro-batch is a dict of [batch, seq] tensors: ``tokens``, ``position_ids``, optionally ``labels`` and whatever
+the loss needs. With labels, a GPTModel returns the per-token cross-entropy (= -log p of the label), computed
+vocab-parallel without gathering logits; a critic returns values [batch, seq, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl.compat import megatron_mode
+
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro_batch, model_output) -> (scalar loss for backward, metrics to report)."""
+
+
+def lm_loss(micro_batch: dict, token_nll_BS: torch.Tensor):
+    """Mean next-token cross-entropy over the tokens where ``loss_mask`` is 1."""
+    mask_BS = micro_batch["loss_mask"].to(token_nll_BS.dtype)
+    loss = (token_nll_BS * mask_BS).sum() / mask_BS.sum().clamp(min=1)
+    return loss, {"loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
+
+
+def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False) -> dict:
+    """Run every micro-batch forward (and backward) through Megatron's schedule.
+
+    Returns the metrics averaged over micro-batches and data-parallel ranks, identical on every rank.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
+        return output, partial(loss_fn, mb)
+
+    batch_size, seq_length = micro_batches[0]["tokens"].shape
+    with megatron_mode():
+        reported = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=batch_size,
+            forward_only=forward_only,
+        )
+    return _reduce_metrics(reported, ps)
+
+
+def _reduce_metrics(reported: list[dict], ps) -> dict:
+    """Average per-micro-batch metrics (present on the last stage only), share them with every stage and DP rank."""
+    holder = [None]
+    if ps.is_pipeline_last_stage():
+        keys = sorted(reported[0])
+        holder[0] = {k: float(torch.stack([m[k].float() for m in reported]).mean()) for k in keys}
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+    metrics = holder[0]
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        values = torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64)
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        metrics = {k: float(v) / dp for k, v in zip(sorted(metrics), values)}
+    return metrics
+
+
+def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn) -> dict:
+    """Zero grads, forward/backward all micro-batches, take one optimizer step. Returns metrics incl. grad_norm."""
+    with megatron_mode():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    metrics = forward_backward(model, micro_batches, loss_fn)
+    with megatron_mode():
+        ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped (inf/nan gradients)")
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    return metrics
+
+
+def make_lm_micro_batches(tokens_NT: torch.Tensor, micro_batch_size: int) -> list[dict]:
+    """Split next-token training sequences [N, T+1] into micro-batches of inputs [mbs, T] and labels [mbs, T]."""
+    inputs, labels = tokens_NT[:, :-1], tokens_NT[:, 1:]
+    position_ids = torch.arange(inputs.shape[1]).expand_as(inputs)
+    return [
+        {
+            "tokens": inputs[i : i + micro_batch_size].contiguous(),
+            "labels": labels[i : i + micro_batch_size].contiguous(),
+            "position_ids": position_ids[i : i + micro_batch_size].contiguous(),
+            "loss_mask": torch.ones_like(labels[i : i + micro_batch_size], dtype=torch.float32),
+        }
+        for i in range(0, tokens_NT.shape[0], micro_batch_size)
+    ]

@@ -1,0 +1,99 @@
+"""The CPU shim, each patch exercised in a fresh interpreter (the shim is process-wide; keep pytest's clean)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shim applies only without CUDA")
+
+
+def _run(code: str, env: dict | None = None) -> str:
+    full_env = {k: v for k, v in os.environ.items() if k != "MEGARL_CPU_SHIM"}
+    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_process_wide_stubs():
+    assert _run("""
+        import torch
+        from megarl.compat import cpu
+        assert cpu.install_if_needed() and cpu.is_installed()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.set_device(0)
+        assert torch.cuda.device_count() == 1
+        assert not torch.cuda.is_available()          # deliberately not stubbed
+        torch.cuda.manual_seed(3)                      # must not recurse
+        a = torch.rand(3)
+        torch.manual_seed(3)
+        assert torch.equal(a, torch.rand(3))
+        state = torch.cuda.get_rng_state(); b = torch.rand(2); torch.cuda.set_rng_state(state)
+        assert torch.equal(b, torch.rand(2))
+        import os; assert os.environ["MEGARL_CPU_SHIM"] == "1"
+        print("ok")
+    """) == "ok"
+
+
+def test_megatron_rng_tracker_forks_on_cpu():
+    assert _run("""
+        import torch
+        from megarl.compat import cpu
+        cpu.install()
+        from megatron.core.tensor_parallel import random as r
+        r.initialize_rng_tracker(force_reset=True)
+        tracker = r.get_cuda_rng_tracker(); tracker.reset(); tracker.add("model-parallel-rng", 42)
+        torch.manual_seed(0); before = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        assert torch.equal(before, torch.get_rng_state())   # fork restores the default stream
+        torch.manual_seed(42); assert torch.equal(a, torch.rand(4))
+        print("ok")
+    """) == "ok"
+
+
+def test_megatron_mode_maps_cuda_to_cpu_only_inside():
+    assert _run("""
+        import torch
+        from megarl.compat import cpu, megatron_mode
+        cpu.install()
+        x = torch.ones(2)
+        with megatron_mode():
+            assert torch.zeros(2, device="cuda").device.type == "cpu"
+            assert torch.empty(2, device=torch.device("cuda", 0)).device.type == "cpu"
+            assert x.cuda() is x and x.to("cuda").device.type == "cpu"
+            assert x.type() == "torch.cuda.FloatTensor" and x.half().type() == "torch.cuda.HalfTensor"
+            assert torch.ones(2, pin_memory=True).device.type == "cpu"
+        assert x.type() == "torch.FloatTensor"
+        try:
+            torch.zeros(2, device="cuda")
+        except (AssertionError, RuntimeError):
+            print("ok")
+    """) == "ok"
+
+
+def test_spawned_children_reinstall_from_env():
+    assert _run("import megarl, torch; print(torch.cuda.current_device())", {"MEGARL_CPU_SHIM": "1"}) == "cpu"
+    assert _run("import megarl, torch; from megarl.compat import cpu; print(cpu.is_installed())") == "False"
+
+
+def test_megatron_needs_the_mode():
+    """Without the mode, Megatron's hard-coded CUDA tensors fail on CPU (so the shim is not dead code)."""
+    assert _run("""
+        import torch
+        from megarl.compat import cpu, megatron_mode
+        cpu.install()
+        try:
+            torch.tensor([1.0], device="cuda")      # what FP32Optimizer.__init__ does
+            print("no error")
+        except (AssertionError, RuntimeError):
+            with megatron_mode():
+                torch.tensor([1.0], device="cuda")
+            print("ok")
+    """) == "ok"

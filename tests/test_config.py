@@ -1,0 +1,85 @@
+"""Config loading (YAML + dotted overrides) and validation: every error names the key and the fix."""
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.schema import ParallelConfig
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_llama_dir):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"model:\n  path: {tiny_llama_dir}\nactor:\n  parallel:\n    tp: 2\n  global_batch_size: 8\n")
+    return str(path)
+
+
+def test_yaml_and_overrides(recipe):
+    cfg = load_config(
+        recipe, ["actor.parallel.tp=1", "actor.parallel.dp=2", "trainer.total_steps=5", "actor.optim.lr=0.1"]
+    )
+    assert (cfg.actor.parallel.tp, cfg.actor.parallel.dp, cfg.trainer.total_steps) == (1, 2, 5)
+    assert cfg.actor.optim.lr == 0.1
+    assert isinstance(cfg.actor.parallel, ParallelConfig)
+    spec = validate(cfg, world_size=2)
+    assert spec.num_heads == 4
+
+
+def test_shipped_quickstart_recipe_loads():
+    cfg = load_config("configs/quickstart.yaml")
+    assert cfg.model.path
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.paralel.tp=2", "actor.paralel: unknown key. Did you mean 'parallel'?"),
+        ("foo=1", "foo: unknown key"),
+        ("actor.parallel.tp=two", "actor.parallel.tp"),
+        ("actor.parallel.tp=0", "actor.parallel.tp: must be >= 1"),
+        ("model.dtype=fp8", "model.dtype: must be one of"),
+        ("model.transformer_impl=apex", "model.transformer_impl"),
+        ("actor.optim.optimizer=lion", "actor.optim.optimizer: must be 'adam' or 'sgd'"),
+        ("actor.optim.lr=0", "actor.optim.lr: must be > 0"),
+        ("actor.optim.clip_grad=-1", "actor.optim.clip_grad"),
+        ("actor.micro_batch_size=0", "actor.micro_batch_size"),
+        ("trainer.total_steps=0", "trainer.total_steps"),
+        ("trainer.total_steps", "must look like key.sub=value"),
+    ],
+)
+def test_field_errors_name_the_key(recipe, override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe, [override])
+    assert message in str(e.value)
+
+
+def test_missing_model_section():
+    with pytest.raises(ConfigError, match="model: required"):
+        load_config(None, [])
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ([], 4, "tp x pp x dp = 2 x 1 x 1 = 2, but 4 ranks were launched"),
+        (["actor.parallel.tp=8"], None, "does not divide the model's 4 attention heads; use a tp in [1, 2, 4]"),
+        (["actor.parallel.tp=4"], None, "does not divide the model's 2 key/value heads"),
+        (["actor.parallel.pp=3"], None, "actor.parallel.pp=3 does not divide the model's 2 layers"),
+        (["actor.parallel.tp=1", "actor.parallel.dp=3"], None, "actor.global_batch_size=8 is not divisible by"),
+        (["actor.micro_batch_size=3"], None, "use a multiple of 3"),
+        (["model.vocab_pad_multiple=3", "actor.parallel.tp=2"], None, "not divisible by actor.parallel.tp=2"),
+        (["actor.seq_length=4096"], None, "exceeds the model's max_position_embeddings=1024"),
+        (["model.path=/nonexistent"], None, "model.path: no HuggingFace config at /nonexistent/config.json"),
+    ],
+)
+def test_cross_field_errors(recipe, overrides, world, message):
+    cfg = load_config(recipe, overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert message in str(e.value)
+
+
+def test_all_errors_reported_at_once(recipe):
+    cfg = load_config(recipe, ["actor.parallel.tp=8", "actor.parallel.pp=3"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "actor.parallel.tp=8" in str(e.value) and "actor.parallel.pp=3" in str(e.value)

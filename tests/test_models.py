@@ -1,0 +1,66 @@
+"""Model families: HF config -> ModelSpec -> TransformerConfig, and refusal of what megarl cannot represent."""
+
+import pytest
+
+from megarl.models import UnsupportedModelError, read_hf_config, spec_from_hf_config
+from megarl.models.builder import layer_spec, transformer_config, transformer_engine_available
+from megarl.parallel.layout import ParallelLayout
+
+BASE = {
+    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 256, "vocab_size": 320, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
+
+
+@pytest.mark.parametrize("model_type, qkv_bias", [("llama", False), ("qwen2", True), ("mistral", False)])
+def test_families(model_type, qkv_bias):
+    spec = spec_from_hf_config({**BASE, "model_type": model_type, "rope_theta": 1e6, "tie_word_embeddings": True})
+    assert spec.family == model_type and spec.qkv_bias == qkv_bias
+    assert (spec.num_kv_heads, spec.head_dim, spec.padded_vocab_size) == (2, 32, 384)
+    assert spec.rope_theta == 1e6 and spec.tie_word_embeddings
+    tc = transformer_config(spec, ParallelLayout(tp=2))
+    assert tc.num_query_groups == 2 and tc.gated_linear_unit and tc.normalization == "RMSNorm"
+    assert tc.add_qkv_bias == qkv_bias and not tc.add_bias_linear
+    assert tc.kv_channels == 32 and tc.tensor_model_parallel_size == 2 and tc.layernorm_epsilon == 1e-5
+
+
+def test_rope_parameters_and_llama3_scaling():
+    hf = {**BASE, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0,
+          "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    spec = spec_from_hf_config(hf)
+    assert spec.rope_theta == 5e5 and spec.rope_scaling_factor == 8.0
+
+
+def test_vocab_padding_is_tp_independent():
+    assert spec_from_hf_config({**BASE, "model_type": "llama", "vocab_size": 32000}).padded_vocab_size == 32000
+    assert spec_from_hf_config({**BASE, "model_type": "llama", "vocab_size": 151646}).padded_vocab_size == 151680
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}},
+         "low_freq_factor"),
+        ({"model_type": "mistral", "sliding_window": 128}, "sliding_window=128 is not supported"),
+        ({"model_type": "qwen2", "head_dim": 64}, "head_dim=64 differs"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_unsupported_configs_are_refused(extra, message):
+    with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        spec_from_hf_config({**BASE, **extra})
+
+
+def test_tiny_model_dir_round_trips(tiny_llama_dir):
+    spec = spec_from_hf_config(read_hf_config(tiny_llama_dir))
+    assert spec.family == "llama" and spec.vocab_size == 320
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="TE installed")
+def test_transformer_engine_requested_without_te():
+    with pytest.raises(RuntimeError, match="transformer_engine is not installed"):
+        layer_spec("transformer_engine")
