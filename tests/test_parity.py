@@ -25,7 +25,7 @@ WORLD4 = [
     ("tp2dp2", dict(layout=L(tp=2, dp=2), spec=tiny_spec())),
     ("ref_adam", dict(layout=L(dp=4), spec=tiny_spec(), reference=True, adam=True)),
     ("tp2dp2_adam", dict(layout=L(tp=2, dp=2), spec=tiny_spec(), adam=True)),
-    ("tp2dp2_distopt", dict(layout=L(tp=2, dp=2), spec=tiny_spec(), adam=True, distributed_optimizer=True)),
+    ("tp2dp2_distopt_adam", dict(layout=L(tp=2, dp=2), spec=tiny_spec(), adam=True, distributed_optimizer=True)),
     ("ref_tied", dict(layout=L(dp=4), spec=tiny_spec(tied=True), reference=True)),
     ("tp2pp2_tied", dict(layout=L(tp=2, pp=2), spec=tiny_spec(tied=True))),
     ("ref_value", dict(layout=L(dp=4), spec=tiny_spec(), reference=True, value_head=True)),
@@ -74,7 +74,7 @@ def test_world4_matches_single_rank(world4, case):
 
 
 def test_distributed_optimizer_really_shards(world4):
-    assert world4["tp2dp2_distopt"]["optimizer"] == "DistributedOptimizer"
+    assert world4["tp2dp2_distopt_adam"]["optimizer"] == "DistributedOptimizer"
     assert world4["tp2dp2_adam"]["optimizer"] == "FP32Optimizer"
 
 
