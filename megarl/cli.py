@@ -1,4 +1,4 @@
-"""The `megarl` command: subcommands train and tiny-model (convert, plan and launch arrive with their issues)."""
+"""The `megarl` command: train, convert and tiny-model (plan and launch arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ def _cmd_tiny_model(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from megarl.convert.cli import COMMANDS
+
+    return COMMANDS[args.tool](args.tool_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training on megatron-core + vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_tiny_model)
+    convert = sub.add_parser("convert", help="checkpoint conversion: hf-to-megatron, megatron-to-hf, verify",
+                             add_help=False)
+    convert.add_argument("tool", choices=["hf-to-megatron", "megatron-to-hf", "verify"])
+    convert.add_argument("tool_args", nargs=argparse.REMAINDER, help="the tool's own arguments (--help for them)")
+    convert.set_defaults(func=_cmd_convert)
     return parser
 
 

@@ -6,8 +6,8 @@ One spawned process group per world size serves every case of that size (spawnin
 import pytest
 
 from megarl.parallel.layout import ParallelLayout as L
+from megarl.parallel.spawn import run_on_ranks
 from tests.parity_worker import run_cases, tiny_spec
-from tests.spawn import run_on_ranks
 
 RTOL_LOSS = 1e-5
 ATOL_WEIGHTS = 1e-5

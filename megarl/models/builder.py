@@ -24,9 +24,17 @@ def transformer_engine_available() -> bool:
 
 
 def transformer_config(
-    spec: ModelSpec, layout: ParallelLayout, *, dtype: str = "float32", transformer_impl: str = "local"
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    dtype: str = "float32",
+    transformer_impl: str = "local",
+    init_weights: bool = True,
 ):
-    """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off."""
+    """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off.
+
+    ``init_weights=False`` skips random initialisation (the weights are about to be loaded).
+    """
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = DTYPES[dtype]
@@ -59,6 +67,7 @@ def transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         transformer_impl=transformer_impl,
+        perform_initialization=init_weights,
     )
 
 
@@ -83,12 +92,13 @@ def build_model_chunk(
     value_head: bool = False,
     dtype: str = "float32",
     transformer_impl: str = "local",
+    init_weights: bool = True,
 ):
     """This rank's GPTModel chunk (its pipeline stage and TP shard). ``value_head=True`` builds a critic."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, layout, dtype=dtype, transformer_impl=transformer_impl)
+    config = transformer_config(spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights)
     with megatron_mode():
         model = GPTModel(
             config=config,

@@ -116,6 +116,27 @@ def global_name(name: str, stage: StageInfo) -> str:
     return f"decoder.layers.{int(m.group(1)) + stage.first_layer}.{m.group(2)}" if m else name
 
 
+def local_shards(
+    name: str,
+    full: torch.Tensor,
+    stage: StageInfo,
+    tp_rank: int,
+    tp: int,
+    *,
+    tied_embeddings: bool = False,
+    value_head: bool = False,
+) -> list[tuple[str, torch.Tensor]]:
+    """The (local name, shard) pairs that (tp_rank, stage) holds of the full tensor ``name`` (often none, at most two:
+    the embedding and, with tied embeddings under PP, its copy on the last stage)."""
+    out = []
+    lname = local_name(name, stage)
+    if lname is not None:
+        out.append((lname, shard(full, tp_split(name, value_head), tp_rank, tp)))
+    if tied_embeddings and name == "embedding.word_embeddings.weight" and stage.is_last and stage.pp > 1:
+        out.append(("output_layer.weight", shard(full, ROWS, tp_rank, tp)))
+    return out
+
+
 def local_state_dict(
     full: dict[str, torch.Tensor],
     stage: StageInfo,
@@ -126,14 +147,13 @@ def local_state_dict(
     value_head: bool = False,
 ) -> dict[str, torch.Tensor]:
     """This (tp_rank, stage)'s Megatron state dict from full TP=1 tensors (see the module docstring)."""
-    out = {}
-    for name, tensor in full.items():
-        lname = local_name(name, stage)
-        if lname is not None:
-            out[lname] = shard(tensor, tp_split(name, value_head), tp_rank, tp)
-    if tied_embeddings and stage.is_last and stage.pp > 1:
-        out["output_layer.weight"] = shard(full["embedding.word_embeddings.weight"], ROWS, tp_rank, tp)
-    return out
+    return {
+        lname: tensor
+        for name, full_tensor in full.items()
+        for lname, tensor in local_shards(
+            name, full_tensor, stage, tp_rank, tp, tied_embeddings=tied_embeddings, value_head=value_head
+        )
+    }
 
 
 def full_state_dict(

@@ -32,6 +32,13 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, forwa
     Returns the metrics averaged over micro-batches and data-parallel ranks, identical on every rank.
     """
     from megatron.core import parallel_state as ps
+
+    return _reduce_metrics(run_schedule(model, micro_batches, loss_fn, forward_only=forward_only), ps)
+
+
+def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False) -> list[dict]:
+    """Megatron's schedule over the micro-batches; returns each micro-batch's metrics dict on the last stage
+    (an empty list on other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model_chunk):
@@ -50,7 +57,7 @@ def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, forwa
             micro_batch_size=batch_size,
             forward_only=forward_only,
         )
-    return _reduce_metrics(reported, ps)
+    return reported
 
 
 def _reduce_metrics(reported: list[dict], ps) -> dict:

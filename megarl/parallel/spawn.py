@@ -1,4 +1,8 @@
-"""Run a function on N gloo ranks (torch.multiprocessing spawn) and collect rank 0's return value."""
+"""Run a function on N local ranks (spawned processes, or this process when N == 1) and collect rank 0's result.
+
+Used by the single-node tools (conversion, verify) and the multi-process tests. Each rank gets the env:// variables
+torchrun would set, and OMP_NUM_THREADS=1 (ranks share the host's cores). Entry scripts need a __main__ guard.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +37,15 @@ def _entry(rank: int, world: int, port: int, result_path: str, fn, args):
         torch.save(result, result_path)
 
 
-def run_on_ranks(fn, world: int, *args, timeout_s: float = 600):
-    """Spawn ``world`` processes running ``fn(*args)`` under a gloo-ready env; return rank 0's result."""
+def run_on_ranks(fn, world: int, *args):
+    """Run ``fn(*args)`` on ``world`` ranks under a gloo/NCCL-ready env; return rank 0's result.
+
+    With ``world == 1`` and no process group yet, it runs in this process (tools convert in one process by default).
+    """
+    if world == 1 and "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        return fn(*args)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")
         try:

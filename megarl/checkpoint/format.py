@@ -1,0 +1,111 @@
+"""megarl's one checkpoint format: ``<root>/iter_NNNNNNN/`` (a Megatron distributed checkpoint, TP/PP-independent),
+``<root>/latest`` (the iteration to load) and ``<root>/megarl_checkpoint.json`` (plain-typed metadata: format
+version, model family, HF config, true and padded vocabulary, the layout it was written with).
+
+Saving is atomic per iteration: all ranks write into ``iter_N.tmp/``, then rank 0 renames it and replaces ``latest``
+last. A directory that ``latest`` does not name is never loaded (dist_checkpointing itself writes in place).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch.distributed as dist
+
+from megarl.compat import megatron_mode
+
+FORMAT_VERSION = 1
+META_FILE = "megarl_checkpoint.json"
+LATEST_FILE = "latest"
+TOKENIZER_DIR = "tokenizer"
+
+
+class CheckpointError(RuntimeError):
+    """The directory is not a complete megarl checkpoint (or is one where none may be written)."""
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def holds_checkpoint(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, META_FILE)) or os.path.isfile(os.path.join(root, LATEST_FILE))
+
+
+def read_meta(root: str) -> dict:
+    path = os.path.join(root, META_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{root} is not a megarl checkpoint (no {META_FILE})")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {meta.get('format_version')} (this megarl reads {FORMAT_VERSION})"
+        )
+    return meta
+
+
+def write_meta(root: str, meta: dict) -> None:
+    """Rank 0 only. Plain types only (dist_checkpointing's common.pt is read with weights_only=True)."""
+    _atomic_write(os.path.join(root, META_FILE), json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2))
+
+
+def latest_iteration_dir(root: str) -> str:
+    """The complete iteration directory that ``latest`` names."""
+    latest = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{root} has no '{LATEST_FILE}' file: not a complete megarl checkpoint")
+    with open(latest) as f:
+        path = os.path.join(root, f.read().strip())
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path} (named by {latest}) is not a complete distributed checkpoint")
+    return path
+
+
+def save_model(root: str, model_chunk, iteration: int = 0) -> str:
+    """Collective: save every rank's shard of ``model_chunk`` as ``<root>/iter_N`` and point ``latest`` at it."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, iter_dirname(iteration))
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    with megatron_mode():
+        dist_checkpointing.save(
+            model_chunk.sharded_state_dict(), tmp, content_metadata={"megarl_format_version": FORMAT_VERSION}
+        )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _atomic_write(os.path.join(root, LATEST_FILE), iter_dirname(iteration) + "\n")
+    dist.barrier()
+    return final
+
+
+def load_model(root: str, model_chunk) -> None:
+    """Collective: load the ``latest`` iteration into ``model_chunk`` at whatever TP/PP it was built with."""
+    from megatron.core import dist_checkpointing
+
+    path = latest_iteration_dir(root)
+    with megatron_mode():
+        state = dist_checkpointing.load(model_chunk.sharded_state_dict(), path)
+        state.pop("content_metadata", None)  # stored by save(content_metadata=...), not a model tensor
+        missing, unexpected = model_chunk.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing {missing}, unexpected {unexpected}")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

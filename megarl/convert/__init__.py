@@ -1,0 +1,1 @@
+"""HF <-> megarl checkpoint conversion and logit verification (the logic behind checkpoints_tools/)."""

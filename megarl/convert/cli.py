@@ -1,0 +1,96 @@
+"""Command lines of the three conversion tools (checkpoints_tools/*.py and `megarl convert ...` call these)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarl.checkpoint.format import CheckpointError
+from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.spawn import run_on_ranks
+
+
+def _layout_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size used to {what} (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size used to {what} (default 1)")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def hf_to_megatron_main(argv: list[str] | None = None) -> int:
+    from megarl.convert.hf_to_megatron import ConversionError, check_hf_source, check_output_dir
+
+    p = argparse.ArgumentParser(
+        prog="hf_to_megatron", description="HF checkpoint -> megarl/Megatron distributed checkpoint (any TP/PP later)"
+    )
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    _layout_args(p, "build the model while writing (the checkpoint itself loads at any TP/PP)")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: the HF config's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    args = p.parse_args(argv)
+    try:
+        check_hf_source(args.hf_dir)  # refuse bad input before any process starts
+        check_output_dir(args.out, args.overwrite)
+    except ConversionError as e:
+        return _fail(str(e))
+    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    meta = run_on_ranks(_convert, layout.world_size, args.hf_dir, args.out, layout, args.dtype, args.overwrite)
+    print(f"wrote {meta['family']} checkpoint to {args.out} (dtype {meta['dtype']}, written at {layout})")
+    return 0
+
+
+def _convert(hf_dir, out, layout, dtype, overwrite):
+    from megarl.convert.hf_to_megatron import convert_hf_to_megatron
+
+    return convert_hf_to_megatron(hf_dir, out, layout, dtype=dtype, overwrite=overwrite)
+
+
+def megatron_to_hf_main(argv: list[str] | None = None) -> int:
+    from megarl.checkpoint.format import read_meta
+    from megarl.convert.hf_to_megatron import ConversionError
+    from megarl.convert.megatron_to_hf import check_export_dir, convert_megatron_to_hf
+
+    p = argparse.ArgumentParser(prog="megatron_to_hf", description="megarl/Megatron checkpoint -> HF directory")
+    p.add_argument("--ckpt", required=True, help="megarl checkpoint directory (loads what 'latest' names)")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (default 2 GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    args = p.parse_args(argv)
+    try:
+        read_meta(args.ckpt)
+        check_export_dir(args.out, args.overwrite)
+    except (CheckpointError, ConversionError) as e:
+        return _fail(str(e))
+    run_on_ranks(convert_megatron_to_hf, 1, args.ckpt, args.out, None, args.overwrite, int(args.max_shard_gb * 2**30))
+    print(f"wrote HF model to {args.out}")
+    return 0
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    from megarl.checkpoint.format import read_meta
+    from megarl.convert.verify import verify_checkpoint
+
+    p = argparse.ArgumentParser(prog="verify", description="logit parity between a HF model and a megarl checkpoint")
+    p.add_argument("--hf-dir", required=True, help="HF model directory (the reference)")
+    p.add_argument("--ckpt", required=True, help="megarl checkpoint directory")
+    _layout_args(p, "load the checkpoint")
+    args = p.parse_args(argv)
+    try:
+        read_meta(args.ckpt)
+    except CheckpointError as e:
+        return _fail(str(e))
+    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    r = run_on_ranks(verify_checkpoint, layout.world_size, args.hf_dir, args.ckpt, layout)
+    verdict = "PASS" if r["passed"] else "FAIL"
+    print(
+        f"{verdict}: max abs logit diff {r['max_abs_diff']:.3e}, max rel diff {r['max_rel_diff']:.3e} "
+        f"(tolerance {r['tolerance']:.0e}) at {r['layout']} on tokens {r['tokens']}"
+    )
+    return 0 if r["passed"] else 1
+
+
+COMMANDS = {"hf-to-megatron": hf_to_megatron_main, "megatron-to-hf": megatron_to_hf_main, "verify": verify_main}

@@ -1,0 +1,109 @@
+"""HF <-> Megatron tensor mapping for the Llama-style families (Llama, Qwen2, Mistral), described once.
+
+Each Megatron full tensor (TP=1 names, global layer index) is built from one or more HF tensors:
+
+| Megatron (decoder.layers.i. ...)   | HF (model.layers.i. ...)                 | layout                               |
+|------------------------------------|------------------------------------------|--------------------------------------|
+| embedding.word_embeddings.weight   | model.embed_tokens.weight                | rows padded to the padded vocabulary |
+| input_layernorm.weight             | input_layernorm.weight                   | copy                                 |
+| self_attention.linear_qkv.{w,b}    | self_attn.{q,k,v}_proj.{w,b} (b: Qwen2)  | per query group g: [q_g; k_g; v_g]   |
+| self_attention.linear_proj.weight  | self_attn.o_proj.weight                  | copy                                 |
+| pre_mlp_layernorm.weight           | post_attention_layernorm.weight          | copy                                 |
+| mlp.linear_fc1.weight              | mlp.gate_proj.weight, mlp.up_proj.weight | [gate; up]                           |
+| mlp.linear_fc2.weight              | mlp.down_proj.weight                     | copy                                 |
+| decoder.final_layernorm.weight     | model.norm.weight                        | copy                                 |
+| output_layer.weight (untied only)  | lm_head.weight                           | rows padded                          |
+
+The resharding engine uses the same table to name and lay out destination tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.spec import ModelSpec
+
+COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron full tensor and the HF tensors it is made of."""
+
+    megatron: str
+    """Megatron name (TP=1, global layer index)."""
+    hf: tuple[str, ...]
+    """HF names, in the order the layout concatenates them."""
+    kind: str
+    """How they combine: copy, qkv (grouped per query group), gate_up ([gate; up]) or vocab (rows padded)."""
+    layer: int | None = None
+    """Global layer index, None for embedding / final norm / output layer."""
+
+
+def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
+    """Every Megatron tensor of ``spec`` in model order (embedding, layers 0..L-1, final norm, output layer)."""
+    maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
+    for i in range(spec.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = h + "self_attn."
+        maps += [
+            TensorMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), COPY, i),
+            TensorMap(m + "self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), QKV, i),
+        ]
+        if spec.qkv_bias:
+            maps.append(
+                TensorMap(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), QKV, i)
+            )
+        maps += [
+            TensorMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COPY, i),
+            TensorMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), COPY, i),
+            TensorMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), GATE_UP, i),
+            TensorMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COPY, i),
+        ]
+    maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
+    if not spec.tie_word_embeddings:
+        maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB))
+    return maps
+
+
+def to_megatron(tmap: TensorMap, hf_tensors: list[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    """The Megatron full tensor from its HF tensors (new memory; the inputs are not modified)."""
+    if tmap.kind == COPY:
+        return hf_tensors[0].clone()
+    if tmap.kind == VOCAB:
+        rows = hf_tensors[0]
+        if rows.shape[0] != spec.vocab_size:
+            raise ValueError(f"{tmap.hf[0]} has {rows.shape[0]} rows but the config says vocab_size={spec.vocab_size}")
+        padded = rows.new_zeros((spec.padded_vocab_size, *rows.shape[1:]))
+        padded[: spec.vocab_size] = rows
+        return padded
+    if tmap.kind == GATE_UP:
+        return torch.cat(hf_tensors, dim=0)
+    if tmap.kind == QKV:
+        q, k, v = hf_tensors
+        groups, d = spec.num_kv_heads, spec.head_dim
+        tail = q.shape[1:]
+        grouped = torch.cat(
+            [q.reshape(groups, -1, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1
+        )
+        return grouped.reshape(-1, *tail)
+    raise ValueError(f"unknown mapping kind {tmap.kind!r}")
+
+
+def to_hf(tmap: TensorMap, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    """Inverse of ``to_megatron``: the HF tensors (in ``tmap.hf`` order), contiguous."""
+    if tmap.kind == COPY:
+        return [tensor.contiguous()]
+    if tmap.kind == VOCAB:
+        return [tensor[: spec.vocab_size].contiguous()]
+    if tmap.kind == GATE_UP:
+        return [t.contiguous() for t in tensor.chunk(2, dim=0)]
+    if tmap.kind == QKV:
+        groups, d = spec.num_kv_heads, spec.head_dim
+        q_per_group = spec.num_heads // groups * d
+        tail = tensor.shape[1:]
+        q, k, v = tensor.reshape(groups, q_per_group + 2 * d, *tail).split([q_per_group, d, d], dim=1)
+        return [t.reshape(-1, *tail).contiguous() for t in (q, k, v)]
+    raise ValueError(f"unknown mapping kind {tmap.kind!r}")
