@@ -52,7 +52,7 @@ def _convert(hf_dir, out, layout, dtype, overwrite):
 def megatron_to_hf_main(argv: list[str] | None = None) -> int:
     from megarl.checkpoint.format import read_meta
     from megarl.convert.hf_to_megatron import ConversionError
-    from megarl.convert.megatron_to_hf import check_export_dir, convert_megatron_to_hf
+    from megarl.convert.megatron_to_hf import check_export_dir
 
     p = argparse.ArgumentParser(prog="megatron_to_hf", description="megarl/Megatron checkpoint -> HF directory")
     p.add_argument("--ckpt", required=True, help="megarl checkpoint directory (loads what 'latest' names)")
@@ -65,9 +65,15 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
         check_export_dir(args.out, args.overwrite)
     except (CheckpointError, ConversionError) as e:
         return _fail(str(e))
-    run_on_ranks(convert_megatron_to_hf, 1, args.ckpt, args.out, None, args.overwrite, int(args.max_shard_gb * 2**30))
+    run_on_ranks(_export, 1, args.ckpt, args.out, args.overwrite, int(args.max_shard_gb * 2**30))
     print(f"wrote HF model to {args.out}")
     return 0
+
+
+def _export(ckpt, out, overwrite, max_shard_bytes):
+    from megarl.convert.megatron_to_hf import convert_megatron_to_hf
+
+    return convert_megatron_to_hf(ckpt, out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
 
 def verify_main(argv: list[str] | None = None) -> int:
