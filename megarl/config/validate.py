@@ -26,28 +26,23 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.parallel: tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}, but {world_size} "
             f"ranks were launched; launch {layout.world_size} ranks or change tp/pp/dp so their product is {world_size}"
         )
-    if spec.num_heads % par.tp:
-        errors.append(
-            f"actor.parallel.tp={par.tp} does not divide the model's {spec.num_heads} attention heads; "
-            f"use a tp in {_divisors(spec.num_heads)}"
-        )
-    if spec.num_kv_heads % par.tp:
-        errors.append(
-            f"actor.parallel.tp={par.tp} does not divide the model's {spec.num_kv_heads} key/value heads "
-            f"(query groups); use a tp in {_divisors(spec.num_kv_heads)}"
-        )
-    if spec.num_layers % par.pp:
-        errors.append(
-            f"actor.parallel.pp={par.pp} does not divide the model's {spec.num_layers} layers; "
-            f"use a pp in {_divisors(spec.num_layers)}"
-        )
+    divisibility = [
+        ("tp", par.tp, spec.num_heads, "attention heads"),
+        ("tp", par.tp, spec.num_kv_heads, "key/value heads (query groups)"),
+        ("tp", par.tp, spec.ffn_hidden_size, "ffn (intermediate) size"),
+        ("pp", par.pp, spec.num_layers, "layers"),
+    ]
+    for name, degree, count, what in divisibility:
+        if count % degree:
+            errors.append(
+                f"actor.parallel.{name}={degree} does not divide the model's {count} {what}; "
+                f"use a {name} in {_divisors(count)}"
+            )
     if spec.padded_vocab_size % par.tp:
         errors.append(
             f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} gives a padded vocabulary of "
             f"{spec.padded_vocab_size} rows, not divisible by actor.parallel.tp={par.tp}; use a multiple of {par.tp}"
         )
-    if spec.ffn_hidden_size % par.tp:
-        errors.append(f"actor.parallel.tp={par.tp} does not divide the model's ffn size {spec.ffn_hidden_size}")
     per_step = par.dp * cfg.actor.micro_batch_size
     if cfg.actor.global_batch_size % per_step:
         errors.append(
