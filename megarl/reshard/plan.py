@@ -1,0 +1,173 @@
+"""plan(src, dst): a pure function over shapes that says, per destination shard, which slice comes from which rank.
+
+Rules, in order: a byte the destination rank already holds is a local copy (no communication); otherwise a source on
+the same node is preferred; otherwise, when several ranks of one node need the same remote slice, it crosses the
+network once (to the first of them) and is forwarded inside the node (phase 1). Among equal choices the least loaded
+source (bytes sent by its node, then by itself) wins, which spreads the work over DP replicas. No byte is scheduled
+twice: every destination element has exactly one transfer or is padding.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megarl.reshard.layout import Block, SideLayout
+
+LOCAL, SAME_NODE, CROSS_NODE = "same_rank", "same_node", "cross_node"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy src[rows, cols] of ``src_rank``'s tensor into dst[rows, cols] of ``dst_rank``'s shard."""
+
+    src_rank: int
+    from_dst: bool
+    """True for a forward: the source is the sender's already-filled destination shard."""
+    src_shard: str
+    src_rows: tuple[int, int]
+    src_cols: tuple[int, int] | None
+    dst_rank: int
+    dst_shard: str
+    dst_rows: tuple[int, int]
+    dst_cols: tuple[int, int] | None
+    hf: str
+    phase: int
+
+    @property
+    def numel(self) -> int:
+        return (self.dst_rows[1] - self.dst_rows[0]) * (
+            1 if self.dst_cols is None else self.dst_cols[1] - self.dst_cols[0])
+
+
+@dataclass
+class Plan:
+    transfers: list[Transfer]
+    padding: list[tuple[int, str, tuple[int, int], tuple[int, int] | None]]
+    """(rank, shard, rows, cols) regions that have no source: zero-filled by the receiver."""
+    dst_shapes: dict[int, dict[str, tuple[int, ...]]]
+    src_shapes: dict[int, dict[str, tuple[int, ...]]]
+    gpus_per_node: int
+    stats: dict = field(default_factory=dict)
+
+    def link(self, t: Transfer) -> str:
+        if t.src_rank == t.dst_rank:
+            return LOCAL
+        same = t.src_rank // self.gpus_per_node == t.dst_rank // self.gpus_per_node
+        return SAME_NODE if same else CROSS_NODE
+
+
+def _cuts(lo: int, hi: int, edges) -> list[tuple[int, int]]:
+    points = sorted({lo, hi, *(e for e in edges if lo < e < hi)})
+    return list(zip(points[:-1], points[1:]))
+
+
+def _contains(b: Block, rows, cols) -> bool:
+    return b.rows[0] <= rows[0] and rows[1] <= b.rows[1] and (
+        cols is None or (b.cols[0] <= cols[0] and cols[1] <= b.cols[1]))
+
+
+def _place(b: Block, rows, cols):
+    """Where the HF rectangle (rows, cols) sits inside the shard that holds block ``b``."""
+    r = (b.row_off + rows[0] - b.rows[0], b.row_off + rows[1] - b.rows[0])
+    c = None if cols is None else (b.col_off + cols[0] - b.cols[0], b.col_off + cols[1] - b.cols[0])
+    return r, c
+
+
+def plan(src: SideLayout, dst: SideLayout) -> Plan:
+    """Transfers that fill every destination shard of ``dst`` from the shards of ``src`` (see module docstring)."""
+    if src.gpus_per_node != dst.gpus_per_node:
+        raise ValueError("source and destination must agree on gpus_per_node")
+    gpn = src.gpus_per_node
+    holders: dict[str, list[tuple[int, str, Block]]] = defaultdict(list)
+    for rank, shards in src.ranks.items():
+        for shard in shards:
+            for b in shard.blocks:
+                if b.hf is not None:
+                    holders[b.hf].append((rank, shard.name, b))
+    rank_load: dict[int, int] = defaultdict(int)
+    node_load: dict[int, int] = defaultdict(int)
+    forwarded: dict[tuple, tuple[int, str, Block]] = {}  # (node, hf, rows, cols) -> first receiver in that node
+    transfers, forwards, padding = [], [], []
+    for dst_rank in sorted(dst.ranks):
+        dst_node = dst_rank // gpn
+        for shard in dst.ranks[dst_rank]:
+            for db in shard.blocks:
+                if db.hf is None:
+                    padding.append((dst_rank, shard.name, *_place(db, db.rows, db.cols)))
+                    continue
+                cands_all = [h for h in holders[db.hf] if _overlaps(h[2], db)]
+                if not cands_all:
+                    raise ValueError(f"no source holds {db.hf} rows {db.rows} cols {db.cols}")
+                row_cuts = _cuts(*db.rows, [e for h in cands_all for e in h[2].rows])
+                col_cuts = [None] if db.cols is None else _cuts(*db.cols, [e for h in cands_all for e in h[2].cols])
+                for rows in row_cuts:
+                    for cols in col_cuts:
+                        cands = [h for h in cands_all if _contains(h[2], rows, cols)]
+                        numel = (rows[1] - rows[0]) * (1 if cols is None else cols[1] - cols[0])
+                        dst_r, dst_c = _place(db, rows, cols)
+                        local = [h for h in cands if h[0] == dst_rank]
+                        near = [h for h in cands if h[0] // gpn == dst_node]
+                        key = (dst_node, db.hf, rows, cols)
+                        if local or near:
+                            s_rank, s_name, s_b = (local or sorted(near, key=lambda h: (rank_load[h[0]], h[0])))[0]
+                            phase, from_dst = 0, False
+                        elif key in forwarded:
+                            s_rank, s_name, s_b = forwarded[key]
+                            phase, from_dst = 1, True
+                        else:
+                            s_rank, s_name, s_b = min(cands, key=lambda h: (node_load[h[0] // gpn], rank_load[h[0]],
+                                                                            h[0]))
+                            phase, from_dst = 0, False
+                            forwarded[key] = (dst_rank, shard.name, db)
+                        if s_rank != dst_rank:
+                            rank_load[s_rank] += numel
+                            if s_rank // gpn != dst_node:
+                                node_load[s_rank // gpn] += numel
+                        src_r, src_c = _place(s_b, rows, cols)
+                        t = Transfer(s_rank, from_dst, s_name, src_r, src_c, dst_rank, shard.name, dst_r, dst_c, db.hf,
+                                     phase)
+                        (forwards if phase else transfers).append(t)
+    return Plan(
+        transfers=transfers + forwards,
+        padding=padding,
+        dst_shapes={r: {s.name: s.shape for s in shards} for r, shards in dst.ranks.items()},
+        src_shapes={r: {s.name: s.shape for s in shards} for r, shards in src.ranks.items()},
+        gpus_per_node=gpn,
+    )
+
+
+def _overlaps(b: Block, db: Block) -> bool:
+    rows_ok = b.rows[0] < db.rows[1] and db.rows[0] < b.rows[1]
+    cols_ok = db.cols is None or (b.cols[0] < db.cols[1] and db.cols[0] < b.cols[1])
+    return rows_ok and cols_ok
+
+
+def plan_stats(p: Plan, bytes_per_element: int) -> dict:
+    """Bytes by link class, and the busiest rank / node, for this plan."""
+    by_link: dict[str, int] = defaultdict(int)
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    node_sent: dict[int, int] = defaultdict(int)
+    node_recv: dict[int, int] = defaultdict(int)
+    gpn = p.gpus_per_node
+    for t in p.transfers:
+        n = t.numel * bytes_per_element
+        link = p.link(t)
+        by_link[link] += n
+        if link != LOCAL:
+            sent[t.src_rank] += n
+            recv[t.dst_rank] += n
+        if link == CROSS_NODE:
+            node_sent[t.src_rank // gpn] += n
+            node_recv[t.dst_rank // gpn] += n
+    return {
+        "bytes_moved": by_link[SAME_NODE] + by_link[CROSS_NODE],
+        "bytes_local": by_link[LOCAL],
+        "bytes_same_node": by_link[SAME_NODE],
+        "bytes_cross_node": by_link[CROSS_NODE],
+        "max_rank_send": max(sent.values(), default=0),
+        "max_rank_recv": max(recv.values(), default=0),
+        "max_node_send": max(node_sent.values(), default=0),
+        "max_node_recv": max(node_recv.values(), default=0),
+    }
