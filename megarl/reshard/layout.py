@@ -96,16 +96,27 @@ def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (spec.num_heads * d, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
         if spec.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (spec.num_heads * d,),
-                           p + "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
-                           p + "self_attn.v_proj.bias": (spec.num_kv_heads * d,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (spec.num_heads * d,),
+                    p + "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
+                    p + "self_attn.v_proj.bias": (spec.num_kv_heads * d,),
+                }
+            )
     return shapes
 
 
@@ -147,8 +158,11 @@ def _megatron_shard(tmap, spec: ModelSpec, hf_shapes, lname: str, tp_rank: int, 
     assert tmap.kind == COPY
     if split == ms.COLS:
         per = first[1] // tp
-        return _ShardBuilder(lname, first[1], concat_dim=1).add(tmap.hf[0], (0, first[0]),
-                                                                 (tp_rank * per, (tp_rank + 1) * per)).build()
+        return (
+            _ShardBuilder(lname, first[1], concat_dim=1)
+            .add(tmap.hf[0], (0, first[0]), (tp_rank * per, (tp_rank + 1) * per))
+            .build()
+        )
     return _ShardBuilder(lname, _cols(first)).add(tmap.hf[0], (0, first[0])).build()
 
 
@@ -188,8 +202,11 @@ def _vllm_rank_shards(spec: ModelSpec, hf_shapes, r: int, d: int) -> list[Shard]
 
     out = [vocab("model.embed_tokens.weight", "model.embed_tokens.weight")]
     q_heads = spec.num_heads // d
-    kv_head_lo, kv_heads = (r * spec.num_kv_heads // d, spec.num_kv_heads // d) if d <= spec.num_kv_heads else (
-        r // (d // spec.num_kv_heads), 1)
+    kv_head_lo, kv_heads = (
+        (r * spec.num_kv_heads // d, spec.num_kv_heads // d)
+        if d <= spec.num_kv_heads
+        else (r // (d // spec.num_kv_heads), 1)
+    )
     ffn = spec.ffn_hidden_size // d
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -201,13 +218,22 @@ def _vllm_rank_shards(spec: ModelSpec, hf_shapes, r: int, d: int) -> list[Shard]
             for kv in "kv":
                 b.add(a + f"{kv}_proj.{suffix}", (kv_head_lo * hd, (kv_head_lo + kv_heads) * hd))
             out.append(b.build())
-        out.append(_ShardBuilder(a + "o_proj.weight", spec.num_heads * hd, 1)
-                   .add(a + "o_proj.weight", (0, h), (r * q_heads * hd, (r + 1) * q_heads * hd)).build())
-        out.append(_ShardBuilder(p + "mlp.gate_up_proj.weight", h)
-                   .add(p + "mlp.gate_proj.weight", (r * ffn, (r + 1) * ffn))
-                   .add(p + "mlp.up_proj.weight", (r * ffn, (r + 1) * ffn)).build())
-        out.append(_ShardBuilder(p + "mlp.down_proj.weight", spec.ffn_hidden_size, 1)
-                   .add(p + "mlp.down_proj.weight", (0, h), (r * ffn, (r + 1) * ffn)).build())
+        out.append(
+            _ShardBuilder(a + "o_proj.weight", spec.num_heads * hd, 1)
+            .add(a + "o_proj.weight", (0, h), (r * q_heads * hd, (r + 1) * q_heads * hd))
+            .build()
+        )
+        out.append(
+            _ShardBuilder(p + "mlp.gate_up_proj.weight", h)
+            .add(p + "mlp.gate_proj.weight", (r * ffn, (r + 1) * ffn))
+            .add(p + "mlp.up_proj.weight", (r * ffn, (r + 1) * ffn))
+            .build()
+        )
+        out.append(
+            _ShardBuilder(p + "mlp.down_proj.weight", spec.ffn_hidden_size, 1)
+            .add(p + "mlp.down_proj.weight", (0, h), (r * ffn, (r + 1) * ffn))
+            .build()
+        )
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out.append(_ShardBuilder(p + norm, None).add(p + norm, (0, h)).build())
     out.append(_ShardBuilder("model.norm.weight", None).add("model.norm.weight", (0, h)).build())
@@ -218,16 +244,21 @@ def _vllm_rank_shards(spec: ModelSpec, hf_shapes, r: int, d: int) -> list[Shard]
 
 def vllm_layout(spec: ModelSpec, tp: int, world_size: int, gpus_per_node: int) -> SideLayout:
     """vLLM shards at TP=``tp`` on ``world_size`` ranks: engines are blocks of ``tp`` consecutive ranks."""
-    if spec.num_heads % tp or (tp > spec.num_kv_heads and tp % spec.num_kv_heads) or (
-            tp <= spec.num_kv_heads and spec.num_kv_heads % tp):
+    if (
+        spec.num_heads % tp
+        or (tp > spec.num_kv_heads and tp % spec.num_kv_heads)
+        or (tp <= spec.num_kv_heads and spec.num_kv_heads % tp)
+    ):
         raise ValueError(f"vLLM TP={tp} does not fit {spec.num_heads} heads / {spec.num_kv_heads} KV heads")
     hf_shapes = _hf_shapes(spec)
-    return SideLayout({rank: _vllm_rank_shards(spec, hf_shapes, rank % tp, tp) for rank in range(world_size)},
-                      gpus_per_node)
+    return SideLayout(
+        {rank: _vllm_rank_shards(spec, hf_shapes, rank % tp, tp) for rank in range(world_size)}, gpus_per_node
+    )
 
 
 def hf_layout(spec: ModelSpec, ranks: list[int], gpus_per_node: int) -> SideLayout:
     """Full HF tensors on each of ``ranks`` (e.g. an HF generate engine, or a full-reload transport)."""
-    shards = [_ShardBuilder(name, _cols(shape)).add(name, (0, shape[0])).build()
-              for name, shape in _hf_shapes(spec).items()]
+    shards = [
+        _ShardBuilder(name, _cols(shape)).add(name, (0, shape[0])).build() for name, shape in _hf_shapes(spec).items()
+    ]
     return SideLayout({rank: shards for rank in ranks}, gpus_per_node)

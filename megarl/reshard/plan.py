@@ -37,7 +37,8 @@ class Transfer:
     @property
     def numel(self) -> int:
         return (self.dst_rows[1] - self.dst_rows[0]) * (
-            1 if self.dst_cols is None else self.dst_cols[1] - self.dst_cols[0])
+            1 if self.dst_cols is None else self.dst_cols[1] - self.dst_cols[0]
+        )
 
 
 @dataclass
@@ -63,8 +64,11 @@ def _cuts(lo: int, hi: int, edges) -> list[tuple[int, int]]:
 
 
 def _contains(b: Block, rows, cols) -> bool:
-    return b.rows[0] <= rows[0] and rows[1] <= b.rows[1] and (
-        cols is None or (b.cols[0] <= cols[0] and cols[1] <= b.cols[1]))
+    return (
+        b.rows[0] <= rows[0]
+        and rows[1] <= b.rows[1]
+        and (cols is None or (b.cols[0] <= cols[0] and cols[1] <= b.cols[1]))
+    )
 
 
 def _place(b: Block, rows, cols):
@@ -116,8 +120,9 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
                             s_rank, s_name, s_b = forwarded[key]
                             phase, from_dst = 1, True
                         else:
-                            s_rank, s_name, s_b = min(cands, key=lambda h: (node_load[h[0] // gpn], rank_load[h[0]],
-                                                                            h[0]))
+                            s_rank, s_name, s_b = min(
+                                cands, key=lambda h: (node_load[h[0] // gpn], rank_load[h[0]], h[0])
+                            )
                             phase, from_dst = 0, False
                             forwarded[key] = (dst_rank, shard.name, db)
                         if s_rank != dst_rank:
@@ -125,8 +130,9 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
                             if s_rank // gpn != dst_node:
                                 node_load[s_rank // gpn] += numel
                         src_r, src_c = _place(s_b, rows, cols)
-                        t = Transfer(s_rank, from_dst, s_name, src_r, src_c, dst_rank, shard.name, dst_r, dst_c, db.hf,
-                                     phase)
+                        t = Transfer(
+                            s_rank, from_dst, s_name, src_r, src_c, dst_rank, shard.name, dst_r, dst_c, db.hf, phase
+                        )
                         (forwards if phase else transfers).append(t)
     return Plan(
         transfers=transfers + forwards,
@@ -171,3 +177,30 @@ def plan_stats(p: Plan, bytes_per_element: int) -> dict:
         "max_node_send": max(node_sent.values(), default=0),
         "max_node_recv": max(node_recv.values(), default=0),
     }
+
+
+def theoretical_minimum(src: SideLayout, dst: SideLayout, bytes_per_element: int) -> dict:
+    """Lower bounds, computed on a grid of HF cells independent of the planner:
+    ``rank_min``: bytes some destination rank needs that it does not hold itself;
+    ``node_min``: bytes some node needs that no rank of that node holds (each counted once per node)."""
+    gpn = src.gpus_per_node
+    blocks: dict[str, list[tuple[str, int, Block]]] = defaultdict(list)
+    for side, layout in (("src", src), ("dst", dst)):
+        for rank, shards in layout.ranks.items():
+            for shard in shards:
+                for b in shard.blocks:
+                    if b.hf is not None:
+                        blocks[b.hf].append((side, rank, b))
+    rank_min = node_min = 0
+    for entries in blocks.values():
+        row_edges = sorted({e for _, _, b in entries for e in b.rows})
+        col_edges = [None] if entries[0][2].cols is None else sorted({e for _, _, b in entries for e in b.cols})
+        for rows in zip(row_edges[:-1], row_edges[1:]):
+            for cols in [None] if col_edges == [None] else zip(col_edges[:-1], col_edges[1:]):
+                held = {r for side, r, b in entries if side == "src" and _contains(b, rows, cols)}
+                needed = {r for side, r, b in entries if side == "dst" and _contains(b, rows, cols)}
+                numel = (rows[1] - rows[0]) * (1 if cols is None else cols[1] - cols[0])
+                rank_min += numel * len(needed - held)
+                held_nodes = {r // gpn for r in held}
+                node_min += numel * len({r // gpn for r in needed} - held_nodes)
+    return {"rank_min": rank_min * bytes_per_element, "node_min": node_min * bytes_per_element}

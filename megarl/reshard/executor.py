@@ -1,0 +1,202 @@
+"""Run a Plan over torch.distributed in byte-bounded buckets, and verify every destination shard by hash.
+
+Every rank walks the same transfer list in the same order and cuts it into the same buckets (a transfer larger than a
+bucket is split by rows). Per bucket a rank packs what it sends into one buffer per peer, posts isend/irecv, waits,
+then unpacks into its destination shards. Local pieces are copied directly, with no buffer. So the executor's own
+memory is at most one bucket of send buffers plus one of receive buffers (single-buffered: <= 2 buckets).
+
+Verification (on by default): the sender hashes each piece it sends, after casting and before sending, with weights
+that depend on the piece's position in the destination shard; the receiver hashes each assembled shard the same
+way. The hash is additive over pieces, so the per-shard sums must agree. A mismatch raises ReshardVerificationError
+naming the tensor and the ranks involved.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megarl.reshard.plan import Plan, Transfer
+
+_MASK64 = (1 << 64) - 1
+_EVEN_MULT = 0x3C6EF372FE94F82A  # even, so every weight j * _EVEN_MULT + 1 is odd (int64 arithmetic wraps)
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ReshardVerificationError(RuntimeError):
+    """A destination shard's hash does not match what its senders hashed."""
+
+
+def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None, ncols: int) -> int:
+    """sum_j bits(v_j) * (j * EVEN_MULT + 1) mod 2^64, j = flat index in the destination shard; odd weights make
+    any single changed element change the hash."""
+    bits = values.contiguous().view(_INT_VIEW[values.element_size()]).to(torch.int64)
+    r = torch.arange(rows[0], rows[1], dtype=torch.int64)
+    if cols is None:
+        j = r
+    else:
+        j = r[:, None] * ncols + torch.arange(cols[0], cols[1], dtype=torch.int64)[None, :]
+    weights = j * _EVEN_MULT + 1
+    return int((bits.reshape(j.shape) * weights).sum()) & _MASK64
+
+
+@dataclass
+class SyncStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    peak_buffer_bytes: int = 0
+    buckets: int = 0
+
+
+def _split(t: Transfer, max_numel: int) -> list[Transfer]:
+    """Split a transfer by rows into pieces of at most ``max_numel`` elements (at least one row each)."""
+    row_numel = t.numel // (t.dst_rows[1] - t.dst_rows[0])
+    rows_per = max(1, max_numel // row_numel)
+    out = []
+    for lo in range(0, t.dst_rows[1] - t.dst_rows[0], rows_per):
+        hi = min(lo + rows_per, t.dst_rows[1] - t.dst_rows[0])
+        out.append(
+            replace(
+                t, src_rows=(t.src_rows[0] + lo, t.src_rows[0] + hi), dst_rows=(t.dst_rows[0] + lo, t.dst_rows[0] + hi)
+            )
+        )
+    return out
+
+
+def buckets(plan: Plan, bucket_bytes: int, element_size: int) -> list[list[Transfer]]:
+    """The plan's transfers cut into buckets of at most ``bucket_bytes`` communicated bytes (same on every rank)."""
+    max_numel = max(1, bucket_bytes // element_size)
+    out, current, size = [], [], 0
+    for t in plan.transfers:
+        pieces = [t] if t.src_rank == t.dst_rank else _split(t, max_numel)
+        for piece in pieces:
+            nbytes = 0 if piece.src_rank == piece.dst_rank else piece.numel * element_size
+            if current and (size + nbytes > bucket_bytes or piece.phase != current[-1].phase):
+                out.append(current)
+                current, size = [], 0
+            current.append(piece)
+            size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def _region(tensor: torch.Tensor, rows, cols) -> torch.Tensor:
+    view = tensor[rows[0] : rows[1]]
+    return view if cols is None else view[:, cols[0] : cols[1]]
+
+
+def execute(
+    plan: Plan,
+    src_tensors: dict[str, torch.Tensor],
+    dst_tensors: dict[str, torch.Tensor],
+    *,
+    bucket_bytes: int = 512 * 1024**2,
+    verify: bool = True,
+    on_send: Callable[[Transfer, torch.Tensor], None] | None = None,
+) -> SyncStats:
+    """Collective: fill this rank's ``dst_tensors`` (preallocated, destination dtype) from every rank's ``src_tensors``.
+
+    ``on_send`` is a test hook called on each packed piece after it was hashed (e.g. to corrupt it in transit).
+    """
+    rank = dist.get_rank()
+    dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
+    esize = torch.empty((), dtype=dtype).element_size()
+    stats = SyncStats()
+    expected: dict[tuple[int, str], int] = defaultdict(int)  # hashes of pieces this rank produced, per dst shard
+    contributors: dict[tuple[int, str], set[int]] = defaultdict(set)
+
+    def source_view(t: Transfer) -> torch.Tensor:
+        return _region((dst_tensors if t.from_dst else src_tensors)[t.src_shard], t.src_rows, t.src_cols)
+
+    def record(t: Transfer, values: torch.Tensor) -> None:
+        if verify:
+            ncols = plan.dst_shapes[t.dst_rank][t.dst_shard]
+            ncols = ncols[1] if len(ncols) == 2 else 1
+            key = (t.dst_rank, t.dst_shard)
+            expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols, ncols)) & _MASK64
+            contributors[key].add(rank)
+
+    for r, shard, rows, cols in plan.padding:
+        if r == rank:
+            _region(dst_tensors[shard], rows, cols).zero_()
+
+    for bucket in buckets(plan, bucket_bytes, esize):
+        stats.buckets += 1
+        sends: dict[int, list[Transfer]] = defaultdict(list)
+        recvs: dict[int, list[Transfer]] = defaultdict(list)
+        for t in bucket:
+            if t.src_rank == rank and t.dst_rank == rank:
+                src = source_view(t)
+                _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols).copy_(src)
+                record(t, src.to(dtype))
+                stats.bytes_local += t.numel * esize
+            elif t.src_rank == rank:
+                sends[t.dst_rank].append(t)
+            elif t.dst_rank == rank:
+                recvs[t.src_rank].append(t)
+        buffers, requests = [], []
+        for peer, items in sorted(sends.items()):
+            buf = torch.empty(sum(t.numel for t in items), dtype=dtype)
+            offset = 0
+            for t in items:
+                piece = buf[offset : offset + t.numel]
+                piece.view(source_view(t).shape).copy_(source_view(t))
+                record(t, piece)
+                if on_send is not None:
+                    on_send(t, piece)
+                offset += t.numel
+            buffers.append(buf)
+            requests.append(dist.isend(buf, peer))
+            stats.bytes_sent += buf.numel() * esize
+        incoming = []
+        for peer, items in sorted(recvs.items()):
+            buf = torch.empty(sum(t.numel for t in items), dtype=dtype)
+            buffers.append(buf)
+            incoming.append((buf, items))
+            requests.append(dist.irecv(buf, peer))
+            stats.bytes_received += buf.numel() * esize
+        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() * esize for b in buffers))
+        for req in requests:
+            req.wait()
+        for buf, items in incoming:
+            offset = 0
+            for t in items:
+                target = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
+                target.copy_(buf[offset : offset + t.numel].view(target.shape))
+                offset += t.numel
+        del buffers, incoming
+
+    if verify:
+        _verify(plan, rank, dst_tensors, expected, contributors)
+    return stats
+
+
+def _verify(plan: Plan, rank: int, dst_tensors, expected, contributors) -> None:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        everyone, ({k: v for k, v in expected.items()}, {k: sorted(v) for k, v in contributors.items()})
+    )
+    want: dict[str, int] = defaultdict(int)
+    senders: dict[str, set[int]] = defaultdict(set)
+    for exp, contrib in everyone:
+        for (dst_rank, shard), h in exp.items():
+            if dst_rank == rank:
+                want[shard] = (want[shard] + h) & _MASK64
+                senders[shard].update(contrib[(dst_rank, shard)])
+    bad = []
+    for shard, shape in plan.dst_shapes.get(rank, {}).items():
+        t = dst_tensors[shard]
+        got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]), shape[1] if t.dim() == 2 else 1)
+        if got != want[shard]:
+            bad.append(f"{shard} on rank {rank} (pieces sent by ranks {sorted(senders[shard])})")
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, bad)
+    problems = [msg for msgs in failed for msg in msgs]
+    if problems:
+        raise ReshardVerificationError("weight sync verification failed: hash mismatch for " + "; ".join(problems))
