@@ -106,3 +106,25 @@ def test_70b_plan_meets_the_theoretical_minimum(vllm_tp):
     assert bound["node_min"] > 0
     assert stats["bytes_moved"] == bound["rank_min"]  # nothing moved twice, nothing moved that was held
     assert stats["bytes_cross_node"] <= 1.05 * bound["node_min"]
+
+
+def test_position_hash_is_additive_chunked_and_sensitive(monkeypatch):
+    import torch
+
+    from megarl.reshard import executor as ex
+
+    x = torch.randn(300, 50)
+    whole = ex.position_hash(x, (0, 300), (0, 50), 50)
+    left, right = (
+        ex.position_hash(x[:, :20], (0, 300), (0, 20), 50),
+        ex.position_hash(x[:, 20:], (0, 300), (20, 50), 50),
+    )
+    assert (left + right) & ex._MASK64 == whole  # pieces hashed by their senders sum to the assembled shard's hash
+    monkeypatch.setattr(ex, "_HASH_CHUNK", 64)
+    assert ex.position_hash(x, (0, 300), (0, 50), 50) == whole
+    y = x.clone()
+    y[7, 3] += 1e-6
+    assert ex.position_hash(y, (0, 300), (0, 50), 50) != whole
+    z = x.clone()
+    z[[0, 1]] = z[[1, 0]]  # swapped rows: same values, wrong places
+    assert ex.position_hash(z, (0, 300), (0, 50), 50) != whole

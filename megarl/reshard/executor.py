@@ -24,6 +24,7 @@ from megarl.reshard.plan import Plan, Transfer
 
 _MASK64 = (1 << 64) - 1
 _EVEN_MULT = 0x3C6EF372FE94F82A  # even, so every weight j * _EVEN_MULT + 1 is odd (int64 arithmetic wraps)
+_HASH_CHUNK = 1 << 20  # elements hashed at a time
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -33,15 +34,19 @@ class ReshardVerificationError(RuntimeError):
 
 def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None, ncols: int) -> int:
     """sum_j bits(v_j) * (j * EVEN_MULT + 1) mod 2^64, j = flat index in the destination shard; odd weights make
-    any single changed element change the hash."""
-    bits = values.contiguous().view(_INT_VIEW[values.element_size()]).to(torch.int64)
-    r = torch.arange(rows[0], rows[1], dtype=torch.int64)
-    if cols is None:
-        j = r
-    else:
-        j = r[:, None] * ncols + torch.arange(cols[0], cols[1], dtype=torch.int64)[None, :]
-    weights = j * _EVEN_MULT + 1
-    return int((bits.reshape(j.shape) * weights).sum()) & _MASK64
+    any single changed element change the hash. Works through ``_HASH_CHUNK`` elements at a time, so its
+    temporaries stay small whatever the tensor size."""
+    bits_all = values.contiguous().view(_INT_VIEW[values.element_size()])
+    width = 1 if cols is None else cols[1] - cols[0]
+    bits_all = bits_all.reshape(rows[1] - rows[0], width)
+    step = max(1, _HASH_CHUNK // width)
+    total = 0
+    for lo in range(0, rows[1] - rows[0], step):
+        hi = min(lo + step, rows[1] - rows[0])
+        r = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64)
+        j = r[:, None] if cols is None else r[:, None] * ncols + torch.arange(cols[0], cols[1], dtype=torch.int64)
+        total += int((bits_all[lo:hi].to(torch.int64) * (j * _EVEN_MULT + 1)).sum())
+    return total & _MASK64
 
 
 @dataclass
