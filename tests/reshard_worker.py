@@ -56,7 +56,7 @@ def expected_vllm(hf: dict[str, torch.Tensor], spec, r: int, d: int) -> dict[str
     return out
 
 
-def _sync(spec, src_layout, dst_side, src_tensors, **kwargs):
+def _sync(src_layout, dst_side, src_tensors, **kwargs):
     p = plan(src_layout, dst_side)
     rank = dist.get_rank()
     dst = {name: torch.full(shape, float("nan")) for name, shape in p.dst_shapes.get(rank, {}).items()}
@@ -96,7 +96,7 @@ def _model_cases(hf_dir: str, layouts: list[tuple[int, int, int]], dst_tps: list
                 if d > world or spec.num_heads % d:
                     continue
                 dst_side, want = vllm_layout(spec, d, world, GPUS_PER_NODE), expected_vllm(hf, spec, rank % d, d)
-            dst, stats = _sync(spec, src_layout, dst_side, src_tensors, bucket_bytes=256 * 1024)
+            dst, stats = _sync(src_layout, dst_side, src_tensors, bucket_bytes=256 * 1024)
             mismatched = sorted(n for n in want if n not in dst or not torch.equal(dst[n], want[n]))
             extra = sorted(set(dst) - set(want))
             everyone = [None] * world
@@ -113,12 +113,12 @@ def _after_cases(results, spec, src_layout, src_tensors, world, hf):
             piece[0] += 1.0
 
     try:
-        _sync(spec, src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, on_send=corrupt)
+        _sync(src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, on_send=corrupt)
         results["corrupt"] = None
     except ReshardVerificationError as e:
         results["corrupt"] = str(e)
     bucket = 16 * 1024
-    _, stats = _sync(spec, src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, bucket_bytes=bucket)
+    _, stats = _sync(src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, bucket_bytes=bucket)
     model_bytes = sum(t.numel() * 4 for t in hf.values())
     peaks = [None] * world
     dist.all_gather_object(peaks, stats.peak_buffer_bytes)

@@ -102,6 +102,16 @@ def load_model(root: str, model_chunk) -> None:
         raise CheckpointError(f"{path}: missing {missing}, unexpected {unexpected}")
 
 
+def replace_dir(src: str, dst: str) -> None:
+    """Move a finished ``src`` into place as ``dst`` (replacing an old ``dst``) with renames only, so ``dst`` is
+    never a half-written directory."""
+    old = dst.rstrip("/") + ".old"
+    if os.path.exists(dst):
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -83,11 +83,8 @@ def load_hf_into_chunk(chunk, hf_dir: str, spec: ModelSpec, layout: ParallelLayo
     assigned = set()
     maps = tensor_maps(spec)
     for tmap in tqdm(maps, desc="hf -> megatron", disable=not progress):
-        held = shards.local_name(tmap.megatron, stage) is not None or (
-            spec.tie_word_embeddings and stage.is_last and tmap.kind == "vocab"
-        )
-        if not held:
-            continue
+        if not shards.held_names(tmap.megatron, stage, tied_embeddings=spec.tie_word_embeddings):
+            continue  # another stage's tensor: do not even read it
         full = to_megatron(tmap, [weights.get(n) for n in tmap.hf], spec)
         for lname, shard in shards.local_shards(
             tmap.megatron, full, stage, c.tp, layout.tp, tied_embeddings=spec.tie_word_embeddings
@@ -133,14 +130,6 @@ def convert_hf_to_megatron(
     if rank == 0:
         copy_tokenizer_files(hf_dir, os.path.join(tmp, ckpt.TOKENIZER_DIR))
         ckpt.write_meta(tmp, meta)
-        _replace_dir(tmp, out_dir)
+        ckpt.replace_dir(tmp, out_dir)
     dist.barrier()
     return meta
-
-
-def _replace_dir(src: str, dst: str) -> None:
-    old = dst.rstrip("/") + ".old"
-    if os.path.exists(dst):
-        os.rename(dst, old)
-    os.rename(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from megarl.checkpoint import format as ckpt
 from megarl.convert.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
-from megarl.convert.hf_to_megatron import ConversionError, _replace_dir
+from megarl.convert.hf_to_megatron import ConversionError
 from megarl.models.adapter import tensor_maps, to_hf
 from megarl.models.builder import build_model_chunk
 from megarl.models.family import FAMILIES
@@ -58,6 +58,6 @@ def convert_megatron_to_hf(
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         copy_tokenizer_files(os.path.join(ckpt_dir, ckpt.TOKENIZER_DIR), tmp)
-        _replace_dir(tmp, out_dir)
+        ckpt.replace_dir(tmp, out_dir)
     dist.barrier()
     return hf_config

@@ -116,6 +116,16 @@ def global_name(name: str, stage: StageInfo) -> str:
     return f"decoder.layers.{int(m.group(1)) + stage.first_layer}.{m.group(2)}" if m else name
 
 
+def held_names(name: str, stage: StageInfo, *, tied_embeddings: bool = False) -> list[str]:
+    """Local names under which ``stage`` holds the full tensor ``name``: none, one, or two for the embedding when
+    tied embeddings under PP put a copy on the last stage as ``output_layer.weight``."""
+    lname = local_name(name, stage)
+    names = [] if lname is None else [lname]
+    if tied_embeddings and name == "embedding.word_embeddings.weight" and stage.is_last and stage.pp > 1:
+        names.append("output_layer.weight")
+    return names
+
+
 def local_shards(
     name: str,
     full: torch.Tensor,
@@ -128,13 +138,10 @@ def local_shards(
 ) -> list[tuple[str, torch.Tensor]]:
     """The (local name, shard) pairs that (tp_rank, stage) holds of the full tensor ``name`` (often none, at most two:
     the embedding and, with tied embeddings under PP, its copy on the last stage)."""
-    out = []
-    lname = local_name(name, stage)
-    if lname is not None:
-        out.append((lname, shard(full, tp_split(name, value_head), tp_rank, tp)))
-    if tied_embeddings and name == "embedding.word_embeddings.weight" and stage.is_last and stage.pp > 1:
-        out.append(("output_layer.weight", shard(full, ROWS, tp_rank, tp)))
-    return out
+    split = tp_split(name, value_head)
+    return [
+        (lname, shard(full, split, tp_rank, tp)) for lname in held_names(name, stage, tied_embeddings=tied_embeddings)
+    ]
 
 
 def local_state_dict(

@@ -91,6 +91,11 @@ def buckets(plan: Plan, bucket_bytes: int, element_size: int) -> list[list[Trans
     return out
 
 
+def _ncols(shape: tuple[int, ...]) -> int:
+    """Row width used for flat indices in a destination shard (1 for 1-D tensors)."""
+    return shape[1] if len(shape) == 2 else 1
+
+
 def _region(tensor: torch.Tensor, rows, cols) -> torch.Tensor:
     view = tensor[rows[0] : rows[1]]
     return view if cols is None else view[:, cols[0] : cols[1]]
@@ -121,8 +126,7 @@ def execute(
 
     def record(t: Transfer, values: torch.Tensor) -> None:
         if verify:
-            ncols = plan.dst_shapes[t.dst_rank][t.dst_shard]
-            ncols = ncols[1] if len(ncols) == 2 else 1
+            ncols = _ncols(plan.dst_shapes[t.dst_rank][t.dst_shard])
             key = (t.dst_rank, t.dst_shard)
             expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols, ncols)) & _MASK64
             contributors[key].add(rank)
@@ -197,7 +201,7 @@ def _verify(plan: Plan, rank: int, dst_tensors, expected, contributors) -> None:
     bad = []
     for shard, shape in plan.dst_shapes.get(rank, {}).items():
         t = dst_tensors[shard]
-        got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]), shape[1] if t.dim() == 2 else 1)
+        got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]), _ncols(shape))
         if got != want[shard]:
             bad.append(f"{shard} on rank {rank} (pieces sent by ranks {sorted(senders[shard])})")
     failed = [None] * dist.get_world_size()

@@ -132,9 +132,9 @@ def _vocab_rows(b: _ShardBuilder, hf: str, start: int, stop: int, vocab: int) ->
 
 
 # --- Megatron ------------------------------------------------------------------------------------------------------
-def _megatron_shard(tmap, spec: ModelSpec, hf_shapes, lname: str, tp_rank: int, tp: int, force_rows=False) -> Shard:
+def _megatron_shard(tmap, spec: ModelSpec, hf_shapes, lname: str, tp_rank: int, tp: int) -> Shard:
     first = hf_shapes[tmap.hf[0]]
-    split = ms.ROWS if force_rows else ms.tp_split(tmap.megatron)
+    split = ms.tp_split(tmap.megatron)
     if tmap.kind == VOCAB:
         per = spec.padded_vocab_size // tp
         b = _ShardBuilder(lname, first[1])
@@ -176,11 +176,8 @@ def megatron_layout(spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int)
         stage = ms.StageInfo(c.pp, layout.pp, spec.num_layers)
         shards = []
         for tmap in maps:
-            lname = ms.local_name(tmap.megatron, stage)
-            if lname is not None:
+            for lname in ms.held_names(tmap.megatron, stage, tied_embeddings=spec.tie_word_embeddings):
                 shards.append(_megatron_shard(tmap, spec, hf_shapes, lname, c.tp, layout.tp))
-            if spec.tie_word_embeddings and tmap.kind == VOCAB and stage.is_last and layout.pp > 1:
-                shards.append(_megatron_shard(tmap, spec, hf_shapes, "output_layer.weight", c.tp, layout.tp))
         ranks[rank] = shards
     return SideLayout(ranks, gpus_per_node)
 
@@ -190,7 +187,7 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def _vllm_rank_shards(spec: ModelSpec, hf_shapes, r: int, d: int) -> list[Shard]:
+def _vllm_rank_shards(spec: ModelSpec, r: int, d: int) -> list[Shard]:
     h, hd = spec.hidden_size, spec.head_dim
     vpad = vllm_padded_vocab(spec.vocab_size)
     per_vocab = vpad // d
@@ -250,10 +247,7 @@ def vllm_layout(spec: ModelSpec, tp: int, world_size: int, gpus_per_node: int) -
         or (tp <= spec.num_kv_heads and spec.num_kv_heads % tp)
     ):
         raise ValueError(f"vLLM TP={tp} does not fit {spec.num_heads} heads / {spec.num_kv_heads} KV heads")
-    hf_shapes = _hf_shapes(spec)
-    return SideLayout(
-        {rank: _vllm_rank_shards(spec, hf_shapes, rank % tp, tp) for rank in range(world_size)}, gpus_per_node
-    )
+    return SideLayout({rank: _vllm_rank_shards(spec, rank % tp, tp) for rank in range(world_size)}, gpus_per_node)
 
 
 def hf_layout(spec: ModelSpec, ranks: list[int], gpus_per_node: int) -> SideLayout:

@@ -10,7 +10,7 @@ twice: every destination element has exactly one transfer or is padding.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megarl.reshard.layout import Block, SideLayout
 
@@ -49,7 +49,6 @@ class Plan:
     dst_shapes: dict[int, dict[str, tuple[int, ...]]]
     src_shapes: dict[int, dict[str, tuple[int, ...]]]
     gpus_per_node: int
-    stats: dict = field(default_factory=dict)
 
     def link(self, t: Transfer) -> str:
         if t.src_rank == t.dst_rank:
