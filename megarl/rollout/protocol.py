@@ -1,0 +1,88 @@
+"""The rollout protocol: what every generation engine (vLLM, HF generate) offers the trainer, and the data contract.
+
+Data contract (the same for every backend):
+- The rollout TP size is configurable (default: the actor's TP). Engines are blocks of ``rollout_tp`` consecutive
+  ranks, so there are ``world / rollout_tp`` engines; engine ``e`` is made of ranks ``e*tp .. e*tp + tp - 1``.
+- Each engine generates a distinct, contiguous slice of the step's prompts (``prompt_slice``).
+- All ranks of one engine submit identical requests in the same order, each with an explicit seed that is identical
+  across the engine's ranks and distinct across prompts and engines (``request_seed``).
+- Results are gathered on every rank and redistributed to the actor's data-parallel ranks for training.
+- Every result carries the weight version that produced it. An engine whose last weight sync failed or was partial
+  is unhealthy and refuses to generate until a full sync succeeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine does not hold a complete, verified weight version."""
+
+
+@dataclass
+class Sample:
+    """One generated continuation."""
+
+    prompt_index: int
+    """Global index of the prompt in the step's batch."""
+    sample_index: int
+    """Which of the prompt's n samples this is."""
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Generated tokens (the prompt excluded)."""
+    logprobs: list[float]
+    """Per generated token: log-probability under the processed (temperature-scaled) distribution."""
+    finish_reason: str
+    """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
+    weight_version: int
+
+
+@dataclass
+class RolloutStats:
+    seconds: float
+    new_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class RolloutEngine(Protocol):
+    """The interface the trainer uses; ``vllm`` and ``hf`` implement it."""
+
+    weight_version: int | None
+    """The verified weight version held, or None (unhealthy: generation refused)."""
+
+    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int): ...
+
+    def generate(self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int]) -> list[Sample]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+def engine_count(world_size: int, rollout_tp: int) -> int:
+    if world_size % rollout_tp:
+        raise ValueError(f"rollout TP={rollout_tp} does not divide the world size {world_size}")
+    return world_size // rollout_tp
+
+
+def prompt_slice(num_prompts: int, engine: int, engines: int) -> range:
+    """The contiguous prompts engine ``engine`` of ``engines`` generates (sizes differ by at most one)."""
+    base, extra = divmod(num_prompts, engines)
+    start = engine * base + min(engine, extra)
+    return range(start, start + base + (1 if engine < extra else 0))
+
+
+def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
+    """Seed of one prompt's request. vLLM gives sample i the seed + i, so prompts are spaced n apart; steps are
+    spaced by a large odd stride. Identical on every rank of an engine (it does not depend on the rank)."""
+    return (base_seed + step * 1_000_003 * max(n, 1) + prompt_index * n) % (2**31 - 1)

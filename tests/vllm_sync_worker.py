@@ -1,0 +1,114 @@
+"""Runs inside each spawned rank: a real Megatron actor and a real colocated vLLM engine (CPU build), weights moved
+by the resharding engine through both transports. The parent compares against HF models holding the same weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import RolloutConfig, SamplingConfig
+from megarl.convert.hf_io import HFWeights
+from megarl.convert.hf_to_megatron import load_hf_into_chunk
+from megarl.models import read_hf_config, spec_from_hf_config
+from megarl.models.builder import build_model_chunk
+from megarl.parallel.init import init_distributed
+from megarl.parallel.layout import ParallelLayout
+from megarl.reshard.executor import ReshardVerificationError
+from megarl.reshard.layout import megatron_layout, vllm_layout
+from megarl.reshard.sync import actor_tensors
+from megarl.reshard.transport import vllm_model
+from megarl.rollout.protocol import EngineUnhealthyError
+from megarl.rollout.vllm_engine import VLLMEngine
+from tests.reshard_worker import expected_vllm
+
+ROLLOUT = RolloutConfig(kv_cache_mb=32, max_model_len=512, bucket_mb=1)
+GEN = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+
+def _everyone(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_vllm_sync(versions: dict[int, str], megatron: tuple[int, int, int], vllm_tp: int, seq: list[int],
+                  prompt: list[int], readable: bool = False) -> dict:
+    """Sync versions through both transports and record what the engine computes after each sync.
+
+    ``readable``: switch the CPU build's oneDNN packing off (this test only) so parameters can be read back and
+    compared with the layout description and the expected shards."""
+    tp, pp, dp = megatron
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    init_distributed(layout, seed=7)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = spec_from_hf_config(read_hf_config(versions[1]))
+    chunk = build_model_chunk(spec, layout, init_weights=False)
+    src_layout = megatron_layout(spec, layout, gpus_per_node=world)
+    if readable:
+        import vllm._custom_ops as ops
+
+        ops._supports_onednn = False
+
+    torch.manual_seed(1000 + rank)  # the trainer's RNG, different per rank
+    rng_before, threads_before = torch.get_rng_state(), torch.get_num_threads()
+    engine = VLLMEngine(ROLLOUT, versions[1], spec, src_layout, tp=vllm_tp, seed=0)
+    out = {
+        "rng_restored": _everyone(torch.equal(torch.get_rng_state(), rng_before)),
+        "threads_restored": _everyone(torch.get_num_threads() == threads_before),
+    }
+    try:
+        engine.score(seq)
+        out["refused_before_sync"] = False
+    except EngineUnhealthyError:
+        out["refused_before_sync"] = True
+
+    steps = []
+    for version, transport in ((1, "shard_write"), (2, "full_reload"), (1, "full_reload"), (2, "shard_write")):
+        load_hf_into_chunk(chunk, versions[version], spec, layout, rank, progress=False)
+        report = engine.update_weights(actor_tensors(chunk), version, transport=transport)
+        torch.manual_seed(5000 + rank)  # diverging global RNGs must not change what the engine's ranks sample
+        samples, _ = engine.generate([prompt], [0], [1234], GEN)
+        steps.append(
+            {
+                "version": version,
+                "transport": transport,
+                "score": _everyone(engine.score(seq)),
+                "generated": _everyone((samples[0].token_ids, samples[0].logprobs)),
+                "report": _everyone(report),
+            }
+        )
+    out["steps"] = steps
+
+    def corrupt(t, piece):
+        if t.hf.endswith("mlp.up_proj.weight"):
+            piece[0] += 1.0
+
+    try:
+        engine.update_weights(actor_tensors(chunk), 3, transport="shard_write", on_send=corrupt)
+        out["corrupt"] = None
+    except ReshardVerificationError as e:
+        out["corrupt"] = str(e)
+    out["healthy_after_corrupt"] = engine.healthy
+    try:
+        engine.score(seq)
+        out["refused_after_corrupt"] = False
+    except EngineUnhealthyError:
+        out["refused_after_corrupt"] = True
+    engine.update_weights(actor_tensors(chunk), 4)
+    out["score_after_recovery"] = engine.score(seq)
+
+    if readable:
+        model = vllm_model(engine.llm)
+        got = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        described = {s.name: tuple(s.shape) for s in vllm_layout(spec, vllm_tp, world, world).ranks[rank]}
+        weights = HFWeights(versions[2])
+        want = expected_vllm({n: weights.get(n) for n in weights.names}, spec, rank % vllm_tp, vllm_tp)
+        params = dict(model.named_parameters())
+        out["layout"] = _everyone(
+            {
+                "engine": got,
+                "described": described,
+                "unequal": sorted(n for n in want if n not in params or not torch.equal(params[n].data, want[n])),
+            }
+        )
+    return out
