@@ -93,7 +93,8 @@ def stream_layers(
         report.bytes_received += stats.bytes_received
         report.bytes_local += stats.bytes_local
         report.peak_buffer_bytes = max(report.peak_buffer_bytes, stats.peak_buffer_bytes)
-        report.peak_staging_bytes = max(report.peak_staging_bytes, sum(t.numel() * t.element_size() for t in dst.values()))
+        staged = sum(t.numel() * t.element_size() for t in dst.values())
+        report.peak_staging_bytes = max(report.peak_staging_bytes, staged)
         yield dst
 
 
