@@ -114,17 +114,24 @@ def test_position_hash_is_additive_chunked_and_sensitive(monkeypatch):
     from megarl.reshard import executor as ex
 
     x = torch.randn(300, 50)
-    whole = ex.position_hash(x, (0, 300), (0, 50), 50)
+    whole = ex.position_hash(x, (0, 300), (0, 50))
     left, right = (
-        ex.position_hash(x[:, :20], (0, 300), (0, 20), 50),
-        ex.position_hash(x[:, 20:], (0, 300), (20, 50), 50),
+        ex.position_hash(x[:, :20], (0, 300), (0, 20)),
+        ex.position_hash(x[:, 20:], (0, 300), (20, 50)),
     )
     assert (left + right) & ex._MASK64 == whole  # pieces hashed by their senders sum to the assembled shard's hash
     monkeypatch.setattr(ex, "_HASH_CHUNK", 64)
-    assert ex.position_hash(x, (0, 300), (0, 50), 50) == whole
+    assert ex.position_hash(x, (0, 300), (0, 50)) == whole
     y = x.clone()
     y[7, 3] += 1e-6
-    assert ex.position_hash(y, (0, 300), (0, 50), 50) != whole
+    assert ex.position_hash(y, (0, 300), (0, 50)) != whole
     z = x.clone()
     z[[0, 1]] = z[[1, 0]]  # swapped rows: same values, wrong places
-    assert ex.position_hash(z, (0, 300), (0, 50), 50) != whole
+    assert ex.position_hash(z, (0, 300), (0, 50)) != whole
+    w = x.clone()
+    w[:, [0, 1]] = w[:, [1, 0]]  # swapped columns
+    assert ex.position_hash(w, (0, 300), (0, 50)) != whole
+    v = torch.randn(300)
+    assert (ex.position_hash(v[:100], (0, 100), None) + ex.position_hash(v[100:], (100, 300), None)) & ex._MASK64 == (
+        ex.position_hash(v, (0, 300), None)
+    )

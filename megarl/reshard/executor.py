@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megarl.reshard.plan import Plan, Transfer
 
 _MASK64 = (1 << 64) - 1
-_EVEN_MULT = 0x3C6EF372FE94F82A  # even, so every weight j * _EVEN_MULT + 1 is odd (int64 arithmetic wraps)
+_ROW_MULT = 0x3C6EF372FE94F82A  # even, so every weight i * _ROW_MULT + 1 is odd (int64 arithmetic wraps)
+_COL_MULT = 0x5851F42D4C957F2C  # even, likewise
 _HASH_CHUNK = 1 << 20  # elements hashed at a time
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -32,20 +33,23 @@ class ReshardVerificationError(RuntimeError):
     """A destination shard's hash does not match what its senders hashed."""
 
 
-def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None, ncols: int) -> int:
-    """sum_j bits(v_j) * (j * EVEN_MULT + 1) mod 2^64, j = flat index in the destination shard; odd weights make
-    any single changed element change the hash. Works through ``_HASH_CHUNK`` elements at a time, so its
-    temporaries stay small whatever the tensor size."""
+def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None) -> int:
+    """sum_ij bits(v_ij) * a_i * b_j mod 2^64, with (i, j) the element's place in the destination shard and odd
+    weights a_i = i * ROW_MULT + 1, b_j = j * COL_MULT + 1: any single changed element changes the hash, moved rows
+    or columns change it too. Separable weights make it a multiply and two sums (about two tensor copies of work);
+    it runs ``_HASH_CHUNK`` elements at a time, so its temporaries stay small whatever the tensor size."""
     bits_all = values.contiguous().view(_INT_VIEW[values.element_size()])
-    width = 1 if cols is None else cols[1] - cols[0]
-    bits_all = bits_all.reshape(rows[1] - rows[0], width)
-    step = max(1, _HASH_CHUNK // width)
+    height = rows[1] - rows[0]
+    bits_all = bits_all.reshape(height, -1)
+    col_w = None if cols is None else torch.arange(cols[0], cols[1], dtype=torch.int64) * _COL_MULT + 1
+    step = max(1, _HASH_CHUNK // bits_all.shape[1])
     total = 0
-    for lo in range(0, rows[1] - rows[0], step):
-        hi = min(lo + step, rows[1] - rows[0])
-        r = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64)
-        j = r[:, None] if cols is None else r[:, None] * ncols + torch.arange(cols[0], cols[1], dtype=torch.int64)
-        total += int((bits_all[lo:hi].to(torch.int64) * (j * _EVEN_MULT + 1)).sum())
+    for lo in range(0, height, step):
+        hi = min(lo + step, height)
+        block = bits_all[lo:hi].to(torch.int64)
+        per_row = block[:, 0] if col_w is None else block.mul_(col_w).sum(1)
+        row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64) * _ROW_MULT + 1
+        total += int((per_row * row_w).sum())
     return total & _MASK64
 
 
@@ -91,11 +95,6 @@ def buckets(plan: Plan, bucket_bytes: int, element_size: int) -> list[list[Trans
     return out
 
 
-def _ncols(shape: tuple[int, ...]) -> int:
-    """Row width used for flat indices in a destination shard (1 for 1-D tensors)."""
-    return shape[1] if len(shape) == 2 else 1
-
-
 def _region(tensor: torch.Tensor, rows, cols) -> torch.Tensor:
     view = tensor[rows[0] : rows[1]]
     return view if cols is None else view[:, cols[0] : cols[1]]
@@ -126,9 +125,8 @@ def execute(
 
     def record(t: Transfer, values: torch.Tensor) -> None:
         if verify:
-            ncols = _ncols(plan.dst_shapes[t.dst_rank][t.dst_shard])
             key = (t.dst_rank, t.dst_shard)
-            expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols, ncols)) & _MASK64
+            expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
             contributors[key].add(rank)
 
     for r, shard, rows, cols in plan.padding:
@@ -201,7 +199,7 @@ def _verify(plan: Plan, rank: int, dst_tensors, expected, contributors) -> None:
     bad = []
     for shard, shape in plan.dst_shapes.get(rank, {}).items():
         t = dst_tensors[shard]
-        got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]), _ncols(shape))
+        got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]))
         if got != want[shard]:
             bad.append(f"{shard} on rank {rank} (pieces sent by ranks {sorted(senders[shard])})")
     failed = [None] * dist.get_world_size()

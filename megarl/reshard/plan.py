@@ -88,10 +88,25 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
             for b in shard.blocks:
                 if b.hf is not None:
                     holders[b.hf].append((rank, shard.name, b))
-    rank_load: dict[int, int] = defaultdict(int)
-    node_load: dict[int, int] = defaultdict(int)
-    forwarded: dict[tuple, tuple[int, str, Block]] = {}  # (node, hf, rows, cols) -> first receiver in that node
+    rank_load: dict[int, int] = defaultdict(int)  # bytes a rank sends (any link) or receives across nodes
+    node_load: dict[int, int] = defaultdict(int)  # bytes a node sends across nodes
     transfers, forwards, padding = [], [], []
+    remote: dict[tuple, list] = defaultdict(list)  # (node, hf, rows, cols) -> [(dst_rank, shard, db, candidates)]
+
+    def emit(source, dst_rank, shard_name, db, rows, cols, phase, from_dst):
+        s_rank, s_name, s_b = source
+        numel = (rows[1] - rows[0]) * (1 if cols is None else cols[1] - cols[0])
+        if s_rank != dst_rank:
+            rank_load[s_rank] += numel
+            if s_rank // gpn != dst_rank // gpn:
+                node_load[s_rank // gpn] += numel
+                rank_load[dst_rank] += numel
+        src_r, src_c = _place(s_b, rows, cols)
+        dst_r, dst_c = _place(db, rows, cols)
+        t = Transfer(s_rank, from_dst, s_name, src_r, src_c, dst_rank, shard_name, dst_r, dst_c, db.hf, phase)
+        (forwards if phase else transfers).append(t)
+
+    # pass 1: pieces held by the destination rank itself or by a rank of its node; collect the rest
     for dst_rank in sorted(dst.ranks):
         dst_node = dst_rank // gpn
         for shard in dst.ranks[dst_rank]:
@@ -107,32 +122,23 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
                 for rows in row_cuts:
                     for cols in col_cuts:
                         cands = [h for h in cands_all if _contains(h[2], rows, cols)]
-                        numel = (rows[1] - rows[0]) * (1 if cols is None else cols[1] - cols[0])
-                        dst_r, dst_c = _place(db, rows, cols)
                         local = [h for h in cands if h[0] == dst_rank]
                         near = [h for h in cands if h[0] // gpn == dst_node]
-                        key = (dst_node, db.hf, rows, cols)
                         if local or near:
-                            s_rank, s_name, s_b = (local or sorted(near, key=lambda h: (rank_load[h[0]], h[0])))[0]
-                            phase, from_dst = 0, False
-                        elif key in forwarded:
-                            s_rank, s_name, s_b = forwarded[key]
-                            phase, from_dst = 1, True
+                            source = (local or sorted(near, key=lambda h: (rank_load[h[0]], h[0])))[0]
+                            emit(source, dst_rank, shard.name, db, rows, cols, 0, False)
                         else:
-                            s_rank, s_name, s_b = min(
-                                cands, key=lambda h: (node_load[h[0] // gpn], rank_load[h[0]], h[0])
-                            )
-                            phase, from_dst = 0, False
-                            forwarded[key] = (dst_rank, shard.name, db)
-                        if s_rank != dst_rank:
-                            rank_load[s_rank] += numel
-                            if s_rank // gpn != dst_node:
-                                node_load[s_rank // gpn] += numel
-                        src_r, src_c = _place(s_b, rows, cols)
-                        t = Transfer(
-                            s_rank, from_dst, s_name, src_r, src_c, dst_rank, shard.name, dst_r, dst_c, db.hf, phase
-                        )
-                        (forwards if phase else transfers).append(t)
+                            remote[(dst_node, db.hf, rows, cols)].append((dst_rank, shard.name, db, cands))
+    # pass 2: each remote slice crosses the network once per node, to the least loaded of the ranks that need it,
+    # from the least loaded source node / rank; the receiver forwards it to the node's other ranks (phase 1)
+    for (_, _, rows, cols), needs in remote.items():
+        receiver = min(needs, key=lambda n: (rank_load[n[0]], n[0]))
+        cands = receiver[3]
+        source = min(cands, key=lambda h: (node_load[h[0] // gpn], rank_load[h[0]], h[0]))
+        emit(source, receiver[0], receiver[1], receiver[2], rows, cols, 0, False)
+        for other in needs:
+            if other is not receiver:
+                emit((receiver[0], receiver[1], receiver[2]), other[0], other[1], other[2], rows, cols, 1, True)
     return Plan(
         transfers=transfers + forwards,
         padding=padding,
