@@ -86,3 +86,36 @@ def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
     """Seed of one prompt's request. vLLM gives sample i the seed + i, so prompts are spaced n apart; steps are
     spaced by a large odd stride. Identical on every rank of an engine (it does not depend on the rank)."""
     return (base_seed + step * 1_000_003 * max(n, 1) + prompt_index * n) % (2**31 - 1)
+
+
+def rollout(engine, prompts: list[list[int]], *, step: int, sampling, rollout_tp: int) -> tuple[list, RolloutStats]:
+    """Collective over the world: every engine generates its slice of ``prompts``; every rank gets all samples,
+    ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    engines = engine_count(world, rollout_tp)
+    mine = prompt_slice(len(prompts), rank // rollout_tp, engines)
+    seeds = [request_seed(sampling.seed, step, i, sampling.n) for i in mine]
+    samples, stats = engine.generate([prompts[i] for i in mine], list(mine), seeds, sampling)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (samples, stats))
+    out = []
+    for e in range(engines):
+        lead = everyone[e * rollout_tp][0]
+        for r in range(e * rollout_tp + 1, (e + 1) * rollout_tp):
+            if [(s.token_ids, s.logprobs) for s in everyone[r][0]] != [(s.token_ids, s.logprobs) for s in lead]:
+                raise RuntimeError(f"ranks {e * rollout_tp} and {r} of rollout engine {e} generated different samples")
+        out.extend(lead)
+    total = RolloutStats(
+        max(s.seconds for _, s in everyone), sum(everyone[e * rollout_tp][1].new_tokens for e in range(engines))
+    )
+    return sorted(out, key=lambda s: (s.prompt_index, s.sample_index)), total
+
+
+def samples_for_dp_rank(samples: list[Sample], dp_rank: int, dp: int) -> list[Sample]:
+    """The actor data-parallel rank's share: a contiguous block of whole prompt groups (GRPO needs every sample of a
+    prompt on one rank)."""
+    prompts = sorted({s.prompt_index for s in samples})
+    mine = set(prompts[i] for i in prompt_slice(len(prompts), dp_rank, dp))
+    return [s for s in samples if s.prompt_index in mine]

@@ -162,9 +162,7 @@ class VLLMEngine:
         self._check_healthy()
         params = [self.sampling_params(sampling, s) for s in seeds]
         start = time.perf_counter()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
-        )
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
         seconds = time.perf_counter() - start
         samples = []
         for idx, prompt, out in zip(prompt_indices, prompts, outputs):

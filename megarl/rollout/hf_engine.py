@@ -1,0 +1,130 @@
+"""The HF ``generate`` rollout engine: the fallback where vLLM is not installed.
+
+Every rank is its own engine (rollout TP = 1). For a rollout the resharding engine materialises the full HF tensors on
+every rank (``hf_layout``) straight into a transformers model; ``sleep`` frees that model, so no second copy of the
+weights is kept while the actor trains. Log-probabilities are those of softmax(logits / temperature), the quantity
+the trainer recomputes; top-k / top-p truncation, if configured, is ignored by them (said once in the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import RolloutConfig, SamplingConfig
+from megarl.models.builder import DTYPES
+from megarl.models.spec import ModelSpec
+from megarl.reshard.layout import SideLayout, hf_layout
+from megarl.reshard.plan import plan
+from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample
+
+log = logging.getLogger("megarl.rollout")
+
+
+class _HFModelWrite:
+    """Data path: executor -> full HF tensors of one layer on this rank -> copied into the transformers model."""
+
+    name = "hf_model_write"
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype):
+        self.params, self.dtype = params, dtype
+
+    @torch.no_grad()
+    def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        for tensors in layers:
+            for name, value in tensors.items():
+                self.params[name].copy_(value)
+
+
+class HFEngine:
+    def __init__(
+        self, cfg: RolloutConfig, engine_dir: str, spec: ModelSpec, src_layout: SideLayout, *, dtype="float32"
+    ):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.cfg, self.spec, self.dtype = cfg, spec, DTYPES[dtype]
+        self.hf_config = AutoConfig.from_pretrained(engine_dir)
+        tok = AutoTokenizer.from_pretrained(engine_dir)
+        self.eos = tok.eos_token_id
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
+        world = dist.get_world_size()
+        self.sub_plans = split_by_layer(plan(src_layout, hf_layout(spec, list(range(world)), src_layout.gpus_per_node)))
+        self.model = None
+        self.weight_version: int | None = None
+        self._said_truncation = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.weight_version is not None and self.model is not None
+
+    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int, *, on_send=None) -> SyncReport:
+        """Collective: materialise the HF model on this rank from the actor's shards (verified)."""
+        from transformers import AutoModelForCausalLM
+
+        self.weight_version = None
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).eval()
+        params = dict(self.model.named_parameters())
+        report = run_sync(
+            self.sub_plans,
+            src_tensors,
+            _HFModelWrite(params, self.dtype),
+            bucket_bytes=self.cfg.bucket_mb * 1024**2,
+            verify=self.cfg.verify,
+            on_send=on_send,
+        )
+        self.weight_version = version
+        return report
+
+    def sleep(self) -> None:
+        """Free the model: the actor keeps the only copy of the weights while it trains."""
+        self.model = None
+        self.weight_version = None
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
+    ) -> tuple[list[Sample], RolloutStats]:
+        if not self.healthy:
+            raise EngineUnhealthyError("the HF engine holds no verified weights; run update_weights first")
+        if (sampling.top_k or sampling.top_p < 1) and not self._said_truncation:
+            log.warning("top_k/top_p truncation is configured: the returned and recomputed logprobs ignore it")
+            self._said_truncation = True
+        stops = [self.eos, *sampling.stop_token_ids]
+        samples, start = [], time.perf_counter()
+        for idx, prompt, seed in zip(prompt_indices, prompts, seeds):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                out = self.model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    do_sample=True,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k or None,
+                    max_new_tokens=sampling.max_new_tokens,
+                    num_return_sequences=sampling.n,
+                    eos_token_id=stops,
+                    pad_token_id=self.pad,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            new = out.sequences[:, len(prompt) :]
+            logprobs = torch.stack([torch.log_softmax(lg.float() / sampling.temperature, -1) for lg in out.logits], 1)
+            for j in range(sampling.n):
+                ids = new[j].tolist()
+                end = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
+                ids = ids[:end]
+                lps = [float(logprobs[j, k, t]) for k, t in enumerate(ids)]
+                reason = "stop" if ids and ids[-1] in stops else "length"
+                samples.append(Sample(idx, j, list(prompt), ids, lps, reason, self.weight_version))
+        seconds = time.perf_counter() - start
+        return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))

@@ -1,0 +1,69 @@
+"""The actor's log-probabilities of given tokens, through Megatron's schedule (TP vocab-parallel, PP-aware).
+
+log p(token_t | tokens_<t) under softmax(logits / temperature) over the model's true vocabulary (the padding rows
+megarl adds to the embedding are masked out, as vLLM and HF never sample them). This is the quantity the rollout
+engines return (vLLM ``processed_logprobs``), so a PPO ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.training.step import run_schedule
+
+
+def _masked_scaled_logits(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -> torch.Tensor:
+    """logits / T with the padded vocabulary entries of this TP rank's slice set to -inf."""
+    from megatron.core import parallel_state as ps
+
+    per = logits_BSV.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * per
+    ids = torch.arange(first, first + per)
+    scaled = logits_BSV.float() / temperature
+    return scaled.masked_fill(ids >= true_vocab, float("-inf"))
+
+
+def token_logprobs(
+    model, sequences: torch.Tensor, *, temperature: float, true_vocab: int, micro_batch_size: int = 1
+) -> torch.Tensor:
+    """Collective over the model-parallel group: ``[N, T-1]`` log-probabilities of ``sequences[:, 1:]``.
+
+    ``sequences`` is ``[N, T]`` token ids (right-padded sequences are fine: padding positions are computed and can
+    be masked by the caller). The result is the same on every TP and PP rank of this data-parallel replica."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    inputs, targets = sequences[:, :-1], sequences[:, 1:]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    micro_batches = [
+        {
+            "tokens": inputs[i : i + micro_batch_size].contiguous(),
+            "position_ids": positions[i : i + micro_batch_size].contiguous(),
+            "targets": targets[i : i + micro_batch_size].contiguous(),
+        }
+        for i in range(0, inputs.shape[0], micro_batch_size)
+    ]
+
+    def loss_fn(mb, logits_BSV):
+        scaled = _masked_scaled_logits(logits_BSV, temperature, true_vocab)
+        nll_BS = vocab_parallel_cross_entropy(scaled, mb["targets"])  # runs inside the schedule's megatron_mode
+        return nll_BS.sum() * 0, {"logprobs": (-nll_BS).detach()}
+
+    with torch.no_grad():
+        reported = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+    holder = [torch.cat([r["logprobs"] for r in reported]) if ps.is_pipeline_last_stage() else None]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(
+            holder, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    return holder[0]
+
+
+def logprob_mismatch(rollout_logprobs: list[list[float]], train_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """mean and max over generated tokens of |logp_rollout - logp_train|: the check that the engine really holds
+    the actor's weights (and, later, the basis of truncated importance sampling)."""
+    diffs = torch.cat(
+        [(torch.tensor(r, dtype=torch.float64) - t.double()).abs() for r, t in zip(rollout_logprobs, train_logprobs)]
+    )
+    return {"logprob_mismatch_mean": float(diffs.mean()), "logprob_mismatch_max": float(diffs.max())}

@@ -1,0 +1,116 @@
+"""Run under torchrun by tests/test_rollout.py: a Megatron actor, a colocated vLLM engine and an HF engine per rank.
+
+    torchrun --standalone --nproc-per-node N tests/rollout_worker.py '<json args>'
+
+Each rank writes what it saw to ``<out>/rank<r>.json``; the test asserts on those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import OptimConfig, RolloutConfig, SamplingConfig
+from megarl.convert.hf_to_megatron import load_hf_into_chunk
+from megarl.models import read_hf_config, spec_from_hf_config
+from megarl.models.builder import build_model_chunk
+from megarl.parallel.init import init_distributed
+from megarl.parallel.layout import ParallelLayout
+from megarl.reshard.layout import megatron_layout
+from megarl.reshard.sync import actor_tensors
+from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.protocol import prompt_slice, rollout, samples_for_dp_rank
+from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.training.logprobs import logprob_mismatch, token_logprobs
+from megarl.training.setup import wrap_for_training
+from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
+
+CFG = RolloutConfig(kv_cache_mb=32, max_model_len=512, bucket_mb=1)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(x) for x in torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def main(args: dict) -> None:
+    tp, pp, dp = args["megatron"]
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    init_distributed(layout, seed=11)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank = layout.coords(rank).dp
+    hf_dir, rollout_tp = args["hf_dir"], args["rollout_tp"]
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    chunk = build_model_chunk(spec, layout, init_weights=False)
+    load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=False)
+    ddp, optimizer = wrap_for_training(chunk, OptimConfig(optimizer="adam", lr=1e-2, clip_grad=0.0))
+    src_layout = megatron_layout(spec, layout, gpus_per_node=world)
+    engines = {
+        "vllm": VLLMEngine(CFG, hf_dir, spec, src_layout, tp=rollout_tp),
+        "hf": HFEngine(CFG, hf_dir, spec, src_layout),
+    }
+    tps = {"vllm": rollout_tp, "hf": 1}
+    fixed = _tokens(180, 0)  # longer than the CPU KV block (128): a stale prefix cache would show
+    prompts = [_tokens(200, 1), _tokens(12, 2), _tokens(150, 3), _tokens(7, 4)]
+    out = {"rank": rank, "dp_rank": dp_rank, "version_steps": []}
+
+    def train_once(seed):
+        gen = torch.Generator().manual_seed(100 * seed + dp_rank)
+        batch = torch.randint(3, 259, (2, 33), generator=gen)
+        train_step(ddp, optimizer, make_lm_micro_batches(batch, 1), lm_loss)
+
+    def recompute(samples, temperature):
+        return [
+            token_logprobs(ddp, torch.tensor([s.prompt_ids + s.token_ids]), temperature=temperature,
+                           true_vocab=spec.vocab_size)[0, len(s.prompt_ids) - 1 :]
+            for s in samples
+        ]  # fmt: skip
+
+    engines["vllm"].update_weights(actor_tensors(ddp), 0)
+    fixed_before = engines["vllm"].score(fixed)
+    train_once(1)  # the actor update
+    version = 1
+    for name, engine in engines.items():
+        report = engine.update_weights(actor_tensors(ddp), version)
+        for temperature in (1.0, 0.7):
+            torch.manual_seed(1000 * rank + 17)  # global RNGs differ on every rank before the call
+            sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=8, seed=5)
+            samples, stats = rollout(engine, prompts, step=version, sampling=sampling, rollout_tp=tps[name])
+            mine = samples_for_dp_rank(samples, dp_rank, dp)
+            entry = {
+                "engine": name,
+                "temperature": temperature,
+                "engine_prompts": list(prompt_slice(len(prompts), rank // tps[name], world // tps[name])),
+                "samples": [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in samples],
+                "dp_prompts": sorted({s.prompt_index for s in mine}),
+                "versions": sorted({s.weight_version for s in samples}),
+                "tokens_per_s": stats.tokens_per_s,
+                "sync_seconds": report.seconds,
+                **logprob_mismatch([s.logprobs for s in mine], recompute(mine, temperature)),
+            }
+            if name == "vllm" and temperature == 1.0:
+                train_fixed = token_logprobs(ddp, torch.tensor([fixed]), temperature=1.0, true_vocab=spec.vocab_size)
+                after = torch.tensor(engines["vllm"].score(fixed), dtype=torch.float64)
+                entry["fixed_vs_train_max"] = float((after - train_fixed[0].double()).abs().max())
+                entry["fixed_change_max"] = float((after - torch.tensor(fixed_before, dtype=torch.float64)).abs().max())
+            out["version_steps"].append(entry)
+        engine.sleep()  # HF: frees its model; vLLM on CPU: logged no-op
+    out["hf_freed"] = engines["hf"].model is None
+
+    # an actor update that is not synced: the mismatch metric must flag it
+    train_once(2)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+    samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling, rollout_tp=rollout_tp)
+    mine = samples_for_dp_rank(samples, dp_rank, dp)
+    out["stale"] = logprob_mismatch([s.logprobs for s in mine], recompute(mine, 1.0))
+
+    with open(os.path.join(args["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
