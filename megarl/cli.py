@@ -33,8 +33,16 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use launch/."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megarl.cli", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "megarl.cli",
+        *argv,
+    ]
     print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)
@@ -73,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_tiny_model)
-    convert = sub.add_parser("convert", help="checkpoint conversion: hf-to-megatron, megatron-to-hf, verify",
-                             add_help=False)
+    convert = sub.add_parser(
+        "convert", help="checkpoint conversion: hf-to-megatron, megatron-to-hf, verify", add_help=False
+    )
     convert.add_argument("tool", choices=["hf-to-megatron", "megatron-to-hf", "verify"])
     convert.add_argument("tool_args", nargs=argparse.REMAINDER, help="the tool's own arguments (--help for them)")
     convert.set_defaults(func=_cmd_convert)

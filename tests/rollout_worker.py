@@ -8,6 +8,7 @@ Each rank writes what it saw to ``<out>/rank<r>.json``; the test asserts on thos
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -22,6 +23,7 @@ from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
 from megarl.reshard.layout import megatron_layout
 from megarl.reshard.sync import actor_tensors
+from megarl.rollout import write_engine_dir
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.protocol import prompt_slice, rollout, samples_for_dp_rank
 from megarl.rollout.vllm_engine import VLLMEngine
@@ -48,11 +50,20 @@ def main(args: dict) -> None:
     load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=False)
     ddp, optimizer = wrap_for_training(chunk, OptimConfig(optimizer="adam", lr=1e-2, clip_grad=0.0))
     src_layout = megatron_layout(spec, layout, gpus_per_node=world)
+    engine_dir = os.path.join(args["out"], "engine")  # config + tokenizer only: weights come through the sync
+    if rank == 0:
+        write_engine_dir(read_hf_config(hf_dir), hf_dir, engine_dir)
+    dist.barrier()
+    assert not any(f.endswith(".safetensors") for f in os.listdir(engine_dir))
     engines = {
-        "vllm": VLLMEngine(CFG, hf_dir, spec, src_layout, tp=rollout_tp),
-        "hf": HFEngine(CFG, hf_dir, spec, src_layout),
+        "vllm": VLLMEngine(CFG, engine_dir, spec, src_layout, tp=rollout_tp),
+        "hf": HFEngine(CFG, engine_dir, spec, src_layout),
     }
     tps = {"vllm": rollout_tp, "hf": 1}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megarl.rollout").addHandler(handler)
     fixed = _tokens(180, 0)  # longer than the CPU KV block (128): a stale prefix cache would show
     prompts = [_tokens(200, 1), _tokens(12, 2), _tokens(150, 3), _tokens(7, 4)]
     out = {"rank": rank, "dp_rank": dp_rank, "version_steps": []}
@@ -106,6 +117,17 @@ def main(args: dict) -> None:
     samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling, rollout_tp=rollout_tp)
     mine = samples_for_dp_rank(samples, dp_rank, dp)
     out["stale"] = logprob_mismatch([s.logprobs for s in mine], recompute(mine, 1.0))
+
+    # CPU: no sleep mode, said once; a request that cannot fit max_model_len is refused before vLLM sees it
+    engines["vllm"].sleep()
+    engines["vllm"].sleep()
+    engines["vllm"].wake()
+    out["sleep_messages"] = [r.getMessage() for r in records]
+    try:
+        engines["vllm"].generate([_tokens(510, 9)], [0], [1], sampling)
+        out["too_long"] = None
+    except ValueError as e:
+        out["too_long"] = str(e)
 
     with open(os.path.join(args["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -22,7 +22,8 @@ def _run(code: str, env: dict | None = None) -> str:
 
 
 def test_process_wide_stubs():
-    assert _run("""
+    assert (
+        _run("""
         import torch
         from megarl.compat import cpu
         assert cpu.install_if_needed() and cpu.is_installed()
@@ -38,11 +39,14 @@ def test_process_wide_stubs():
         assert torch.equal(b, torch.rand(2))
         import os; assert os.environ["MEGARL_CPU_SHIM"] == "1"
         print("ok")
-    """) == "ok"
+    """)
+        == "ok"
+    )
 
 
 def test_megatron_rng_tracker_forks_on_cpu():
-    assert _run("""
+    assert (
+        _run("""
         import torch
         from megarl.compat import cpu
         cpu.install()
@@ -55,11 +59,14 @@ def test_megatron_rng_tracker_forks_on_cpu():
         assert torch.equal(before, torch.get_rng_state())   # fork restores the default stream
         torch.manual_seed(42); assert torch.equal(a, torch.rand(4))
         print("ok")
-    """) == "ok"
+    """)
+        == "ok"
+    )
 
 
 def test_megatron_mode_maps_cuda_to_cpu_only_inside():
-    assert _run("""
+    assert (
+        _run("""
         import torch
         from megarl.compat import cpu, megatron_mode
         cpu.install()
@@ -75,7 +82,9 @@ def test_megatron_mode_maps_cuda_to_cpu_only_inside():
             torch.zeros(2, device="cuda")
         except (AssertionError, RuntimeError):
             print("ok")
-    """) == "ok"
+    """)
+        == "ok"
+    )
 
 
 def test_spawned_children_reinstall_from_env():
@@ -85,7 +94,8 @@ def test_spawned_children_reinstall_from_env():
 
 def test_megatron_needs_the_mode():
     """Without the mode, Megatron's hard-coded CUDA tensors fail on CPU (so the shim is not dead code)."""
-    assert _run("""
+    assert (
+        _run("""
         import torch
         from megarl.compat import cpu, megatron_mode
         cpu.install()
@@ -96,4 +106,6 @@ def test_megatron_needs_the_mode():
             with megatron_mode():
                 torch.tensor([1.0], device="cuda")
             print("ok")
-    """) == "ok"
+    """)
+        == "ok"
+    )

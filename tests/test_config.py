@@ -69,6 +69,10 @@ def test_missing_model_section():
         (["model.vocab_pad_multiple=3", "actor.parallel.tp=2"], None, "not divisible by actor.parallel.tp=2"),
         (["actor.seq_length=4096"], None, "exceeds the model's max_position_embeddings=1024"),
         (["model.path=/nonexistent"], None, "model.path: no HuggingFace config at /nonexistent/config.json"),
+        (["rollout.tp=8"], None, "rollout.tp=8 does not fit the model's 4 attention heads / 2 key/value heads"),
+        (["rollout.tp=3"], 2, "rollout.tp=3 does not divide the world size 2; use a tp in [1, 2]"),
+        (["rollout.max_model_len=4096"], None, "rollout.max_model_len=4096 exceeds the model's"),
+        (["rollout.sampling.max_new_tokens=1024"], None, "leaves no room for a prompt"),
     ],
 )
 def test_cross_field_errors(recipe, overrides, world, message):
@@ -76,6 +80,42 @@ def test_cross_field_errors(recipe, overrides, world, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg, world_size=world)
     assert message in str(e.value)
+
+
+def test_head_dim_the_cpu_vllm_backend_lacks(tmp_path):
+    from megarl.models.tiny import make_tiny_hf_model
+
+    odd = make_tiny_hf_model(str(tmp_path / "odd"), "llama", hidden_size=96, num_heads=2, num_kv_heads=2)  # head 48
+    cfg = load_config(None, [f"model.path={odd}"])
+    with pytest.raises(
+        ConfigError, match=r"head_dim=48 is not supported by vLLM's CPU attention .* rollout.backend=hf"
+    ):
+        validate(cfg)
+    validate(load_config(None, [f"model.path={odd}", "rollout.backend=hf"]))
+
+
+def test_kv_cache_budget_must_hold_one_sequence(tmp_path):
+    from megarl.models.tiny import make_tiny_hf_model
+
+    deep = make_tiny_hf_model(str(tmp_path / "deep"), "llama", num_layers=8, num_kv_heads=4)
+    cfg = load_config(None, [f"model.path={deep}", "rollout.kv_cache_mb=1"])  # 8 KiB per token at TP 1
+    with pytest.raises(
+        ConfigError,
+        match="rollout.kv_cache_mb=1 holds 128 tokens per engine rank, fewer than one "
+        "sequence of max_model_len=1024; raise kv_cache_mb to at least 8",
+    ):
+        validate(cfg)
+    validate(
+        load_config(
+            None,
+            [
+                f"model.path={deep}",
+                "rollout.kv_cache_mb=1",
+                "rollout.max_model_len=128",
+                "rollout.sampling.max_new_tokens=64",
+            ],
+        )
+    )
 
 
 def test_all_errors_reported_at_once(recipe):

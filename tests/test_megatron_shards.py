@@ -38,8 +38,11 @@ def test_local_and_full_state_dict_round_trip_with_tied_pp():
         for tp_rank in range(2):
             stage = ms.StageInfo(pp_rank, 2, 2)
             locals_[(tp_rank, pp_rank)] = ms.local_state_dict(full, stage, tp_rank, 2, tied_embeddings=True)
-    assert set(locals_[(0, 1)]) == {"decoder.layers.0.mlp.linear_fc2.weight", "decoder.final_layernorm.weight",
-                                   "output_layer.weight"}
+    assert set(locals_[(0, 1)]) == {
+        "decoder.layers.0.mlp.linear_fc2.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    }
     assert torch.equal(locals_[(1, 1)]["output_layer.weight"], full["embedding.word_embeddings.weight"][4:])
     back = ms.full_state_dict(locals_, 2, 2, 2, tied_embeddings=True)
     assert back.keys() == full.keys()

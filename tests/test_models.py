@@ -7,8 +7,14 @@ from megarl.models.builder import layer_spec, transformer_config, transformer_en
 from megarl.parallel.layout import ParallelLayout
 
 BASE = {
-    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "intermediate_size": 256, "vocab_size": 320, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
     "hidden_act": "silu",
 }
 
@@ -26,8 +32,18 @@ def test_families(model_type, qkv_bias):
 
 
 def test_rope_parameters_and_llama3_scaling():
-    hf = {**BASE, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0,
-          "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    hf = {
+        **BASE,
+        "model_type": "llama",
+        "rope_parameters": {
+            "rope_theta": 5e5,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     spec = spec_from_hf_config(hf)
     assert spec.rope_theta == 5e5 and spec.rope_scaling_factor == 8.0
 
@@ -42,8 +58,10 @@ def test_vocab_padding_is_tp_independent():
     [
         ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}},
-         "low_freq_factor"),
+        (
+            {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}},
+            "low_freq_factor",
+        ),
         ({"model_type": "mistral", "sliding_window": 128}, "sliding_window=128 is not supported"),
         ({"model_type": "qwen2", "head_dim": 64}, "head_dim=64 differs"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -98,3 +98,9 @@ def test_unsynced_update_is_flagged_by_the_mismatch_metric(llama_tp2, qwen2_dp2)
 
 def test_hf_engine_frees_its_model_after_rollout(llama_tp2):
     assert all(r["hf_freed"] for r in llama_tp2)
+
+
+def test_cpu_sleep_is_said_once_and_overlong_prompts_are_refused(llama_tp2):
+    for r in llama_tp2:
+        assert len(r["sleep_messages"]) == 1 and "no sleep mode" in r["sleep_messages"][0]  # 3 sleeps, said once
+        assert "prompt 0 has 510 tokens" in r["too_long"] and "rollout.max_model_len=512" in r["too_long"]

@@ -31,8 +31,14 @@ def _everyone(obj):
     return out
 
 
-def run_vllm_sync(versions: dict[int, str], megatron: tuple[int, int, int], vllm_tp: int, seq: list[int],
-                  prompt: list[int], readable: bool = False) -> dict:
+def run_vllm_sync(
+    versions: dict[int, str],
+    megatron: tuple[int, int, int],
+    vllm_tp: int,
+    seq: list[int],
+    prompt: list[int],
+    readable: bool = False,
+) -> dict:
     """Sync versions through both transports and record what the engine computes after each sync.
 
     ``readable``: switch the CPU build's oneDNN packing off (this test only) so parameters can be read back and

@@ -5,6 +5,14 @@ from megarl.config.schema import ActorConfig, MegarlConfig, ModelConfig, OptimCo
 from megarl.config.validate import validate
 
 __all__ = [
-    "ActorConfig", "ConfigError", "MegarlConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainerConfig",
-    "load_config", "to_yaml", "validate",
+    "ActorConfig",
+    "ConfigError",
+    "MegarlConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainerConfig",
+    "load_config",
+    "to_yaml",
+    "validate",
 ]

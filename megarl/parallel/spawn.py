@@ -23,8 +23,13 @@ def _free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, result_path: str, fn, args):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
@@ -43,8 +48,14 @@ def run_on_ranks(fn, world: int, *args):
     With ``world == 1`` and no process group yet, it runs in this process (tools convert in one process by default).
     """
     if world == 1 and "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+        )
         return fn(*args)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")

@@ -115,4 +115,3 @@ class FullReload:
 
 
 TRANSPORTS = {t.name: t for t in (ShardWrite, FullReload)}
-

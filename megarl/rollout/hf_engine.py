@@ -21,7 +21,7 @@ from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout, hf_layout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
-from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
 
 log = logging.getLogger("megarl.rollout")
 
@@ -56,7 +56,8 @@ class HFEngine:
         self.sub_plans = split_by_layer(plan(src_layout, hf_layout(spec, list(range(world)), src_layout.gpus_per_node)))
         self.model = None
         self.weight_version: int | None = None
-        self._said_truncation = False
+        self._said_truncation = [False]
+        self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
 
     @property
     def healthy(self) -> bool:
@@ -95,9 +96,8 @@ class HFEngine:
     ) -> tuple[list[Sample], RolloutStats]:
         if not self.healthy:
             raise EngineUnhealthyError("the HF engine holds no verified weights; run update_weights first")
-        if (sampling.top_k or sampling.top_p < 1) and not self._said_truncation:
-            log.warning("top_k/top_p truncation is configured: the returned and recomputed logprobs ignore it")
-            self._said_truncation = True
+        note_truncation(sampling, log, self._said_truncation)
+        check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         stops = [self.eos, *sampling.stop_token_ids]
         samples, start = [], time.perf_counter()
         for idx, prompt, seed in zip(prompt_indices, prompts, seeds):

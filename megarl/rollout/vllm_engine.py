@@ -32,7 +32,7 @@ from megarl.reshard.layout import SideLayout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
 from megarl.reshard.transport import TRANSPORTS
-from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
 
 log = logging.getLogger("megarl.rollout")
 
@@ -83,6 +83,8 @@ class VLLMEngine:
         self.sleep_mode = current_platform.is_sleep_mode_available()
         self.asleep: set[str] = set()
         self._said_no_sleep = False
+        self._said_truncation = [False]
+        self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
         with preserved_process_state():
             self.llm = LLM(
                 model=engine_dir,
@@ -94,7 +96,7 @@ class VLLMEngine:
                 seed=seed,
                 enforce_eager=cfg.enforce_eager,
                 kv_cache_memory_bytes=cfg.kv_cache_mb * 1024**2,
-                max_model_len=cfg.max_model_len,
+                max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.sleep_mode,
             )
@@ -160,6 +162,8 @@ class VLLMEngine:
     ) -> tuple[list[Sample], RolloutStats]:
         """Generate ``sampling.n`` samples per prompt; ``seeds`` must be identical on this engine's ranks."""
         self._check_healthy()
+        note_truncation(sampling, log, self._said_truncation)
+        check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         params = [self.sampling_params(sampling, s) for s in seeds]
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)

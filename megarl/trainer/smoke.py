@@ -48,15 +48,20 @@ def run_smoke(cfg: MegarlConfig, spec: ModelSpec) -> list[float]:
         tokens[coords.dp * per_dp : (coords.dp + 1) * per_dp], cfg.actor.micro_batch_size
     )
     if rank == 0:
-        print(f"[megarl] actor {spec.family} {spec.num_layers}x{spec.hidden_size} on {layout}, "
-              f"{len(micro_batches)} micro-batches per step", flush=True)
+        print(
+            f"[megarl] actor {spec.family} {spec.num_layers}x{spec.hidden_size} on {layout}, "
+            f"{len(micro_batches)} micro-batches per step",
+            flush=True,
+        )
     losses = []
     steps = tqdm(range(cfg.trainer.total_steps), desc="train", disable=rank != 0)
     for step in steps:
         metrics = train_step(model, optimizer, micro_batches, lm_loss)
         losses.append(metrics["loss"])
         if rank == 0 and (step + 1) % cfg.trainer.log_every == 0:
-            steps.write(f"[megarl] step {step + 1}/{cfg.trainer.total_steps} loss {metrics['loss']:.4f} "
-                        f"grad_norm {metrics['grad_norm']:.4f}")
+            steps.write(
+                f"[megarl] step {step + 1}/{cfg.trainer.total_steps} loss {metrics['loss']:.4f} "
+                f"grad_norm {metrics['grad_norm']:.4f}"
+            )
     destroy_distributed()
     return losses

@@ -1,0 +1,36 @@
+"""Generation engines behind one protocol (``protocol.py``): vLLM colocated in the torchrun ranks, and HF generate."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megarl.config.schema import MegarlConfig
+from megarl.models.spec import ModelSpec
+from megarl.reshard.layout import SideLayout
+
+
+def write_engine_dir(hf_config: dict, tokenizer_dir: str, out_dir: str) -> str:
+    """The directory an engine starts from: the actor's HF config and tokenizer, no weights (they arrive through the
+    resharding engine). ``hf_config`` comes from the checkpoint's metadata or the HF model's config.json."""
+    from megarl.convert.hf_io import copy_tokenizer_files
+
+    os.makedirs(out_dir, exist_ok=True)
+    if not copy_tokenizer_files(tokenizer_dir, out_dir):
+        raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir}")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    return out_dir
+
+
+def build_engine(cfg: MegarlConfig, spec: ModelSpec, src_layout: SideLayout, engine_dir: str, *, seed: int = 0):
+    """The configured engine (collective: every rank builds its part). Call ``config.validate`` first."""
+    from megarl.config.validate import rollout_tp
+
+    if cfg.rollout.backend == "hf":
+        from megarl.rollout.hf_engine import HFEngine
+
+        return HFEngine(cfg.rollout, engine_dir, spec, src_layout, dtype=cfg.model.dtype)
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed)
