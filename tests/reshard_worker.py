@@ -117,6 +117,13 @@ def _after_cases(results, spec, src_layout, src_tensors, world, hf):
         results["corrupt"] = None
     except ReshardVerificationError as e:
         results["corrupt"] = str(e)
+    _sync(src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, compare_full=True)  # clean: passes
+    try:
+        _sync(src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, on_send=corrupt, verify=False,
+              compare_full=True)  # fmt: skip
+        results["corrupt_full"] = None
+    except ReshardVerificationError as e:
+        results["corrupt_full"] = str(e)
     bucket = 16 * 1024
     _, stats = _sync(src_layout, vllm_layout(spec, 2, world, GPUS_PER_NODE), src_tensors, bucket_bytes=bucket)
     model_bytes = sum(t.numel() * 4 for t in hf.values())

@@ -69,6 +69,8 @@ def test_corruption_in_transit_names_the_tensor(world2, world4):
     for res in (world2, world4):
         msg = res["corrupt"]
         assert msg is not None and "hash mismatch" in msg and "gate_up_proj.weight" in msg and "rank 0" in msg
+        full = res["corrupt_full"]  # debug mode: element-wise comparison through a separate path
+        assert full is not None and "full comparison failed" in full and "gate_up_proj.weight" in full
 
 
 def test_executor_buffers_stay_within_two_buckets(world4):
@@ -106,6 +108,8 @@ def test_70b_plan_meets_the_theoretical_minimum(vllm_tp):
     assert bound["node_min"] > 0
     assert stats["bytes_moved"] == bound["rank_min"]  # nothing moved twice, nothing moved that was held
     assert stats["bytes_cross_node"] <= 1.05 * bound["node_min"]
+    mean_send = stats["bytes_moved"] / 64
+    assert stats["max_rank_send"] <= 1.1 * mean_send  # load spread over DP replicas and receivers
 
 
 def test_position_hash_is_additive_chunked_and_sensitive(monkeypatch):

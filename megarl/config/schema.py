@@ -170,6 +170,8 @@ class RolloutConfig:
     """Weight-sync bucket size in MiB: the executor holds at most two buckets of extra memory."""
     verify: bool = True
     """Hash-check every weight sync (cheap); a mismatch marks the engine unhealthy."""
+    verify_full: bool = False
+    """Debug: also compare every received piece element by element with the sender's copy (slow, memory-heavy)."""
     kv_cache_mb: int = 1024
     """KV-cache memory per engine rank in MiB, given to vLLM explicitly (host RAM on CPU)."""
     max_model_len: int = 0

@@ -107,10 +107,14 @@ def execute(
     *,
     bucket_bytes: int = 512 * 1024**2,
     verify: bool = True,
+    compare_full: bool = False,
     on_send: Callable[[Transfer, torch.Tensor], None] | None = None,
 ) -> SyncStats:
     """Collective: fill this rank's ``dst_tensors`` (preallocated, destination dtype) from every rank's ``src_tensors``.
 
+    ``compare_full`` (debug): additionally every sender ships a copy of each piece it produced through a separate
+    path (object all-gather, not the bucketed point-to-point one) and receivers compare their assembled regions
+    element by element. Memory-heavy: every rank sees every piece of the plan at once.
     ``on_send`` is a test hook called on each packed piece after it was hashed (e.g. to corrupt it in transit).
     """
     rank = dist.get_rank()
@@ -123,7 +127,11 @@ def execute(
     def source_view(t: Transfer) -> torch.Tensor:
         return _region((dst_tensors if t.from_dst else src_tensors)[t.src_shard], t.src_rows, t.src_cols)
 
+    copies: list[tuple[Transfer, torch.Tensor]] = []  # compare_full: what this rank produced, as produced
+
     def record(t: Transfer, values: torch.Tensor) -> None:
+        if compare_full:
+            copies.append((t, values.clone()))
         if verify:
             key = (t.dst_rank, t.dst_shard)
             expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
@@ -181,7 +189,27 @@ def execute(
 
     if verify:
         _verify(plan, rank, dst_tensors, expected, contributors)
+    if compare_full:
+        _compare_full(rank, dst_tensors, copies)
     return stats
+
+
+def _compare_full(rank: int, dst_tensors, copies) -> None:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, copies)
+    bad = []
+    for sender, pieces in enumerate(everyone):
+        for t, values in pieces:
+            if t.dst_rank != rank:
+                continue
+            got = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
+            if not torch.equal(got.reshape(values.shape), values):
+                bad.append(f"{t.dst_shard} rows {t.dst_rows} cols {t.dst_cols} on rank {rank} (from rank {sender})")
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, bad)
+    problems = [msg for msgs in failed for msg in msgs]
+    if problems:
+        raise ReshardVerificationError("weight sync full comparison failed: " + "; ".join(problems[:20]))
 
 
 def _verify(plan: Plan, rank: int, dst_tensors, expected, contributors) -> None:

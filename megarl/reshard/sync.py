@@ -78,6 +78,7 @@ def stream_layers(
     *,
     bucket_bytes: int,
     verify: bool,
+    compare_full: bool = False,
     on_send: Callable | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collective generator: per layer group, this rank's destination tensors, filled and verified.
@@ -86,7 +87,9 @@ def stream_layers(
     rank = torch.distributed.get_rank()
     for sub in sub_plans:
         dst = {name: torch.empty(shape, dtype=dtype) for name, shape in sub.dst_shapes.get(rank, {}).items()}
-        stats = execute(sub, src_tensors, dst, bucket_bytes=bucket_bytes, verify=verify, on_send=on_send)
+        stats = execute(
+            sub, src_tensors, dst, bucket_bytes=bucket_bytes, verify=verify, compare_full=compare_full, on_send=on_send
+        )
         report.layers += 1
         report.buckets += stats.buckets
         report.bytes_sent += stats.bytes_sent
@@ -105,13 +108,21 @@ def run_sync(
     *,
     bucket_bytes: int = 512 * 1024**2,
     verify: bool = True,
+    compare_full: bool = False,
     on_send: Callable | None = None,
 ) -> SyncReport:
     """Collective: fill the engine behind ``transport`` from ``src_tensors`` (this rank's actor parameters)."""
     report = SyncReport(transport=transport.name)
     start = time.perf_counter()
     layers = stream_layers(
-        sub_plans, src_tensors, transport.dtype, report, bucket_bytes=bucket_bytes, verify=verify, on_send=on_send
+        sub_plans,
+        src_tensors,
+        transport.dtype,
+        report,
+        bucket_bytes=bucket_bytes,
+        verify=verify,
+        compare_full=compare_full,
+        on_send=on_send,
     )
     try:
         transport.load(layers)

@@ -77,6 +77,7 @@ class HFEngine:
             _HFModelWrite(params, self.dtype),
             bucket_bytes=self.cfg.bucket_mb * 1024**2,
             verify=self.cfg.verify,
+            compare_full=self.cfg.verify_full,
             on_send=on_send,
         )
         self.weight_version = version

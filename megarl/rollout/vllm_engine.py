@@ -37,7 +37,10 @@ from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, 
 log = logging.getLogger("megarl.rollout")
 
 DEFAULT_TRANSPORT = "shard_write"
-"""Both transports are correct on both platforms; see benchmarks/reshard.py for the measured choice."""
+"""The default on every platform. CPU, measured (benchmarks/rollout.py, 2 ranks, 12M params per rank): shard write
+0.20 s per update vs full reload 0.46 s, half the bytes, 8-14 MiB vs 19-36 MiB peak RSS growth. CUDA, from vLLM's
+source: unquantized linear layers have no post-load step, so a shard write is a plain copy into the engine's tensors.
+Quantized models would need ``full_reload`` (vLLM's own loaders); megarl does not build them yet."""
 
 
 @contextmanager
@@ -127,6 +130,7 @@ class VLLMEngine:
             self.transports[name],
             bucket_bytes=self.cfg.bucket_mb * 1024**2,
             verify=self.cfg.verify,
+            compare_full=self.cfg.verify_full,
             on_send=on_send,
         )
         self.llm.reset_prefix_cache()
