@@ -102,15 +102,18 @@ def _worker(hf_dir: str, engine_dir: str, num_prompts: int, new_tokens: int, rep
         }
 
     gen = torch.Generator().manual_seed(0)
-    prompts = [[int(t) for t in torch.randint(3, 259, (int(n),), generator=gen)] for n in torch.randint(16, 64, (num_prompts,), generator=gen)]  # noqa: E501
+    prompts = [
+        [int(t) for t in torch.randint(3, 259, (int(n),), generator=gen)]
+        for n in torch.randint(16, 64, (num_prompts,), generator=gen)
+    ]  # noqa: E501
     sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=new_tokens, seed=3)
     throughput = {}
-    for label, engine, tp in (("vLLM (TP2, 1 engine)", vllm, 2), ("HF generate (2 engines)", hf, 1)):
+    for label, engine in (("vLLM (TP2, 1 engine)", vllm), ("HF generate (2 engines)", hf)):
         samples = []
         for step in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            out, _ = rollout(engine, prompts, step=step, sampling=sampling, rollout_tp=tp)
+            out, _ = rollout(engine, prompts, step=step, sampling=sampling)
             seconds = time.perf_counter() - start
             samples.append((sum(len(s.token_ids) for s in out) / seconds, seconds))
         throughput[label] = {"tokens_per_s": statistics.median(s[0] for s in samples),

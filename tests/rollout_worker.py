@@ -59,7 +59,6 @@ def main(args: dict) -> None:
         "vllm": VLLMEngine(CFG, engine_dir, spec, src_layout, tp=rollout_tp),
         "hf": HFEngine(CFG, engine_dir, spec, src_layout),
     }
-    tps = {"vllm": rollout_tp, "hf": 1}
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -89,12 +88,12 @@ def main(args: dict) -> None:
         for temperature in (1.0, 0.7):
             torch.manual_seed(1000 * rank + 17)  # global RNGs differ on every rank before the call
             sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=8, seed=5)
-            samples, stats = rollout(engine, prompts, step=version, sampling=sampling, rollout_tp=tps[name])
+            samples, stats = rollout(engine, prompts, step=version, sampling=sampling)
             mine = samples_for_dp_rank(samples, dp_rank, dp)
             entry = {
                 "engine": name,
                 "temperature": temperature,
-                "engine_prompts": list(prompt_slice(len(prompts), rank // tps[name], world // tps[name])),
+                "engine_prompts": list(prompt_slice(len(prompts), rank // engine.tp, world // engine.tp)),
                 "samples": [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in samples],
                 "dp_prompts": sorted({s.prompt_index for s in mine}),
                 "versions": sorted({s.weight_version for s in samples}),
@@ -114,7 +113,7 @@ def main(args: dict) -> None:
     # an actor update that is not synced: the mismatch metric must flag it
     train_once(2)
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=5)
-    samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling, rollout_tp=rollout_tp)
+    samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling)
     mine = samples_for_dp_rank(samples, dp_rank, dp)
     out["stale"] = logprob_mismatch([s.logprobs for s in mine], recompute(mine, 1.0))
 

@@ -80,11 +80,11 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
 
     ro, tp, errors = cfg.rollout, rollout_tp(cfg), []
     name = "rollout.tp" if cfg.rollout.tp else "rollout.tp (0: the actor's tp)"
-    if world_size % tp:
+    if ro.backend == "vllm" and world_size % tp:
         errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {_divisors(world_size)}")
     kv = spec.num_kv_heads
     kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
-    if spec.num_heads % tp or not kv_ok:
+    if ro.backend == "vllm" and (spec.num_heads % tp or not kv_ok):
         fits = [d for d in _divisors(spec.num_heads) if (kv % d == 0 if d <= kv else d % kv == 0)]
         errors.append(
             f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads; "

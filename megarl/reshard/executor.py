@@ -29,6 +29,13 @@ _HASH_CHUNK = 1 << 20  # elements hashed at a time
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def comm_device() -> torch.device:
+    """Where transfer buffers live: this rank's GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class ReshardVerificationError(RuntimeError):
     """A destination shard's hash does not match what its senders hashed."""
 
@@ -41,14 +48,18 @@ def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, 
     bits_all = values.contiguous().view(_INT_VIEW[values.element_size()])
     height = rows[1] - rows[0]
     bits_all = bits_all.reshape(height, -1)
-    col_w = None if cols is None else torch.arange(cols[0], cols[1], dtype=torch.int64) * _COL_MULT + 1
+    col_w = (
+        None
+        if cols is None
+        else torch.arange(cols[0], cols[1], dtype=torch.int64, device=values.device) * _COL_MULT + 1
+    )
     step = max(1, _HASH_CHUNK // bits_all.shape[1])
     total = 0
     for lo in range(0, height, step):
         hi = min(lo + step, height)
         block = bits_all[lo:hi].to(torch.int64)
         per_row = block[:, 0] if col_w is None else block.mul_(col_w).sum(1)
-        row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64) * _ROW_MULT + 1
+        row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64, device=values.device) * _ROW_MULT + 1
         total += int((per_row * row_w).sum())
     return total & _MASK64
 
@@ -119,6 +130,7 @@ def execute(
     """
     rank = dist.get_rank()
     dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
+    device = next(iter(dst_tensors.values())).device if dst_tensors else comm_device()
     esize = torch.empty((), dtype=dtype).element_size()
     stats = SyncStats()
     expected: dict[tuple[int, str], int] = defaultdict(int)  # hashes of pieces this rank produced, per dst shard
@@ -157,7 +169,7 @@ def execute(
                 recvs[t.src_rank].append(t)
         buffers, requests = [], []
         for peer, items in sorted(sends.items()):
-            buf = torch.empty(sum(t.numel for t in items), dtype=dtype)
+            buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             offset = 0
             for t in items:
                 piece = buf[offset : offset + t.numel]
@@ -171,7 +183,7 @@ def execute(
             stats.bytes_sent += buf.numel() * esize
         incoming = []
         for peer, items in sorted(recvs.items()):
-            buf = torch.empty(sum(t.numel for t in items), dtype=dtype)
+            buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             buffers.append(buf)
             incoming.append((buf, items))
             requests.append(dist.irecv(buf, peer))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.reshard.executor import SyncStats, execute
+from megarl.reshard.executor import SyncStats, comm_device, execute
 from megarl.reshard.plan import Plan, Transfer
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -84,9 +84,10 @@ def stream_layers(
     """Collective generator: per layer group, this rank's destination tensors, filled and verified.
 
     Every rank must consume it to the end (the executor's collectives run inside)."""
-    rank = torch.distributed.get_rank()
+    rank, device = torch.distributed.get_rank(), comm_device()
     for sub in sub_plans:
-        dst = {name: torch.empty(shape, dtype=dtype) for name, shape in sub.dst_shapes.get(rank, {}).items()}
+        shapes = sub.dst_shapes.get(rank, {})
+        dst = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
         stats = execute(
             sub, src_tensors, dst, bucket_bytes=bucket_bytes, verify=verify, compare_full=compare_full, on_send=on_send
         )

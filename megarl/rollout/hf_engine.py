@@ -42,6 +42,8 @@ class _HFModelWrite:
 
 
 class HFEngine:
+    tp = 1  # every rank is its own engine
+
     def __init__(
         self, cfg: RolloutConfig, engine_dir: str, spec: ModelSpec, src_layout: SideLayout, *, dtype="float32"
     ):

@@ -56,6 +56,8 @@ class RolloutEngine(Protocol):
 
     weight_version: int | None
     """The verified weight version held, or None (unhealthy: generation refused)."""
+    tp: int
+    """Ranks per engine (consecutive); HF engines are single-rank."""
 
     def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int): ...
 
@@ -111,12 +113,12 @@ def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
     return (base_seed + step * 1_000_003 * max(n, 1) + prompt_index * n) % (2**31 - 1)
 
 
-def rollout(engine, prompts: list[list[int]], *, step: int, sampling, rollout_tp: int) -> tuple[list, RolloutStats]:
+def rollout(engine, prompts: list[list[int]], *, step: int, sampling) -> tuple[list, RolloutStats]:
     """Collective over the world: every engine generates its slice of ``prompts``; every rank gets all samples,
     ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically)."""
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank, rollout_tp = dist.get_world_size(), dist.get_rank(), engine.tp
     engines = engine_count(world, rollout_tp)
     mine = prompt_slice(len(prompts), rank // rollout_tp, engines)
     seeds = [request_seed(sampling.seed, step, i, sampling.n) for i in mine]
