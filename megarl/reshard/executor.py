@@ -25,7 +25,7 @@ from megarl.reshard.plan import Plan, Transfer
 _MASK64 = (1 << 64) - 1
 _ROW_MULT = 0x3C6EF372FE94F82A  # even, so every weight i * _ROW_MULT + 1 is odd (int64 arithmetic wraps)
 _COL_MULT = 0x5851F42D4C957F2C  # even, likewise
-_HASH_CHUNK = 1 << 20  # elements hashed at a time
+_HASH_CHUNK = 1 << 16  # elements hashed at a time (fits in cache: faster than larger chunks)
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -41,24 +41,26 @@ class ReshardVerificationError(RuntimeError):
 
 
 def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None) -> int:
-    """sum_ij bits(v_ij) * a_i * b_j mod 2^64, with (i, j) the element's place in the destination shard and odd
-    weights a_i = i * ROW_MULT + 1, b_j = j * COL_MULT + 1: any single changed element changes the hash, moved rows
-    or columns change it too. Separable weights make it a multiply and two sums (about two tensor copies of work);
-    it runs ``_HASH_CHUNK`` elements at a time, so its temporaries stay small whatever the tensor size."""
+    """sum_ij a_i * (bits(v_ij) * b_j mod 2^w) mod 2^64, with (i, j) the element's place in the destination shard,
+    w the element width in bits and odd weights a_i = i * ROW_MULT + 1, b_j = (j * COL_MULT + 1) mod 2^w.
+
+    Any single changed element changes the hash (odd weights are invertible), moved rows or columns change it too, and
+    the sum is additive over pieces, so senders' piece hashes add up to the receiver's shard hash. The column product
+    stays in the element's own integer width (no widening copy), so hashing costs about one tensor copy. It runs
+    ``_HASH_CHUNK`` elements at a time: temporaries stay small whatever the tensor size."""
     bits_all = values.contiguous().view(_INT_VIEW[values.element_size()])
     height = rows[1] - rows[0]
     bits_all = bits_all.reshape(height, -1)
-    col_w = (
-        None
-        if cols is None
-        else torch.arange(cols[0], cols[1], dtype=torch.int64, device=values.device) * _COL_MULT + 1
-    )
+    col_w = None
+    if cols is not None:
+        col_w = torch.arange(cols[0], cols[1], dtype=torch.int64, device=values.device) * _COL_MULT + 1
+        col_w = col_w.to(bits_all.dtype)  # keeps the low bits: still odd
     step = max(1, _HASH_CHUNK // bits_all.shape[1])
     total = 0
     for lo in range(0, height, step):
         hi = min(lo + step, height)
-        block = bits_all[lo:hi].to(torch.int64)
-        per_row = block[:, 0] if col_w is None else block.mul_(col_w).sum(1)
+        block = bits_all[lo:hi]
+        per_row = block[:, 0].to(torch.int64) if col_w is None else (block * col_w).sum(1)
         row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64, device=values.device) * _ROW_MULT + 1
         total += int((per_row * row_w).sum())
     return total & _MASK64
@@ -134,7 +136,6 @@ def execute(
     esize = torch.empty((), dtype=dtype).element_size()
     stats = SyncStats()
     expected: dict[tuple[int, str], int] = defaultdict(int)  # hashes of pieces this rank produced, per dst shard
-    contributors: dict[tuple[int, str], set[int]] = defaultdict(set)
 
     def source_view(t: Transfer) -> torch.Tensor:
         return _region((dst_tensors if t.from_dst else src_tensors)[t.src_shard], t.src_rows, t.src_cols)
@@ -147,7 +148,6 @@ def execute(
         if verify:
             key = (t.dst_rank, t.dst_shard)
             expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
-            contributors[key].add(rank)
 
     for r, shard, rows, cols in plan.padding:
         if r == rank:
@@ -200,7 +200,7 @@ def execute(
         del buffers, incoming
 
     if verify:
-        _verify(plan, rank, dst_tensors, expected, contributors)
+        _verify(plan, rank, dst_tensors, expected, device)
     if compare_full:
         _compare_full(rank, dst_tensors, copies)
     return stats
@@ -224,26 +224,29 @@ def _compare_full(rank: int, dst_tensors, copies) -> None:
         raise ReshardVerificationError("weight sync full comparison failed: " + "; ".join(problems[:20]))
 
 
-def _verify(plan: Plan, rank: int, dst_tensors, expected, contributors) -> None:
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(
-        everyone, ({k: v for k, v in expected.items()}, {k: sorted(v) for k, v in contributors.items()})
-    )
-    want: dict[str, int] = defaultdict(int)
-    senders: dict[str, set[int]] = defaultdict(set)
-    for exp, contrib in everyone:
-        for (dst_rank, shard), h in exp.items():
-            if dst_rank == rank:
-                want[shard] = (want[shard] + h) & _MASK64
-                senders[shard].update(contrib[(dst_rank, shard)])
+def _verify(plan: Plan, rank: int, dst_tensors, expected: dict, device) -> None:
+    """One all-reduce carries every sender's piece hashes to their destination shards (as two exact 32-bit halves,
+    so the sum cannot overflow); each rank compares them with the hashes of the shards it assembled."""
+    keys = [(r, name) for r in sorted(plan.dst_shapes) for name in plan.dst_shapes[r]]
+    index = {k: i for i, k in enumerate(keys)}
+    sums = torch.zeros(len(keys), 2, dtype=torch.int64)
+    for key, h in expected.items():
+        sums[index[key]] = torch.tensor([h & 0xFFFFFFFF, h >> 32])
+    sums = sums.to(device)
+    dist.all_reduce(sums)
+    sums = sums.cpu()
     bad = []
     for shard, shape in plan.dst_shapes.get(rank, {}).items():
+        lo, hi = (int(v) for v in sums[index[(rank, shard)]])
         t = dst_tensors[shard]
         got = position_hash(t, (0, shape[0]), None if t.dim() == 1 else (0, shape[1]))
-        if got != want[shard]:
-            bad.append(f"{shard} on rank {rank} (pieces sent by ranks {sorted(senders[shard])})")
-    failed = [None] * dist.get_world_size()
-    dist.all_gather_object(failed, bad)
-    problems = [msg for msgs in failed for msg in msgs]
-    if problems:
+        if got != ((hi << 32) + lo) & _MASK64:
+            senders = sorted({x.src_rank for x in plan.transfers if x.dst_rank == rank and x.dst_shard == shard})
+            bad.append(f"{shard} on rank {rank} (pieces sent by ranks {senders})")
+    flag = torch.tensor([len(bad)], device=device)
+    dist.all_reduce(flag)
+    if int(flag.item()):
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, bad)
+        problems = [msg for msgs in failed for msg in msgs]
         raise ReshardVerificationError("weight sync verification failed: hash mismatch for " + "; ".join(problems))
