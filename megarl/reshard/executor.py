@@ -25,7 +25,8 @@ from megarl.reshard.plan import Plan, Transfer
 _MASK64 = (1 << 64) - 1
 _ROW_MULT = 0x3C6EF372FE94F82A  # even, so every weight i * _ROW_MULT + 1 is odd (int64 arithmetic wraps)
 _COL_MULT = 0x5851F42D4C957F2C  # even, likewise
-_HASH_CHUNK = 1 << 16  # elements hashed at a time (fits in cache: faster than larger chunks)
+_HASH_CHUNK = 1 << 16  # elements hashed at a time on CPU (fits in cache: faster than larger chunks)
+_HASH_CHUNK_GPU = 1 << 24  # on GPU: few large kernels
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -51,18 +52,21 @@ def position_hash(values: torch.Tensor, rows: tuple[int, int], cols: tuple[int, 
     bits_all = values.contiguous().view(_INT_VIEW[values.element_size()])
     height = rows[1] - rows[0]
     bits_all = bits_all.reshape(height, -1)
+    device = values.device
     col_w = None
     if cols is not None:
-        col_w = torch.arange(cols[0], cols[1], dtype=torch.int64, device=values.device) * _COL_MULT + 1
+        col_w = torch.arange(cols[0], cols[1], dtype=torch.int64, device=device) * _COL_MULT + 1
         col_w = col_w.to(bits_all.dtype)  # keeps the low bits: still odd
-    step = max(1, _HASH_CHUNK // bits_all.shape[1])
-    total = 0
+    chunk = _HASH_CHUNK if device.type == "cpu" else _HASH_CHUNK_GPU
+    step = max(1, chunk // bits_all.shape[1])
+    acc = torch.zeros((), dtype=torch.int64, device=device)  # int64 wraps: exact mod 2^64, one sync at the end
     for lo in range(0, height, step):
         hi = min(lo + step, height)
         block = bits_all[lo:hi]
         per_row = block[:, 0].to(torch.int64) if col_w is None else (block * col_w).sum(1)
-        row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64, device=values.device) * _ROW_MULT + 1
-        total += int((per_row * row_w).sum())
+        row_w = torch.arange(rows[0] + lo, rows[0] + hi, dtype=torch.int64, device=device) * _ROW_MULT + 1
+        acc += (per_row * row_w).sum()
+    total = int(acc)
     return total & _MASK64
 
 
@@ -121,6 +125,7 @@ def execute(
     bucket_bytes: int = 512 * 1024**2,
     verify: bool = True,
     compare_full: bool = False,
+    dtype: torch.dtype | None = None,
     on_send: Callable[[Transfer, torch.Tensor], None] | None = None,
 ) -> SyncStats:
     """Collective: fill this rank's ``dst_tensors`` (preallocated, destination dtype) from every rank's ``src_tensors``.
@@ -131,8 +136,9 @@ def execute(
     ``on_send`` is a test hook called on each packed piece after it was hashed (e.g. to corrupt it in transit).
     """
     rank = dist.get_rank()
-    dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
-    device = next(iter(dst_tensors.values())).device if dst_tensors else comm_device()
+    if dtype is None:
+        dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
+    device = comm_device()
     esize = torch.empty((), dtype=dtype).element_size()
     stats = SyncStats()
     expected: dict[tuple[int, str], int] = defaultdict(int)  # hashes of pieces this rank produced, per dst shard
@@ -144,7 +150,7 @@ def execute(
 
     def record(t: Transfer, values: torch.Tensor) -> None:
         if compare_full:
-            copies.append((t, values.clone()))
+            copies.append((t, values.detach().cpu().clone()))
         if verify:
             key = (t.dst_rank, t.dst_shard)
             expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
@@ -167,7 +173,7 @@ def execute(
                 sends[t.dst_rank].append(t)
             elif t.dst_rank == rank:
                 recvs[t.src_rank].append(t)
-        buffers, requests = [], []
+        buffers, ops = [], []
         for peer, items in sorted(sends.items()):
             buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             offset = 0
@@ -179,17 +185,19 @@ def execute(
                     on_send(t, piece)
                 offset += t.numel
             buffers.append(buf)
-            requests.append(dist.isend(buf, peer))
+            ops.append(dist.P2POp(dist.isend, buf, peer))
             stats.bytes_sent += buf.numel() * esize
         incoming = []
         for peer, items in sorted(recvs.items()):
             buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             buffers.append(buf)
             incoming.append((buf, items))
-            requests.append(dist.irecv(buf, peer))
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
             stats.bytes_received += buf.numel() * esize
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() * esize for b in buffers))
-        for req in requests:
+        # one batched call per bucket: NCCL needs a rank's sends and receives grouped, or two ranks that exchange
+        # pieces in the same bucket can each block in a send queued before the matching receive
+        for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         for buf, items in incoming:
             offset = 0
@@ -214,7 +222,7 @@ def _compare_full(rank: int, dst_tensors, copies) -> None:
         for t, values in pieces:
             if t.dst_rank != rank:
                 continue
-            got = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
+            got = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols).cpu()
             if not torch.equal(got.reshape(values.shape), values):
                 bad.append(f"{t.dst_shard} rows {t.dst_rows} cols {t.dst_cols} on rank {rank} (from rank {sender})")
     failed = [None] * dist.get_world_size()

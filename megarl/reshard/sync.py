@@ -89,7 +89,14 @@ def stream_layers(
         shapes = sub.dst_shapes.get(rank, {})
         dst = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
         stats = execute(
-            sub, src_tensors, dst, bucket_bytes=bucket_bytes, verify=verify, compare_full=compare_full, on_send=on_send
+            sub,
+            src_tensors,
+            dst,
+            bucket_bytes=bucket_bytes,
+            verify=verify,
+            compare_full=compare_full,
+            dtype=dtype,
+            on_send=on_send,
         )
         report.layers += 1
         report.buckets += stats.buckets

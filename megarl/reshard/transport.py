@@ -58,9 +58,20 @@ class ShardWrite:
     name = "shard_write"
 
     def __init__(self, llm, spec: ModelSpec, tp: int, dtype: torch.dtype):
+        import torch.distributed as dist
+
         self.spec, self.tp, self.dtype = spec, tp, dtype
         self.repack = _platform_packs_weights()
         self.holders = _holders(vllm_model(llm))
+        rank = dist.get_rank()
+        described = {s.name for s in vllm_layout(spec, tp, dist.get_world_size(), 1).ranks[rank]}
+        if described != set(
+            self.holders
+        ):  # a parameter left unwritten would keep stale (or, after sleep, garbage) data
+            raise RuntimeError(
+                "vLLM's parameters and megarl's vLLM layout disagree: engine-only "
+                f"{sorted(set(self.holders) - described)}, layout-only {sorted(described - set(self.holders))}"
+            )
 
     def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
         return vllm_layout(self.spec, self.tp, world_size, gpus_per_node)
@@ -76,8 +87,12 @@ class ShardWrite:
                     current = getattr(module, attr)
                     if current.shape == value.shape:
                         current.data.copy_(value)
-                    else:  # packed away by the CPU post-load step: give the module its weight back to re-pack
+                    elif self.repack:  # packed away by the CPU post-load step: give the module its weight to re-pack
                         setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+                    else:  # on CUDA a new Parameter would leave vLLM's memory pool and captured graphs
+                        raise RuntimeError(
+                            f"{name}: engine holds shape {tuple(current.shape)}, sync sent {value.shape}"
+                        )
                     touched[id(module)] = module
             _post_load(touched.values(), self.repack)
 

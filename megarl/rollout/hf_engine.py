@@ -57,6 +57,7 @@ class HFEngine:
         world = dist.get_world_size()
         self.sub_plans = split_by_layer(plan(src_layout, hf_layout(spec, list(range(world)), src_layout.gpus_per_node)))
         self.model = None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.weight_version: int | None = None
         self._said_truncation = [False]
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
@@ -71,7 +72,7 @@ class HFEngine:
 
         self.weight_version = None
         if self.model is None:
-            self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).eval()
+            self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).to(self.device).eval()
         params = dict(self.model.named_parameters())
         report = run_sync(
             self.sub_plans,
@@ -104,11 +105,11 @@ class HFEngine:
         stops = [self.eos, *sampling.stop_token_ids]
         samples, start = [], time.perf_counter()
         for idx, prompt, seed in zip(prompt_indices, prompts, seeds):
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[self.device] if torch.cuda.is_available() else []):
                 torch.manual_seed(seed)
                 out = self.model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    torch.tensor([prompt], device=self.device),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.device),
                     do_sample=True,
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,

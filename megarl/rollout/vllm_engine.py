@@ -48,6 +48,7 @@ def preserved_process_state():
     """Restore the global RNGs, the torch thread count and ``torch.set_num_threads`` after the body (vLLM changes
     all of them while it builds an engine)."""
     py, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
         yield
@@ -57,6 +58,22 @@ def preserved_process_state():
         random.setstate(py)
         np.random.set_state(np_state)
         torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _gpu_memory_args() -> dict:
+    """On CUDA, vLLM refuses to start unless free memory >= gpu_memory_utilization x total, even with an explicit
+    KV-cache size (v1/worker/utils.py); the actor already holds its weights and optimizer, so ask for what is free."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_memory_utilization": max(0.01, 0.95 * free / total)}
+
+
+def _reset_prefix_cache(llm) -> None:
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache (requests still running); not generating from it")
 
 
 class VLLMEngine:
@@ -102,6 +119,7 @@ class VLLMEngine:
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.sleep_mode,
+                **_gpu_memory_args(),
             )
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
@@ -133,7 +151,7 @@ class VLLMEngine:
             compare_full=self.cfg.verify_full,
             on_send=on_send,
         )
-        self.llm.reset_prefix_cache()
+        _reset_prefix_cache(self.llm)
         self.weight_version = version
         return report
 
@@ -210,4 +228,4 @@ class VLLMEngine:
         """Make the engine ready to generate: weights (if still asleep), then the KV cache."""
         self._wake("weights")
         self._wake("kv_cache")
-        self.llm.reset_prefix_cache()
+        _reset_prefix_cache(self.llm)

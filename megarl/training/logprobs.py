@@ -19,7 +19,7 @@ def _masked_scaled_logits(logits_BSV: torch.Tensor, temperature: float, true_voc
 
     per = logits_BSV.shape[-1]
     first = ps.get_tensor_model_parallel_rank() * per
-    ids = torch.arange(first, first + per)
+    ids = torch.arange(first, first + per, device=logits_BSV.device)
     scaled = logits_BSV.float() / temperature
     return scaled.masked_fill(ids >= true_vocab, float("-inf"))
 
@@ -52,7 +52,7 @@ def token_logprobs(
 
     with torch.no_grad():
         reported = run_schedule(model, micro_batches, loss_fn, forward_only=True)
-    holder = [torch.cat([r["logprobs"] for r in reported]) if ps.is_pipeline_last_stage() else None]
+    holder = [torch.cat([r["logprobs"] for r in reported]).cpu() if ps.is_pipeline_last_stage() else None]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(
             holder, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()

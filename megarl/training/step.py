@@ -42,7 +42,11 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
+        device = next(model_chunk.parameters()).device  # batches are built on the host; the model may be on a GPU
+        mb = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in next(data_iterator).items()
+        }
         output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
         return output, partial(loss_fn, mb)
 
