@@ -19,6 +19,7 @@ chain broadcast sends the whole tensor over each hop. The plan's bytes are exact
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -57,15 +58,8 @@ MEASURED_CASES = [(MEASURED, (2, 2, 1), 4, 2), (MEASURED, (2, 1, 2), 4, 4)]
 
 
 # --- flows: (src_rank, dst_rank) -> bytes ---------------------------------------------------------------------------
-def _shard_bytes(side: SideLayout, rank: int, bpe: int) -> int:
-    return sum(_numel(s.shape) for s in side.ranks[rank]) * bpe
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _shard_numel(side: SideLayout, rank: int) -> int:
+    return sum(math.prod(s.shape) for s in side.ranks[rank])
 
 
 def _ring_allgather(flows, group: list[int], chunk: dict[int, int]) -> None:
@@ -90,9 +84,9 @@ def flows_of_plan(p) -> dict:
     return flows
 
 
-def flows_gather_everything(layout: ParallelLayout, src: SideLayout, bpe: int) -> dict:
+def flows_gather_everything(layout: ParallelLayout, src: SideLayout) -> dict:
     flows = defaultdict(int)
-    held = {r: _shard_bytes(src, r, 1) for r in src.ranks}
+    held = {r: _shard_numel(src, r) for r in src.ranks}
     for group in layout.pp_groups():
         for root in group:
             _chain_broadcast(flows, group, root, held[root])
@@ -102,9 +96,9 @@ def flows_gather_everything(layout: ParallelLayout, src: SideLayout, bpe: int) -
     return flows
 
 
-def flows_gather_within_tp(layout: ParallelLayout, src: SideLayout, bpe: int) -> dict:
+def flows_gather_within_tp(layout: ParallelLayout, src: SideLayout) -> dict:
     flows = defaultdict(int)
-    held = {r: _shard_bytes(src, r, 1) for r in src.ranks}
+    held = {r: _shard_numel(src, r) for r in src.ranks}
     for group in layout.tp_groups():
         _ring_allgather(flows, group, {r: held[r] for r in group})
     for group in layout.pp_groups():  # full stage tensors = the TP group's shards together
@@ -158,8 +152,8 @@ def analytic(cases, bpe: int, ib_gbs: float, nvlink_gbs: float) -> list[dict]:
         mins = {"plan": theoretical_minimum(src, dst, bpe), "full": theoretical_minimum(src, full, bpe)}
         schemes = {
             "megarl plan": (flows_of_plan(p), mins["plan"]),
-            "gather-everything (verl)": (flows_gather_everything(layout, src, bpe), mins["full"]),
-            "gather-within-TP (slime)": (flows_gather_within_tp(layout, src, bpe), mins["full"]),
+            "gather-everything (verl)": (flows_gather_everything(layout, src), mins["full"]),
+            "gather-within-TP (slime)": (flows_gather_within_tp(layout, src), mins["full"]),
         }
         case = f"{name} TP{tp}/PP{pp}/DP{dp} on {layout.world_size // gpn}x{gpn} -> vLLM TP{vtp}"
         stats = {k: summarize(f, bpe, gpn, ib_gbs, nvlink_gbs) for k, (f, _) in schemes.items()}

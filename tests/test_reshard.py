@@ -4,7 +4,7 @@ byte-minimality properties on a 70B-shaped model (pure, no processes)."""
 
 import pytest
 
-from megarl.models.spec import ModelSpec
+import benchmarks.reshard as benchmark
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.spawn import run_on_ranks
@@ -79,23 +79,7 @@ def test_executor_buffers_stay_within_two_buckets(world4):
     assert max(m["peak_buffer_bytes"]) <= 2 * m["bucket"], m
 
 
-LLAMA2_70B = ModelSpec(
-    family="llama",
-    hidden_size=8192,
-    num_layers=80,
-    num_heads=64,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_hidden_size=28672,
-    vocab_size=32000,
-    padded_vocab_size=32000,
-    max_position_embeddings=4096,
-    rope_theta=1e4,
-    rope_scaling_factor=None,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    qkv_bias=False,
-)
+_, LLAMA2_70B = benchmark.LLAMA2_70B  # the shapes benchmarks/reshard.py tabulates
 
 
 @pytest.mark.parametrize("vllm_tp", [4, 8])

@@ -11,11 +11,11 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megarl.reshard.executor import SyncStats, comm_device, execute
+from megarl.reshard.executor import comm_device, execute
 from megarl.reshard.plan import Plan, Transfer
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -67,7 +67,6 @@ class SyncReport:
     """The largest layer of destination tensors staged for the transport (outside the executor's budget)."""
     layers: int = 0
     buckets: int = 0
-    per_layer: list[SyncStats] = field(default_factory=list, repr=False)
 
 
 def stream_layers(

@@ -63,11 +63,9 @@ class ShardWrite:
         self.spec, self.tp, self.dtype = spec, tp, dtype
         self.repack = _platform_packs_weights()
         self.holders = _holders(vllm_model(llm))
-        rank = dist.get_rank()
-        described = {s.name for s in vllm_layout(spec, tp, dist.get_world_size(), 1).ranks[rank]}
-        if described != set(
-            self.holders
-        ):  # a parameter left unwritten would keep stale (or, after sleep, garbage) data
+        # a parameter the layout does not describe would never be written: stale data (after sleep: garbage)
+        described = {s.name for s in self.destination(dist.get_world_size(), 1).ranks[dist.get_rank()]}
+        if described != set(self.holders):
             raise RuntimeError(
                 "vLLM's parameters and megarl's vLLM layout disagree: engine-only "
                 f"{sorted(set(self.holders) - described)}, layout-only {sorted(described - set(self.holders))}"
@@ -80,9 +78,7 @@ class ShardWrite:
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
         for tensors in layers:
             touched: dict[int, torch.nn.Module] = {}
-            for name, value in tensors.items():
-                if name not in self.holders:
-                    raise KeyError(f"vLLM engine has no parameter {name!r}: the layout description and engine disagree")
+            for name, value in tensors.items():  # names come from the layout, checked against the engine above
                 for module, attr in self.holders[name]:
                     current = getattr(module, attr)
                     if current.shape == value.shape:

@@ -14,9 +14,13 @@ Data contract (the same for every backend):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from megarl.config.schema import SamplingConfig
+    from megarl.reshard.sync import SyncReport
 
 
 class EngineUnhealthyError(RuntimeError):
@@ -59,9 +63,11 @@ class RolloutEngine(Protocol):
     tp: int
     """Ranks per engine (consecutive); HF engines are single-rank."""
 
-    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int): ...
+    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int) -> SyncReport: ...
 
-    def generate(self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int]) -> list[Sample]: ...
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
+    ) -> tuple[list[Sample], RolloutStats]: ...
 
     def sleep(self) -> None: ...
 
