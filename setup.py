@@ -12,6 +12,9 @@ RUNTIME = [
     "tqdm==4.70.1",
     "wandb==0.31.0",
     "numpy==2.3.5",
+    "math-verify==0.9.0",
+    "matplotlib==3.11.2",
+    "pyarrow==26.0.1",
 ]
 
 setup(

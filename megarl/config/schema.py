@@ -91,25 +91,245 @@ class OptimConfig:
         _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
 
 
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "k2", "k3")
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
-    """The policy model's parallel layout, optimizer and batch shape."""
+    """The policy model: parallel layout, optimizer, batch shape and its RL loss."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Parallel layout of the actor (the world size is tp x pp x dp)."""
+    """Parallel layout of the actor (the world size is tp x pp x dp); the critic and reference use the same."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer."""
     micro_batch_size: int = 1
-    """Sequences per forward/backward micro-batch on one data-parallel rank."""
+    """Sequences per forward/backward micro-batch on one data-parallel rank (when max_tokens_per_micro_batch=0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Pack sequences into micro-batches of at most this many padded tokens (each padded to its own longest
+    sequence); 0 uses micro_batch_size sequences per micro-batch instead."""
     global_batch_size: int = 8
-    """Sequences per optimizer step over all data-parallel ranks."""
+    """Sequences per optimizer step (a PPO mini-batch) over all data-parallel ranks."""
+    ppo_epochs: int = 1
+    """Passes over the step's samples."""
     seq_length: int = 256
-    """Tokens per training sequence (prompt + response, padded)."""
+    """Longest training sequence in tokens (prompt + response); the language-model smoke run pads to it."""
+    policy_loss: str = "ppo"
+    """'ppo' (token-level clipped ratio) or 'gspo' (GSPO's sequence-level ratio)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual clip for negative advantages: the loss is bounded by clip_ratio_c x |A| (must be > 1)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (Dr. GRPO). Always over the whole mini-batch across micro-batches and DP ranks."""
+    loss_agg_norm_len: int = 0
+    """seq-mean-token-sum-norm's constant length; 0 means rollout.sampling.max_new_tokens."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (the loss subtracts coeff x entropy)."""
+    kl_loss_coef: float = 0.0
+    """KL-to-reference loss term coefficient; > 0 builds the frozen reference model."""
+    kl_loss_type: str = "k3"
+    """KL estimator for the loss term: k1, k2 or k3 (low-variance)."""
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
         _require(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
+        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         _require(self.seq_length >= 2, "seq_length", "must be >= 2")
+        _require(self.policy_loss in ("ppo", "gspo"), "policy_loss", f"must be 'ppo' or 'gspo', got {self.policy_loss!r}")
+        _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low", "clip ratios must be >= 0")
+        _require(self.clip_ratio_c > 1, "clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
+        _require(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+        _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
+        _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        _require(self.kl_loss_type in KL_TYPES, "kl_loss_type", f"must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """The value model (PPO with GAE only): same layout as the actor, its own optimizer and micro-batches."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (when max_tokens_per_micro_batch=0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per micro-batch (0: micro_batch_size sequences)."""
+    ppo_epochs: int = 1
+    """Passes over the step's samples."""
+    cliprange_value: float = 0.5
+    """Value clipping: new values stay within this of the rollout-time values."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss (as actor.loss_agg_mode)."""
+
+    def __post_init__(self):
+        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
+        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _require(self.cliprange_value > 0, "cliprange_value", "must be > 0")
+        _require(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ROLLOUT_IS_MODES = ("off", "token_truncate", "seq_mask")
+
+
+@dataclass(kw_only=True)
+class KLControlConfig:
+    """Coefficient of the KL penalty in the reward (algorithm.kl_in_reward)."""
+
+    type: str = "fixed"
+    """'fixed' or 'adaptive' (Ziegler et al.: moves the coefficient toward target_kl)."""
+    kl_coef: float = 0.001
+    """(Initial) coefficient."""
+    target_kl: float = 0.1
+    """Adaptive only: the KL per token to steer toward."""
+    horizon: int = 10000
+    """Adaptive only: samples over which the coefficient adapts."""
+
+    def __post_init__(self):
+        _require(self.type in ("fixed", "adaptive"), "type", f"must be 'fixed' or 'adaptive', got {self.type!r}")
+        _require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require(self.target_kl > 0 and self.horizon > 0, "target_kl", "target_kl and horizon must be > 0")
+
+
+@dataclass(kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, generate more to fill the batch."""
+
+    enable: bool = False
+    """Turn it on (needs rollout.sampling.n > 1)."""
+    max_gen_batches: int = 4
+    """Generation rounds per step at most; then the step trains on what it has (said in the log)."""
+
+    def __post_init__(self):
+        _require(self.max_gen_batches >= 1, "max_gen_batches", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class OverlongConfig:
+    """DAPO soft overlong punishment: a linear penalty over the last buffer_len tokens before max_new_tokens."""
+
+    enable: bool = False
+    """Turn it on."""
+    buffer_len: int = 16
+    """Length of the penalty ramp in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at max_new_tokens."""
+
+    def __post_init__(self):
+        _require(self.buffer_len >= 1, "buffer_len", "must be >= 1")
+        _require(self.penalty_factor >= 0, "penalty_factor", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping."""
+
+    adv_estimator: str = "grpo"
+    """gae (PPO with a critic), grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's standard deviation (False: Dr. GRPO's mean-only baseline)."""
+    kl_in_reward: bool = False
+    """Subtract a per-token KL-to-reference penalty from the reward (builds the reference model)."""
+    kl_penalty: str = "k1"
+    """KL estimator for the in-reward penalty: k1, k2 or k3."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Coefficient of the in-reward KL penalty."""
+    rollout_is: str = "off"
+    """Importance sampling against the rollout engine's log-probs: off, token_truncate (weights capped at
+    rollout_is_cap) or seq_mask (drop sequences whose ratio leaves [1/cap, cap])."""
+    rollout_is_cap: float = 2.0
+    """Cap of the importance weights (token_truncate) or the sequence-ratio band (seq_mask)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO soft overlong punishment."""
+
+    def __post_init__(self):
+        _require(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", f"must be one of {ADV_ESTIMATORS}")
+        _require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma", "gamma and lam must be in [0, 1]")
+        _require(self.kl_penalty in KL_TYPES, "kl_penalty", f"must be one of {KL_TYPES}, got {self.kl_penalty!r}")
+        _require(self.rollout_is in ROLLOUT_IS_MODES, "rollout_is", f"must be one of {ROLLOUT_IS_MODES}")
+        _require(self.rollout_is_cap > 1, "rollout_is_cap", "must be > 1")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt datasets."""
+
+    train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet files of training prompts, or 'builtin:NAME' for a task shipped with megarl."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation prompts (same formats); empty: no validation."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt: a string, or a list of chat messages rendered with the tokenizer's chat template."""
+    answer_key: str = ""
+    """Field holding the ground truth passed to the reward (dotted for nested fields, e.g. reward_model.ground_truth);
+    empty: none."""
+    train_batch_size: int = 8
+    """Prompts per RL step (each sampled rollout.sampling.n times)."""
+    val_batch_size: int = 0
+    """Validation prompts per pass; 0: all of them."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens) are dropped at load (counted in the log) or refused."""
+    on_overlong: str = "drop"
+    """'drop' or 'error' for prompts longer than max_prompt_length."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (seeded by trainer.seed and the epoch)."""
+
+    def __post_init__(self):
+        _require(self.train_batch_size >= 1, "train_batch_size", "must be >= 1")
+        _require(self.val_batch_size >= 0, "val_batch_size", "must be >= 0 (0 = all)")
+        _require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+        _require(self.on_overlong in ("drop", "error"), "on_overlong", "must be 'drop' or 'error'")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The reward function."""
+
+    function: str = ""
+    """A built-in name (toy_digits, gsm8k, gsm8k_flexible, math) or 'path/to/file.py:fn' / 'package.module:fn'."""
+
+    def __post_init__(self):
+        _require(bool(self.function), "function", "is required (a built-in name or path/to/file.py:fn)")
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases."""
+
+    mode: str = "disabled"
+    """'online', 'offline' (files under trainer.output_dir/wandb, upload later with `wandb sync`) or 'disabled'."""
+    project: str = "megarl"
+    """Project name."""
+    name: str = ""
+    """Run name; empty: W&B picks one."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+
+    def __post_init__(self):
+        modes = ("online", "offline", "disabled")
+        _require(self.mode in modes, "mode", f"must be one of {modes}, got {self.mode!r}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go (rank 0 only)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar."""
 
 
 @dataclass(kw_only=True)
@@ -117,15 +337,21 @@ class TrainerConfig:
     """The outer loop."""
 
     total_steps: int = 1
-    """Optimizer steps to run."""
+    """RL steps to run."""
     seed: int = 1234
     """Seed for parameter init, data order and sampling."""
     log_every: int = 1
-    """Print metrics every N steps."""
+    """Print a console line every N steps (every step is written to metrics.jsonl)."""
+    output_dir: str = "outputs/run"
+    """Where metrics.jsonl, the W&B run, reward_curve.png and the resolved config go."""
+    val_every: int = 0
+    """Run a validation pass every N steps (and after the last); 0: never."""
 
     def __post_init__(self):
         _require(self.total_steps >= 1, "total_steps", "must be >= 1")
         _require(self.log_every >= 1, "log_every", "must be >= 1")
+        _require(bool(self.output_dir), "output_dir", "is required")
+        _require(self.val_every >= 0, "val_every", "must be >= 0 (0 = never)")
 
 
 @dataclass(kw_only=True)
@@ -180,6 +406,8 @@ class RolloutConfig:
     """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
+    val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=1, temperature=1.0))
+    """Sampling for validation passes (n must be 1)."""
 
     def __post_init__(self):
         _require(self.backend in ("vllm", "hf"), "backend", f"must be 'vllm' or 'hf', got {self.backend!r}")
@@ -189,6 +417,7 @@ class RolloutConfig:
         _require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
         _require(self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1 (vLLM needs an explicit KV-cache budget)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
+        _require(self.val_sampling.n == 1, "val_sampling.n", "must be 1 (validation scores one sample per prompt)")
 
 
 @dataclass(kw_only=True)
@@ -203,3 +432,13 @@ class MegarlConfig:
     """The loop."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built only for algorithm.adv_estimator=gae)."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and reward shaping."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(function="toy_digits"))
+    """The reward function."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""
