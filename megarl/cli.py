@@ -9,23 +9,37 @@ import sys
 
 def _cmd_train(args) -> int:
     from megarl.config import ConfigError, load_config, validate
+    from megarl.config.validate import check_inputs
 
     try:
         cfg = load_config(args.config, args.overrides)
         launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
         spec = validate(cfg, world_size=launched)
+        if launched is None:  # once, before any process starts (not again on every launched rank)
+            check_inputs(cfg)
     except ConfigError as e:
         print(f"megarl: config error: {e}", file=sys.stderr)
         return 2
     par = cfg.actor.parallel
     world = par.tp * par.pp * par.dp
+    if args.dry_run:
+        print(
+            f"[megarl] dry run: config, model ({spec.family} {spec.num_layers}x{spec.hidden_size}), data and reward "
+            f"are valid; {cfg.algorithm.adv_estimator} at TP={par.tp} PP={par.pp} DP={par.dp} (world {world}) would "
+            f"write to {cfg.trainer.output_dir}"
+        )
+        return 0
     if launched is None and world > 1:
         return _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
-    from megarl.trainer.smoke import run_smoke
+    from megarl.parallel.spawn import run_on_ranks
+    from megarl.trainer.loop import train
+    from megarl.training.init_weights import model_source
 
-    losses = run_smoke(cfg, spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[megarl] done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    source = model_source(cfg.model.path)
+    if launched is None:
+        run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+    else:
+        train(cfg, spec, source)
     return 0
 
 
@@ -72,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a job from a YAML recipe with key.sub=value overrides")
     train.add_argument("config", help="YAML recipe, e.g. configs/quickstart.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=2 trainer.total_steps=5")
+    train.add_argument(
+        "--dry-run", action="store_true", help="check config, model config, data and reward; start no process"
+    )
     train.set_defaults(func=_cmd_train)
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")

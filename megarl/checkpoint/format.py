@@ -88,16 +88,20 @@ def save_model(root: str, model_chunk, iteration: int = 0) -> str:
     return final
 
 
-def load_model(root: str, model_chunk) -> None:
-    """Collective: load the ``latest`` iteration into ``model_chunk`` at whatever TP/PP it was built with."""
+def load_model(root: str, model_chunk, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Collective: load the ``latest`` iteration into ``model_chunk`` at whatever TP/PP it was built with.
+
+    Parameters whose names start with one of ``skip_prefixes`` are neither read nor required (a critic's value head
+    where the checkpoint holds a language-model head)."""
     from megatron.core import dist_checkpointing
 
     path = latest_iteration_dir(root)
     with megatron_mode():
-        state = dist_checkpointing.load(model_chunk.sharded_state_dict(), path)
+        wanted = {k: v for k, v in model_chunk.sharded_state_dict().items() if not k.startswith(skip_prefixes)}
+        state = dist_checkpointing.load(wanted, path)
         state.pop("content_metadata", None)  # stored by save(content_metadata=...), not a model tensor
         missing, unexpected = model_chunk.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(skip_prefixes)]
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing {missing}, unexpected {unexpected}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import MegarlConfig
-from megarl.models.spec import ModelSpec, read_hf_config, spec_from_hf_config
+from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -14,9 +14,12 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     Returns the ModelSpec so callers do not read the HF config twice. Raises ConfigError naming key and fix.
     """
     if spec is None:
+        from megarl.checkpoint.format import CheckpointError
+        from megarl.training.init_weights import model_source
+
         try:
-            spec = spec_from_hf_config(read_hf_config(cfg.model.path), cfg.model.vocab_pad_multiple)
-        except (FileNotFoundError, ValueError) as e:
+            spec = spec_from_hf_config(model_source(cfg.model.path).hf_config, cfg.model.vocab_pad_multiple)
+        except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"model.path: {e}") from None
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
@@ -43,12 +46,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} gives a padded vocabulary of "
             f"{spec.padded_vocab_size} rows, not divisible by actor.parallel.tp={par.tp}; use a multiple of {par.tp}"
         )
-    per_step = par.dp * cfg.actor.micro_batch_size
-    if cfg.actor.global_batch_size % per_step:
-        errors.append(
-            f"actor.global_batch_size={cfg.actor.global_batch_size} is not divisible by dp x micro_batch_size = "
-            f"{par.dp} x {cfg.actor.micro_batch_size} = {per_step}; use a multiple of {per_step}"
-        )
+    errors += _batch_errors(cfg)
     if cfg.actor.seq_length > spec.max_position_embeddings:
         errors.append(
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
@@ -114,6 +112,18 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
             f"rollout.max_model_len={length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower it (0 = the model's length)"
         )
+    if cfg.data.max_prompt_length + ro.sampling.max_new_tokens > length:
+        errors.append(
+            f"data.max_prompt_length + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_length} + "
+            f"{ro.sampling.max_new_tokens} exceeds rollout.max_model_len={length}; lower one of them or raise "
+            "max_model_len"
+        )
+    if cfg.data.max_prompt_length + ro.sampling.max_new_tokens > cfg.actor.seq_length:
+        errors.append(
+            f"data.max_prompt_length + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_length} + "
+            f"{ro.sampling.max_new_tokens} exceeds actor.seq_length={cfg.actor.seq_length}; raise actor.seq_length "
+            "or lower one of them"
+        )
     if ro.sampling.max_new_tokens >= length:
         errors.append(
             f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt within "
@@ -131,6 +141,52 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
                 f"{-(-need // 1024**2)} or lower rollout.max_model_len"
             )
     return errors
+
+
+def _batch_errors(cfg: MegarlConfig) -> list[str]:
+    """The step's samples must split into whole mini-batches, and each mini-batch over the DP ranks."""
+    a, n, dp = cfg.actor, cfg.rollout.sampling.n, cfg.actor.parallel.dp
+    per_step = cfg.data.train_batch_size * n
+    errors = []
+    if a.global_batch_size % dp:
+        errors.append(
+            f"actor.global_batch_size={a.global_batch_size} is not divisible by actor.parallel.dp={dp}; use a "
+            f"multiple of {dp}"
+        )
+    if per_step % a.global_batch_size:
+        errors.append(
+            f"data.train_batch_size x rollout.sampling.n = {cfg.data.train_batch_size} x {n} = {per_step} samples per "
+            f"step do not split into mini-batches of actor.global_batch_size={a.global_batch_size}; use a "
+            f"global_batch_size that divides {per_step}"
+        )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt; set "
+            "rollout.sampling.n >= 2"
+        )
+    if cfg.algorithm.dynamic_sampling.enable and n < 2:
+        errors.append("algorithm.dynamic_sampling needs groups: set rollout.sampling.n >= 2")
+    if cfg.trainer.val_every and not cfg.data.val_files:
+        errors.append(f"trainer.val_every={cfg.trainer.val_every} but data.val_files is empty; set both or neither")
+    return errors
+
+
+def check_inputs(cfg: MegarlConfig) -> None:
+    """The reward function and the data files, checked before any process starts (ConfigError names the fix)."""
+    from megarl.data import DataError, check_files
+    from megarl.rewards import RewardLoadError, load_reward_fn
+
+    try:
+        load_reward_fn(cfg.reward.function)
+    except RewardLoadError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files: no training data; set data.train_files=[path.jsonl] (or builtin:digits)")
+    try:
+        check_files(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
+        check_files(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key)
+    except DataError as e:
+        raise ConfigError(f"data: {e}") from None
 
 
 def _divisors(n: int) -> list[int]:

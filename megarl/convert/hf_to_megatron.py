@@ -74,8 +74,12 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
         raise ConversionError(f"{out_dir} exists, is not empty and is not a megarl checkpoint; choose another --out")
 
 
-def load_hf_into_chunk(chunk, hf_dir: str, spec: ModelSpec, layout: ParallelLayout, rank: int, progress: bool) -> None:
-    """Stream the HF tensors this rank needs into its Megatron chunk, one Megatron tensor at a time."""
+def load_hf_into_chunk(
+    chunk, hf_dir: str, spec: ModelSpec, layout: ParallelLayout, rank: int, progress: bool, value_head: bool = False
+) -> None:
+    """Stream the HF tensors this rank needs into its Megatron chunk, one Megatron tensor at a time.
+
+    ``value_head=True`` (a critic): the language-model head is not read and the value head keeps its init."""
     c = layout.coords(rank)
     stage = shards.StageInfo(c.pp, layout.pp, spec.num_layers)
     weights = HFWeights(hf_dir)
@@ -89,11 +93,13 @@ def load_hf_into_chunk(chunk, hf_dir: str, spec: ModelSpec, layout: ParallelLayo
         for lname, shard in shards.local_shards(
             tmap.megatron, full, stage, c.tp, layout.tp, tied_embeddings=spec.tie_word_embeddings
         ):
+            if value_head and lname.startswith("output_layer."):
+                continue  # the critic's head is a value head, not the language-model head
             with torch.no_grad():
                 params[lname].copy_(shard)
             assigned.add(lname)
         del full
-    unassigned = sorted(set(params) - assigned)
+    unassigned = sorted(n for n in set(params) - assigned if not (value_head and n.startswith("output_layer.")))
     if unassigned:
         raise RuntimeError(f"rank {rank}: no HF tensor mapped to {unassigned}")
 

@@ -63,6 +63,8 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
+        # micro-batches are padded to their own longest sequence: stages exchange each activation's shape first
+        variable_seq_lengths=layout.pp > 1,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.reshard.executor import comm_device, execute
-from megarl.reshard.plan import Plan, Transfer
+from megarl.reshard.plan import CROSS_NODE, Plan, Transfer
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -61,6 +61,8 @@ class SyncReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_local: int = 0
+    bytes_cross_node: int = 0
+    """Bytes this rank sent to ranks of other nodes."""
     peak_buffer_bytes: int = 0
     """The executor's own peak (send + receive buffers of one bucket)."""
     peak_staging_bytes: int = 0
@@ -102,6 +104,10 @@ def stream_layers(
         report.bytes_sent += stats.bytes_sent
         report.bytes_received += stats.bytes_received
         report.bytes_local += stats.bytes_local
+        element_size = torch.empty((), dtype=dtype).element_size()
+        report.bytes_cross_node += element_size * sum(
+            t.numel for t in sub.transfers if t.src_rank == rank and sub.link(t) == CROSS_NODE
+        )
         report.peak_buffer_bytes = max(report.peak_buffer_bytes, stats.peak_buffer_bytes)
         staged = sum(t.numel() * t.element_size() for t in dst.values())
         report.peak_staging_bytes = max(report.peak_staging_bytes, staged)

@@ -119,16 +119,21 @@ def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
     return (base_seed + step * 1_000_003 * max(n, 1) + prompt_index * n) % (2**31 - 1)
 
 
-def rollout(engine, prompts: list[list[int]], *, step: int, sampling) -> tuple[list, RolloutStats]:
+def rollout(
+    engine, prompts: list[list[int]], *, step: int, sampling, first_index: int = 0
+) -> tuple[list, RolloutStats]:
     """Collective over the world: every engine generates its slice of ``prompts``; every rank gets all samples,
-    ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically)."""
+    ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically).
+
+    Prompt ``i`` gets the global index ``first_index + i`` (its samples' ``prompt_index`` and its seed), so several
+    rounds of one step (dynamic sampling) never share seeds."""
     import torch.distributed as dist
 
     world, rank, rollout_tp = dist.get_world_size(), dist.get_rank(), engine.tp
     engines = engine_count(world, rollout_tp)
-    mine = prompt_slice(len(prompts), rank // rollout_tp, engines)
+    mine = [first_index + i for i in prompt_slice(len(prompts), rank // rollout_tp, engines)]
     seeds = [request_seed(sampling.seed, step, i, sampling.n) for i in mine]
-    samples, stats = engine.generate([prompts[i] for i in mine], list(mine), seeds, sampling)
+    samples, stats = engine.generate([prompts[i - first_index] for i in mine], mine, seeds, sampling)
     everyone = [None] * world
     dist.all_gather_object(everyone, (samples, stats))
     out = []

@@ -24,6 +24,33 @@ def _masked_scaled_logits(logits_BSV: torch.Tensor, temperature: float, true_voc
     return scaled.masked_fill(ids >= true_vocab, float("-inf"))
 
 
+def logprobs_from_logits(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int):
+    """log p(target) under softmax(logits / T) over the true vocabulary, from this TP rank's vocabulary slice
+    (vocab-parallel: no logits are gathered). Differentiable; call it inside Megatron's schedule."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(_masked_scaled_logits(logits_BSV, temperature, true_vocab), targets_BS)
+
+
+def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch.Tensor]:
+    """Collective over the model-parallel group: ``per_token(micro_batch, output) -> [b, S]`` for every micro-batch,
+    forward only, returned on every TP and PP rank of this data-parallel replica (host tensors)."""
+    from megatron.core import parallel_state as ps
+
+    def loss_fn(mb, output):
+        values = per_token(mb, output).detach()
+        return values.sum() * 0, {"values": values}
+
+    with torch.no_grad():
+        reported = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+    holder = [[r["values"].cpu() for r in reported] if ps.is_pipeline_last_stage() else None]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(
+            holder, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    return holder[0]
+
+
 def token_logprobs(
     model, sequences: torch.Tensor, *, temperature: float, true_vocab: int, micro_batch_size: int = 1
 ) -> torch.Tensor:
@@ -31,9 +58,6 @@ def token_logprobs(
 
     ``sequences`` is ``[N, T]`` token ids (right-padded sequences are fine: padding positions are computed and can
     be masked by the caller). The result is the same on every TP and PP rank of this data-parallel replica."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     inputs, targets = sequences[:, :-1], sequences[:, 1:]
     positions = torch.arange(inputs.shape[1]).expand_as(inputs)
     micro_batches = [
@@ -44,20 +68,10 @@ def token_logprobs(
         }
         for i in range(0, inputs.shape[0], micro_batch_size)
     ]
-
-    def loss_fn(mb, logits_BSV):
-        scaled = _masked_scaled_logits(logits_BSV, temperature, true_vocab)
-        nll_BS = vocab_parallel_cross_entropy(scaled, mb["targets"])  # runs inside the schedule's megatron_mode
-        return nll_BS.sum() * 0, {"logprobs": (-nll_BS).detach()}
-
-    with torch.no_grad():
-        reported = run_schedule(model, micro_batches, loss_fn, forward_only=True)
-    holder = [torch.cat([r["logprobs"] for r in reported]).cpu() if ps.is_pipeline_last_stage() else None]
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(
-            holder, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
-    return holder[0]
+    per_mb = forward_per_token(
+        model, micro_batches, lambda mb, logits: logprobs_from_logits(logits, mb["targets"], temperature, true_vocab)
+    )
+    return torch.cat(per_mb)
 
 
 def logprob_mismatch(rollout_logprobs: list[list[float]], train_logprobs: list[torch.Tensor]) -> dict[str, float]:

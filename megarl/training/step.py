@@ -26,14 +26,21 @@ def lm_loss(micro_batch: dict, token_nll_BS: torch.Tensor):
     return loss, {"loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
 
 
-def forward_backward(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False) -> dict:
+MEAN, SUM = "mean", "sum"
+
+
+def forward_backward(
+    model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False, reduce: str = MEAN
+) -> dict:
     """Run every micro-batch forward (and backward) through Megatron's schedule.
 
-    Returns the metrics averaged over micro-batches and data-parallel ranks, identical on every rank.
+    Returns the metrics reduced over micro-batches and data-parallel ranks, identical on every rank: averaged
+    (``reduce="mean"``), or summed (``"sum"``: for metrics the loss function already normalised globally) with keys
+    starting ``max/`` taking the maximum instead.
     """
     from megatron.core import parallel_state as ps
 
-    return _reduce_metrics(run_schedule(model, micro_batches, loss_fn, forward_only=forward_only), ps)
+    return _reduce_metrics(run_schedule(model, micro_batches, loss_fn, forward_only=forward_only), ps, reduce)
 
 
 def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False) -> list[dict]:
@@ -64,35 +71,50 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
     return reported
 
 
-def _reduce_metrics(reported: list[dict], ps) -> dict:
-    """Average per-micro-batch metrics (present on the last stage only), share them with every stage and DP rank."""
+def _reduce_metrics(reported: list[dict], ps, reduce: str = MEAN) -> dict:
+    """Reduce per-micro-batch metrics (present on the last stage only) over micro-batches, then share them with every
+    stage and reduce over DP ranks (see ``forward_backward``)."""
     holder = [None]
     if ps.is_pipeline_last_stage():
         keys = sorted(reported[0])
-        holder[0] = {k: float(torch.stack([m[k].float() for m in reported]).mean()) for k in keys}
+        stacked = {k: torch.stack([m[k].double().reshape(()) for m in reported]) for k in keys}
+        holder[0] = {
+            k: float(v.max() if k.startswith("max/") else (v.sum() if reduce == SUM else v.mean()))
+            for k, v in stacked.items()
+        }
     if ps.get_pipeline_model_parallel_world_size() > 1:
         pp_group = ps.get_pipeline_model_parallel_group()
         dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
     metrics = holder[0]
     dp = ps.get_data_parallel_world_size()
     if dp > 1:
-        values = torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64)
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
-        metrics = {k: float(v) / dp for k, v in zip(sorted(metrics), values)}
+        group = ps.get_data_parallel_group()
+        keys = sorted(metrics)
+        sums = [k for k in keys if not k.startswith("max/")]
+        maxes = [k for k in keys if k.startswith("max/")]
+        summed = torch.tensor([metrics[k] for k in sums], dtype=torch.float64)
+        dist.all_reduce(summed, group=group)
+        metrics = {k: float(v) / (dp if reduce == MEAN else 1) for k, v in zip(sums, summed)}
+        if maxes:
+            top = torch.tensor([holder[0][k] for k in maxes], dtype=torch.float64)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            metrics.update({k: float(v) for k, v in zip(maxes, top)})
     return metrics
 
 
-def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn) -> dict:
-    """Zero grads, forward/backward all micro-batches, take one optimizer step. Returns metrics incl. grad_norm."""
+def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn, *, reduce: str = MEAN) -> dict:
+    """Zero grads, forward/backward all micro-batches, take one optimizer step. Returns metrics incl. grad_norm and
+    lr (metrics reduced as in ``forward_backward``)."""
     with megatron_mode():
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    metrics = forward_backward(model, micro_batches, loss_fn)
+    metrics = forward_backward(model, micro_batches, loss_fn, reduce=reduce)
     with megatron_mode():
         ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan gradients)")
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics
 
 

@@ -1,0 +1,121 @@
+"""A step's metrics under verl's names (reward/, response_length/, actor/, critic/, kl/, rollout/, sync/, timing/,
+perf/, memory/), reduced over ranks where they are per-rank (sync bytes, memory)."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+
+import torch
+import torch.distributed as dist
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 peak FLOP/s per GPU by device-name fragment (no entry: no perf/mfu)."""
+
+
+def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def _world_reduce(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+    keys_s, keys_m = sorted(sums), sorted(maxes)
+    s = torch.tensor([sums[k] for k in keys_s], dtype=torch.float64)
+    m = torch.tensor([maxes[k] for k in keys_m], dtype=torch.float64)
+    dist.all_reduce(s)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    return {**dict(zip(keys_s, s.tolist())), **dict(zip(keys_m, m.tolist()))}
+
+
+def _model_metrics(prefix: str, update: dict[str, float]) -> dict[str, float]:
+    """ppo_updates' keys -> logged names: grad_norm / lr get the model's prefix, ``max/`` is dropped."""
+    out = {}
+    for k, v in update.items():
+        k = k.removeprefix("max/")
+        out[f"{prefix}/{k}" if "/" not in k else k] = v
+    return out
+
+
+def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([r.double() for r in rows])
+
+
+def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
+    cfg, seqs = job.cfg, learned.seqs
+    lengths = [len(s.token_ids) for s in batch.samples]
+    scores = batch.scores
+    m = {
+        "reward/mean": statistics.fmean(scores),
+        "reward/std": statistics.pstdev(scores),
+        "reward/errors": float(batch.errors),
+        "response_length/mean": statistics.fmean(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/clip_ratio": sum(s.finish_reason == "length" for s in batch.samples) / len(lengths),
+        "rollout/tokens_per_s": batch.generated_tokens / batch.generate_seconds if batch.generate_seconds else 0.0,
+        "rollout/weight_version_min": float(min(s.weight_version for s in batch.samples)),
+        "rollout/weight_version_max": float(max(s.weight_version for s in batch.samples)),
+        "data/epoch": float(job.sampler.epoch),
+    }
+    m.update({f"reward/{k}": statistics.fmean(v) for k, v in batch.extra.items()})
+    if cfg.algorithm.overlong.enable:
+        m["reward/overlong_penalty_mean"] = statistics.fmean(r - s for r, s in zip(batch.rewards, scores))
+    if cfg.algorithm.dynamic_sampling.enable:
+        m["dynamic_sampling/gen_rounds"] = float(batch.rounds)
+        m["dynamic_sampling/dropped_groups"] = float(batch.dropped_groups)
+    m.update(_model_metrics("actor", learned.actor))
+    m.update(_model_metrics("critic", learned.critic))
+    m.update(learned.kl)
+    if "kl/coef" not in m and cfg.actor.kl_loss_coef > 0:
+        m["kl/coef"] = cfg.actor.kl_loss_coef
+    if learned.old_logp is not None:
+        diff = (_cat(learned.old_logp) - _cat(learned.rollout_logp)).abs()
+        m["rollout/logprob_mismatch_mean"] = float(diff.mean())
+        m["rollout/logprob_mismatch_max"] = float(diff.max())
+    if learned.values is not None:
+        v, r = _cat(learned.values), _cat(learned.returns)
+        m["critic/values_mean"] = float(v.mean())
+        m["critic/returns_mean"] = float(r.mean())
+        m["critic/explained_var"] = float(1 - (r - v).var() / r.var().clamp(min=1e-8))
+    m.update(timer.metrics())
+    step_seconds = timer.seconds["step"]
+    tokens = sum(len(s.tokens) for s in seqs)
+    m["perf/tokens_per_s"] = tokens / step_seconds
+    peak = _peak_flops()
+    if peak:
+        params = sum(p.numel() for p in job.models.actor.parameters()) * job.layout.tp * job.layout.pp
+        m["perf/mfu"] = 6 * params * tokens * cfg.actor.ppo_epochs / (step_seconds * peak * job.layout.world_size)
+    memory = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
+    if torch.cuda.is_available():
+        memory["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    m.update(
+        _world_reduce(
+            {"sync/bytes_sent": float(sync.bytes_sent), "sync/bytes_cross_node": float(sync.bytes_cross_node)},
+            {"sync/seconds": sync.seconds, **memory},
+        )
+    )
+    return m
+
+
+def validation_metrics(result, samples) -> dict[str, float]:
+    return {
+        "val/reward/mean": statistics.fmean(result.scores),
+        "val/reward/errors": float(result.errors),
+        "val/response_length/mean": statistics.fmean(len(s.token_ids) for s in samples),
+    }
+
+
+def summary_lines(history: list[dict]) -> list[str]:
+    """The end-of-run summary: reward over the first and last 10 steps, and time."""
+    rewards = [h["reward/mean"] for h in history]
+    k = min(10, len(rewards))
+    first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+    seconds = sum(h["timing/step"] for h in history)
+    lines = [
+        f"{len(history)} steps in {seconds:.1f}s ({seconds / len(history):.2f}s/step)",
+        f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})",
+    ]
+    if "val/reward/mean" in history[-1]:
+        lines.append(f"val/reward/mean (last): {history[-1]['val/reward/mean']:.3f}")
+    return lines

@@ -1,0 +1,28 @@
+"""What a run must carry from step to step (and what a checkpoint will save): a plain, serialisable object."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TrainerState:
+    """The trainer's own state, apart from model and optimizer tensors."""
+
+    step: int = 0
+    """Last completed RL step (0: none yet); the engine then holds weight version ``step``."""
+    seed: int = 1234
+    """trainer.seed: parameter init, data order and sampling seeds derive from it."""
+    data: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    """The prompt sampler's position (``PromptSampler.state_dict``)."""
+    kl_ctrl: dict = field(default_factory=dict)
+    """The in-reward KL controller's state (``state_dict``)."""
+    wandb_run_id: str | None = None
+    """The W&B run to continue on resume."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainerState:
+        return cls(**d)
