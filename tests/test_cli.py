@@ -1,9 +1,12 @@
 """The `megarl` command: help, config errors before any process starts, and the demo's training run."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 
 def _megarl(*args, cwd=None, timeout=600):
@@ -26,9 +29,66 @@ def test_config_error_exits_before_launch(tiny_llama_dir):
     assert "launching" not in out.stdout
 
 
-def test_quickstart_trains_at_tp2(tiny_llama_dir):
-    out = _megarl("train", "configs/quickstart.yaml", f"model.path={tiny_llama_dir}")
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_quickstart_runs_rl_steps_at_tp2(tiny_llama_dir, tmp_path):
+    """The demo's path: `megarl train` relaunches itself on 2 local ranks and runs GRPO through vLLM."""
+    out_dir = tmp_path / "run"
+    out = _megarl(
+        "train", "configs/quickstart.yaml", f"model.path={tiny_llama_dir}", "trainer.total_steps=2",
+        f"trainer.output_dir={out_dir}", "trainer.val_every=2", "data.val_batch_size=4", "logging.wandb.mode=disabled",
+        "data.train_batch_size=4", "actor.global_batch_size=32",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "launching 2 local ranks" in out.stdout
-    losses = [float(x) for x in re.findall(r"step \d+/5 loss ([0-9.]+)", out.stdout)]
-    assert len(losses) == 5 and losses[-1] < losses[0] - 0.5
+    assert re.search(r"\[megarl\] step 1/2 reward [0-9.]+", out.stdout), out.stdout[-2000:]
+    assert "reward/mean: first 2 steps" in out.stdout
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and "val/reward/mean" in rows[1]
+    assert (out_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "adv_estimator: grpo" in (out_dir / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("reward.function=no_such_reward", "reward.function: unknown"),
+        ("data.train_files=[/nonexistent/train.jsonl]", "/nonexistent/train.jsonl"),
+        ("data.prompt_key=question", "data.prompt_key"),
+        ("reward.function=/nonexistent/r.py:fn", "/nonexistent/r.py"),
+    ],
+)
+def test_bad_inputs_fail_before_any_process_starts(tiny_llama_dir, tmp_path, override, message):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "copy 1:", "answer": "1"}\n')
+    out = _megarl(
+        "train", "configs/quickstart.yaml", f"model.path={tiny_llama_dir}", f"data.train_files=[{data}]", override
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr, out.stderr
+    assert "launching" not in out.stdout and "config error" in out.stderr
+
+
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "sliding_window": 131072, "use_sliding_window": False, "hidden_act": "silu",
+}  # fmt: skip
+
+
+def test_qwen_recipe_validates_with_dry_run(tmp_path):
+    """The real GPU recipe: its config, Qwen2.5-7B's HF config and GSM8K-shaped Parquet data validate here."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B))
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}}]
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{split}.parquet")
+    out = _megarl(
+        "train", "configs/qwen2.5_7b_grpo_gsm8k.yaml", "--dry-run", f"model.path={model}",
+        f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'test.parquet'}]",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "dry run" in out.stdout and "qwen2 28x3584" in out.stdout and "TP=4 PP=1 DP=2" in out.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 
 import yaml
@@ -28,13 +29,7 @@ def load_config(yaml_path: str | None = None, overrides: list[str] = ()) -> Mega
 
 def _merge_raw(yaml_path, overrides) -> dict:
     schema = OmegaConf.structured(MegarlConfig)
-    layers = []
-    if yaml_path:
-        with open(yaml_path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{yaml_path}: top level must be a mapping of sections (model, actor, trainer)")
-        layers.append(OmegaConf.create(data))
+    layers = [OmegaConf.create(data) for data in _yaml_layers(yaml_path)] if yaml_path else []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. actor.parallel.tp=2)")
@@ -51,6 +46,27 @@ def _merge_raw(yaml_path, overrides) -> dict:
         key = missing[0]
         raise ConfigError(f"{key}: required but not set (set it in the YAML or as {key}.<field>=...)")
     return OmegaConf.to_container(merged, resolve=True)
+
+
+BASE_KEY = "base"
+"""A recipe may start from another: ``base: quickstart.yaml`` (relative to the recipe) is merged first."""
+
+
+def _yaml_layers(path: str, seen: tuple[str, ...] = ()) -> list[dict]:
+    """The recipe's YAML mappings, its ``base`` chain first."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe not found: {path}")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (model, actor, trainer)")
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return [data]
+    base_path = os.path.join(os.path.dirname(path), base)
+    return _yaml_layers(base_path, (*seen, os.path.abspath(path))) + [data]
 
 
 def _unknown_key_message(e: ConfigKeyError) -> str:

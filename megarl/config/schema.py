@@ -113,7 +113,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over the step's samples."""
     seq_length: int = 256
-    """Longest training sequence in tokens (prompt + response); the language-model smoke run pads to it."""
+    """Longest training sequence in tokens (prompt + response); data.max_prompt_length + max_new_tokens must fit."""
     policy_loss: str = "ppo"
     """'ppo' (token-level clipped ratio) or 'gspo' (GSPO's sequence-level ratio)."""
     clip_ratio_low: float = 0.2

@@ -1,1 +1,1 @@
-"""Jobs and loops: for now the Megatron smoke run behind `megarl train` (the RL loop lands here later)."""
+"""The RL loop (`megarl train`): job setup, rollout + rewards, the update, metrics, per-phase timers."""

@@ -30,6 +30,9 @@ class Collected:
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     dropped_groups: int = 0
+    """Dynamic sampling: groups set aside because their rewards were all equal."""
+    filled_groups: int = 0
+    """Dynamic sampling: set-aside groups used to fill the batch after max_gen_batches rounds."""
 
 
 def _score(cfg: MegarlConfig, reward_fn, tokenizer, prompts: dict[int, Prompt], samples: list[Sample]):
@@ -51,15 +54,31 @@ def _score(cfg: MegarlConfig, reward_fn, tokenizer, prompts: dict[int, Prompt], 
     return result, rewards
 
 
+@dataclass
+class _Group:
+    """The n samples of one prompt with their scores."""
+
+    index: int
+    prompt: Prompt
+    samples: list[Sample]
+    scores: list[float]
+    rewards: list[float]
+    extra: dict[str, list[float]]
+
+
 def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: int, timer) -> Collected:
-    """Collective: the step's batch of ``data.train_batch_size`` prompt groups (fewer only when dynamic sampling ran
-    out of rounds; the caller trims to whole mini-batches)."""
-    want, n = cfg.data.train_batch_size, cfg.rollout.sampling.n
+    """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups.
+
+    With dynamic sampling, groups whose rewards are all equal (no learning signal under group baselines) are set
+    aside and more prompts are generated, up to ``max_gen_batches`` rounds; if still short, the batch is filled
+    with set-aside groups (their advantages are zero) and ``dynamic_sampling/filled_groups`` says how many."""
+    want = cfg.data.train_batch_size
     dynamic = cfg.algorithm.dynamic_sampling
     out = Collected()
+    kept: list[_Group] = []
+    spare: list[_Group] = []
     next_index = 0
-    rounds = dynamic.max_gen_batches if dynamic.enable else 1
-    for _ in range(rounds):
+    for _ in range(dynamic.max_gen_batches if dynamic.enable else 1):
         prompts = sampler.take(want)
         by_index = {next_index + i: p for i, p in enumerate(prompts)}
         with timer("generate"):
@@ -78,23 +97,27 @@ def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: i
             result, rewards = _score(cfg, reward_fn, tokenizer, by_index, samples)
         out.errors += result.errors
         out.first_error = out.first_error or result.first_error
-        keep = set(by_index)
-        if dynamic.enable:
-            for idx in by_index:
-                group = {r for s, r in zip(samples, rewards) if s.prompt_index == idx}
-                if len(group) == 1:
-                    keep.discard(idx)
-            out.dropped_groups += len(by_index) - len(keep)
-            keep = set(sorted(keep)[: want - len(out.prompts)])
-        for i, s in enumerate(samples):
-            if s.prompt_index in keep:
-                out.samples.append(s)
-                out.scores.append(result.scores[i])
-                out.rewards.append(rewards[i])
-                for k, values in result.extra.items():
-                    out.extra.setdefault(k, []).append(values[i])
-        out.prompts.update({i: by_index[i] for i in keep})
-        if len(out.prompts) >= want:
+        for idx, prompt in by_index.items():
+            rows = [i for i, s in enumerate(samples) if s.prompt_index == idx]
+            group = _Group(
+                idx,
+                prompt,
+                [samples[i] for i in rows],
+                [result.scores[i] for i in rows],
+                [rewards[i] for i in rows],
+                {k: [v[i] for i in rows] for k, v in result.extra.items()},
+            )
+            informative = not dynamic.enable or len(set(group.rewards)) > 1
+            (kept if informative else spare).append(group)
+        if len(kept) >= want:
             break
-    assert all(len(v) == len(out.samples) for v in out.extra.values()) and len(out.samples) == n * len(out.prompts)
+    out.dropped_groups = len(spare)
+    out.filled_groups = max(0, want - len(kept))
+    for g in sorted(kept[:want] + spare[: out.filled_groups], key=lambda g: g.index):
+        out.prompts[g.index] = g.prompt
+        out.samples += g.samples
+        out.scores += g.scores
+        out.rewards += g.rewards
+        for k, v in g.extra.items():
+            out.extra.setdefault(k, []).extend(v)
     return out

@@ -77,14 +77,28 @@ def skips_old_logprob(cfg: MegarlConfig) -> bool:
     return cfg.actor.ppo_epochs == 1 and one_minibatch
 
 
-def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: TrainerState) -> Job:
-    """Collective over the world (every rank calls it with the same config)."""
+def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout):
+    """Collective: the rollout engine, started from a directory with the HF config and tokenizer only (the weights
+    arrive through the first sync)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the launcher's ranks per node
+    engine_dir = os.path.join(cfg.trainer.output_dir, "engine")
+    if rank == 0:
+        write_engine_dir(source.hf_config, source.tokenizer_dir, engine_dir)
+    dist.barrier()
+    src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
+    return build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
+
+
+def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: TrainerState, engine=None) -> Job:
+    """Collective over the world (every rank calls it with the same config). ``engine``: reuse a running rollout
+    engine of the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
     from transformers import AutoTokenizer
 
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     init_distributed(layout, seed=cfg.trainer.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out_dir = cfg.trainer.output_dir
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
@@ -99,13 +113,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: Tr
         kl_ctrl.load_state_dict(state.kl_ctrl)
 
     models = build_rl_models(cfg, spec, layout, source, rank)
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the launcher's ranks per node
-    engine_dir = os.path.join(out_dir, "engine")  # HF config + tokenizer only: weights arrive through the sync
-    if rank == 0:
-        write_engine_dir(source.hf_config, source.tokenizer_dir, engine_dir)
-    dist.barrier()
-    src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
-    engine = build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
+    if engine is None:
+        engine = start_engine(cfg, spec, source, layout)
     engine.update_weights(actor_tensors(models.actor), state.step)
 
     tracker = Tracker(

@@ -24,10 +24,11 @@ from megarl.training.losses import actor_loss, critic_loss, critic_values
 from megarl.training.update import forward_fields, ppo_updates
 
 
-def train(cfg, spec, source, state: TrainerState | None = None) -> TrainerState:
-    """Run ``trainer.total_steps`` RL steps (collective over the world); returns the final state."""
+def train(cfg, spec, source, state: TrainerState | None = None, engine=None) -> Job:
+    """Run ``trainer.total_steps`` RL steps (collective over the world); returns the job (its engine can serve
+    another job of the same model and layout)."""
     state = state or TrainerState(seed=cfg.trainer.seed)
-    job = build_job(cfg, spec, source, state)
+    job = build_job(cfg, spec, source, state, engine=engine)
     history = []
     with job.tracker:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
@@ -41,7 +42,7 @@ def train(cfg, spec, source, state: TrainerState | None = None) -> TrainerState:
             job.tracker.log(step, metrics)
             history.append(metrics)
         job.tracker.finish(summary_lines(history))
-    return state
+    return job
 
 
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:

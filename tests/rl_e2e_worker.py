@@ -1,0 +1,29 @@
+"""Run under torchrun by tests/test_rl_e2e.py: several short RL jobs, one after another, on ONE colocated vLLM
+engine (starting an engine costs 10-40 s here; every job syncs its own initial actor into it as version 0).
+
+    torchrun --standalone --nproc-per-node 2 tests/rl_e2e_worker.py '<json args>'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from megarl.config import load_config, validate
+from megarl.trainer.loop import train
+from megarl.training.init_weights import model_source
+
+
+def main(args: dict) -> None:
+    engine = None
+    source = model_source(args["hf_dir"])
+    for name, recipe, overrides in args["jobs"]:
+        cfg = load_config(
+            recipe, [f"model.path={args['hf_dir']}", f"trainer.output_dir={args['out']}/{name}", *overrides]
+        )
+        spec = validate(cfg, world_size=2)
+        engine = train(cfg, spec, source, engine=engine).engine
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

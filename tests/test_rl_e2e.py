@@ -1,0 +1,128 @@
+"""The whole RL loop end to end: `megarl train`'s trainer, 3 steps per algorithm, through the real colocated vLLM
+engine (CPU build) at TP=2 on 2 ranks; all jobs share one torchrun group and one engine.
+
+Checked per job: the metrics file holds every metric that applies with finite values, each step's samples carry
+the weight version of the previous step's update (initial weights: version 0), and the engine's log-probabilities
+equal the actor's (fp32). Also: a reward function that raises on some samples, W&B offline and disabled.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megarl.models.tiny import make_tiny_hf_model
+
+STEPS = 3
+COMMON = [f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
+          "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=32",
+          "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+FLAKY = '''
+def flaky(prompts, responses, ground_truths, extras):
+    out = []
+    for prompt in prompts:
+        if prompt.startswith("copy"):
+            raise ValueError("flaky reward: no copies")
+        out.append(1.0)
+    return out
+'''
+JOBS = {
+    "grpo": ("configs/tiny_grpo.yaml", ["logging.wandb.mode=offline", "trainer.val_every=2", "data.val_batch_size=4"]),
+    "ppo": ("configs/tiny_ppo.yaml", ["data.train_batch_size=8", "actor.global_batch_size=16"]),
+    "rloo": ("configs/tiny_rloo.yaml", []),
+    "reinforce_pp": ("configs/tiny_reinforce_pp.yaml", []),
+    "reinforce_pp_baseline": ("configs/tiny_reinforce_pp_baseline.yaml", []),
+    "dapo": ("configs/tiny_dapo.yaml", []),
+    "flaky": ("configs/tiny_grpo.yaml", ["reward.function={flaky}"]),
+}
+BASE_KEYS = [
+    "reward/mean", "reward/std", "reward/errors", "response_length/mean", "response_length/max",
+    "response_length/clip_ratio", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+    "actor/grad_norm", "actor/lr", "rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max",
+    "rollout/is_weight_mean", "rollout/tokens_per_s", "sync/seconds", "sync/bytes_sent", "sync/bytes_cross_node",
+    "timing/generate", "timing/reward", "timing/ref", "timing/old_logprob", "timing/values", "timing/advantages",
+    "timing/update_actor", "timing/update_critic", "timing/sync", "timing/step", "perf/tokens_per_s",
+    "memory/peak_rss_gb",
+]  # fmt: skip
+KL_KEYS = ["kl/ref_mean", "kl/coef"]
+CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_var",
+               "critic/grad_norm"]  # fmt: skip
+EXPECTED = {
+    "grpo": BASE_KEYS + ["val/reward/mean"],
+    "ppo": BASE_KEYS + KL_KEYS + CRITIC_KEYS + ["actor/kl_loss"],
+    "rloo": BASE_KEYS,
+    "reinforce_pp": BASE_KEYS + KL_KEYS,
+    "reinforce_pp_baseline": BASE_KEYS + KL_KEYS + ["actor/kl_loss"],
+    "dapo": BASE_KEYS + ["reward/overlong_penalty_mean", "dynamic_sampling/gen_rounds"],
+    "flaky": BASE_KEYS,
+}
+MATCH = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rl-e2e")
+    hf = make_tiny_hf_model(str(tmp / "llama"), "llama", seed=3, init_std=0.08)
+    (tmp / "user_reward.py").write_text(FLAKY)
+    flaky = f"{tmp / 'user_reward.py'}:flaky"
+    jobs = [[name, recipe, COMMON + [o.format(flaky=flaky) for o in extra]] for name, (recipe, extra) in JOBS.items()]
+    out = tmp / "out"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_DIR": str(tmp),
+           "WANDB_CACHE_DIR": str(tmp / "wandb-cache"), "WANDB_CONFIG_DIR": str(tmp / "wandb-config")}  # fmt: skip
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=2", "tests/rl_e2e_worker.py",
+         json.dumps({"hf_dir": hf, "out": str(out), "jobs": jobs})],
+        env=env, capture_output=True, text=True, timeout=1200,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in JOBS}
+    return {"rows": rows, "out": out, "stdout": proc.stdout}
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_every_metric_is_logged_and_finite(runs, name):
+    rows = runs["rows"][name]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        missing = [k for k in EXPECTED[name] if k not in r and not (k.startswith("val/") and r["step"] % 2)]
+        assert not missing, (name, r["step"], missing)
+        bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
+        assert not bad, (name, bad)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_samples_carry_the_previous_updates_weights_and_match_the_actor(runs, name):
+    for r in runs["rows"][name]:
+        assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] - 1
+        assert r["rollout/logprob_mismatch_max"] < MATCH, (name, r["step"], r["rollout/logprob_mismatch_max"])
+        assert r["sync/bytes_sent"] > 0 and r["sync/bytes_cross_node"] == 0  # one node
+
+
+def test_reward_errors_score_zero_and_are_counted(runs):
+    rows = runs["rows"]["flaky"]
+    samples = 4 * 8
+    for r in rows:
+        assert 0 < r["reward/errors"] < samples
+        assert r["reward/mean"] == pytest.approx(1 - r["reward/errors"] / samples, abs=1e-12)
+    assert runs["stdout"].count("the reward function raised") == 1
+    assert "flaky reward: no copies" in runs["stdout"]
+
+
+def test_wandb_offline_run_holds_the_logged_keys(runs):
+    wandb_dir = runs["out"] / "grpo" / "wandb"
+    run_dirs = [d for d in os.listdir(wandb_dir) if d.startswith("offline-run-")]
+    assert len(run_dirs) == 1
+    summary = json.load(open(wandb_dir / run_dirs[0] / "files" / "wandb-summary.json"))
+    last = runs["rows"]["grpo"][-1]
+    for key in ("reward/mean", "actor/pg_loss", "timing/step"):
+        assert summary[key] == pytest.approx(last[key])
+
+
+def test_wandb_disabled_writes_nothing(runs):
+    assert not (runs["out"] / "rloo" / "wandb").exists()
+    assert (runs["out"] / "rloo" / "reward_curve.png").is_file() and (runs["out"] / "rloo" / "config.yaml").is_file()
