@@ -1,4 +1,4 @@
-"""The `megarl` command: train, convert and tiny-model (plan and launch arrive with their issues)."""
+"""The `megarl` command: train, plot, convert and tiny-model (plan and launch arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def _cmd_tiny_model(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from megarl.logging import plot_from_dir
+
+    try:
+        print(f"[megarl] wrote {plot_from_dir(args.output_dir, args.out)}")
+    except FileNotFoundError as e:
+        print(f"megarl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_convert(args) -> int:
     from megarl.convert.cli import COMMANDS
 
@@ -98,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_tiny_model)
+    plot = sub.add_parser("plot", help="redraw OUTPUT_DIR/reward_curve.png from OUTPUT_DIR/metrics.jsonl")
+    plot.add_argument("output_dir", help="a run's trainer.output_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/reward_curve.png)")
+    plot.set_defaults(func=_cmd_plot)
     convert = sub.add_parser(
         "convert", help="checkpoint conversion: hf-to-megatron, megatron-to-hf, verify", add_help=False
     )

@@ -1,0 +1,32 @@
+"""metrics.jsonl: one JSON object per step (``{"step": N, ...}``). Non-finite floats are written as null (JSON has
+no NaN)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+def _clean(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class JsonlWriter:
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._f = open(path, "a")
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,25 @@
+"""Weights & Biases: online, offline (files under ``<output_dir>/wandb``, upload later with ``wandb sync``) or
+disabled (wandb is not even initialised; nothing is written)."""
+
+from __future__ import annotations
+
+from megarl.config.schema import WandbConfig
+
+
+def start_wandb(cfg: WandbConfig, output_dir: str, run_config: dict, run_id: str | None = None):
+    """The W&B run, or None when disabled. ``run_id`` continues an earlier run."""
+    if cfg.mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        mode=cfg.mode,
+        project=cfg.project,
+        name=cfg.name or None,
+        tags=list(cfg.tags) or None,
+        config=run_config,
+        dir=output_dir,
+        id=run_id,
+        resume="allow" if run_id else None,
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_machine_info=True),
+    )
