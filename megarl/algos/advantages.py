@@ -1,7 +1,8 @@
-"""Advantage estimators on response-aligned tensors [N, R] (right-padded; ``mask`` is 1 on real tokens).
+"""Advantage estimators on response-aligned tensors [N, R]: rows are sequences, right-padded, ``mask_NR`` is 1 on real
+tokens (contiguous from position 0 within each row).
 
-All batch statistics (whitening, group baselines) are over the whole tensor given: the trainer calls these on the
-step's full batch, identical on every rank.
+Batch statistics (whitening, group baselines) are over the whole tensor given: the trainer calls these on the step's
+full batch, identical on every rank. Results are fp32.
 """
 
 from __future__ import annotations
@@ -9,107 +10,130 @@ from __future__ import annotations
 import torch
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is 1 (over ``dim``, or the whole tensor); 0 when there are none."""
+    keep = mask.bool()
+    total = torch.where(keep, x.float(), 0.0)
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+        return total.sum() / keep.sum().clamp(min=1)
+    return total.sum(dim) / keep.sum(dim).clamp(min=1)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = (((x - mean) * mask) ** 2).sum() / count.clamp(min=1)
-    if unbiased and count > 1:
-        var = var * count / (count - 1)
-    return var
+    """Variance of the masked entries of the whole tensor (Bessel-corrected when ``unbiased`` and count > 1)."""
+    keep = mask.bool()
+    count = keep.sum()
+    sq_dev = torch.where(keep, x.float() - masked_mean(x, mask), 0.0) ** 2
+    denom = count - 1 if unbiased else count
+    return sq_dev.sum() / denom.clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (mean added back when ``shift_mean=False``); 0 outside the mask."""
+    """(x - mean) * rsqrt(var + eps) over the masked entries (mean added back when ``shift_mean=False``); 0 outside
+    the mask."""
     mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out = (x.float() - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return torch.where(mask.bool(), out, 0.0)
 
 
 def broadcast_to_tokens(adv_N: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
-    return adv_N.unsqueeze(-1) * mask_NR
+    """A per-sequence value on every real token of its row, 0 elsewhere."""
+    return torch.where(mask_NR.bool(), adv_N.float().unsqueeze(-1), 0.0)
 
 
 def token_level_scores(scores_N: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
-    """The sequence score on each row's last real token, 0 elsewhere."""
-    out = torch.zeros_like(mask_NR, dtype=torch.float32)
-    last = (mask_NR.sum(-1).long() - 1).clamp(min=0)
-    out[torch.arange(len(scores_N)), last] = scores_N.float()
-    return out * mask_NR
+    """The sequence score on each row's last real token, 0 elsewhere (and 0 for rows without tokens)."""
+    keep = mask_NR.bool()
+    positions = torch.arange(1, keep.shape[1] + 1, device=keep.device)
+    last_R = (positions * keep).argmax(-1)  # the largest masked position; 0 for empty rows, zeroed below
+    out = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+    out[torch.arange(keep.shape[0], device=keep.device), last_R] = scores_N.float()
+    return torch.where(keep, out, 0.0)
 
 
-def gae(token_rewards_NR, values_NR, mask_NR, gamma: float, lam: float, whiten: bool = True):
-    """Generalised advantage estimation; V beyond each row's last real token is 0 (terminal there).
+def gae(
+    token_rewards_NR: torch.Tensor,
+    values_NR: torch.Tensor,
+    mask_NR: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, terminal at each row's last real token (V there-after = 0).
 
-    Returns (advantages, returns = advantages + values), both 0 outside the mask; advantages whitened over the batch
-    when ``whiten``."""
-    mask = mask_NR.float()
-    values = values_NR.float() * mask
-    rewards = token_rewards_NR.float() * mask
-    width = mask.shape[1]
+    Returns (advantages, returns = unwhitened advantages + values), both 0 outside the mask; advantages are whitened
+    over the batch when ``whiten``."""
+    keep = mask_NR.bool()
+    values = torch.where(keep, values_NR.float(), 0.0)
+    rewards = torch.where(keep, token_rewards_NR.float(), 0.0)
+    n_rows, width = keep.shape
     adv = torch.zeros_like(rewards)
-    last = torch.zeros(mask.shape[0])
+    next_adv = torch.zeros(n_rows, device=rewards.device)
+    next_value = torch.zeros(n_rows, device=rewards.device)
     for t in reversed(range(width)):
-        next_value = values[:, t + 1] if t + 1 < width else torch.zeros_like(last)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * mask[:, t]
-        adv[:, t] = last
-    returns = (adv + values) * mask
-    return (masked_whiten(adv, mask) if whiten else adv), returns
+        next_adv = torch.where(keep[:, t], delta + gamma * lam * next_adv, 0.0)
+        adv[:, t] = next_adv
+        next_value = values[:, t]
+    returns = torch.where(keep, adv + values, 0.0)
+    return (masked_whiten(adv, keep) if whiten else adv), returns
 
 
-def _groups(group_N: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.nonzero(group_N == g).flatten() for g in torch.unique(group_N)]
+def _group_index(group_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense group index per sequence, samples per group)."""
+    _, index_N, counts_G = torch.unique(group_N, return_inverse=True, return_counts=True)
+    return index_N, counts_G
+
+
+def _group_sum(x_N: torch.Tensor, index_N: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=x_N.dtype, device=x_N.device).index_add_(0, index_N, x_N)
 
 
 def grpo(scores_N: torch.Tensor, group_N: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """(s - group mean) / (group std + eps); ``norm_by_std=False``: s - group mean (Dr. GRPO). A group of one has
-    mean 0 and std 1, so its advantage is the raw score."""
-    scores = scores_N.float()
-    adv = torch.empty_like(scores)
-    for idx in _groups(group_N):
-        s = scores[idx]
-        mean, std = (s.mean(), s.std()) if len(idx) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
-        adv[idx] = (s - mean) / (std + eps) if norm_by_std else s - mean
-    return adv
+    """(s - group mean) / (group std + eps) with the unbiased std; ``norm_by_std=False``: s - group mean (Dr. GRPO).
+    A group of one has mean 0 and std 1, so its advantage is the raw score (verl's convention)."""
+    scores = scores_N.double()
+    index_N, counts_G = _group_index(group_N)
+    single_G = counts_G == 1
+    mean_G = torch.where(single_G, 0.0, _group_sum(scores, index_N, len(counts_G)) / counts_G)
+    centred = scores - mean_G[index_N]
+    if not norm_by_std:
+        return centred.float()
+    var_G = _group_sum(centred**2, index_N, len(counts_G)) / (counts_G - 1).clamp(min=1)
+    std_G = torch.where(single_G, 1.0, var_G.sqrt())
+    return (centred / (std_G[index_N] + eps)).float()
 
 
 def rloo(scores_N: torch.Tensor, group_N: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline: s_i - mean of the other samples of the group; a group of one keeps its score."""
-    scores = scores_N.float()
-    adv = scores.clone()
-    for idx in _groups(group_N):
-        n = len(idx)
-        if n > 1:
-            s = scores[idx]
-            adv[idx] = s - (s.sum() - s) / (n - 1)
-    return adv
+    """Leave-one-out baseline: s_i - mean of the other samples of its group; a group of one keeps its score."""
+    scores = scores_N.double()
+    index_N, counts_G = _group_index(group_N)
+    others_sum = _group_sum(scores, index_N, len(counts_G))[index_N] - scores
+    others = (counts_G - 1)[index_N]
+    baseline = torch.where(others > 0, others_sum / others.clamp(min=1), 0.0)
+    return (scores - baseline).float()
 
 
-def reinforce_pp(token_rewards_NR, mask_NR, gamma: float):
-    """REINFORCE++: discounted return-to-go within each row, whitened over the batch (advantages, returns)."""
-    mask = mask_NR.float()
-    rewards = token_rewards_NR.float() * mask
+def reinforce_pp(
+    token_rewards_NR: torch.Tensor, mask_NR: torch.Tensor, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go within each row; advantages are the returns whitened over the batch.
+    Returns (advantages, returns), both 0 outside the mask. The KL penalty is already in ``token_rewards``."""
+    keep = mask_NR.bool()
+    rewards = torch.where(keep, token_rewards_NR.float(), 0.0)
     returns = torch.zeros_like(rewards)
-    running = torch.zeros(mask.shape[0])
-    for t in reversed(range(mask.shape[1])):
-        running = rewards[:, t] + gamma * running * mask[:, t]
+    running = torch.zeros(keep.shape[0], device=rewards.device)
+    for t in reversed(range(keep.shape[1])):
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, 0.0)
         returns[:, t] = running
-    returns = returns * mask
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, keep), returns
 
 
 def reinforce_pp_baseline(scores_N: torch.Tensor, group_N: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
     """REINFORCE++-baseline: score minus its group mean on every response token, then whitened over the batch."""
-    scores = scores_N.float()
-    centred = scores.clone()
-    for idx in _groups(group_N):
-        centred[idx] = scores[idx] - scores[idx].mean()
-    return masked_whiten(broadcast_to_tokens(centred, mask_NR.float()), mask_NR.float())
+    scores = scores_N.double()
+    index_N, counts_G = _group_index(group_N)
+    centred_N = scores - (_group_sum(scores, index_N, len(counts_G)) / counts_G)[index_N]
+    return masked_whiten(broadcast_to_tokens(centred_N.float(), mask_NR), mask_NR)

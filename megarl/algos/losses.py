@@ -1,28 +1,33 @@
-"""Per-token RL losses and their aggregation (pure tensor functions; rows are sequences, ``mask`` marks response
-tokens). Aggregation returns one batch's *contribution* to a global aggregate, so that the sum over micro-batches
-and ranks equals the aggregate over the whole mini-batch."""
+"""Per-token RL losses and their aggregation. Rows of [B, T] tensors are sequences; ``mask_BT`` marks the response
+tokens (anywhere in the row). Losses are unmasked per-token tensors; ``aggregate`` applies the mask."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
-
-def _token_mean(loss, mask, tokens, seqs, norm_len):
-    return (loss * mask).sum() / tokens
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is numerical noise; keeps exp() finite
 
 
-def _seq_mean_token_sum(loss, mask, tokens, seqs, norm_len):
-    return (loss * mask).sum() / seqs
+def _token_mean(loss_BT, keep_BT, tokens, seqs, norm_len):
+    return torch.where(keep_BT, loss_BT, 0.0).sum() / tokens
 
 
-def _seq_mean_token_mean(loss, mask, tokens, seqs, norm_len):
-    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / seqs
+def _seq_mean_token_sum(loss_BT, keep_BT, tokens, seqs, norm_len):
+    return torch.where(keep_BT, loss_BT, 0.0).sum() / seqs
 
 
-def _seq_mean_token_sum_norm(loss, mask, tokens, seqs, norm_len):
-    if not norm_len:
-        raise ValueError("seq-mean-token-sum-norm needs norm_len (the constant length, e.g. max_new_tokens)")
-    return (loss * mask).sum() / (seqs * norm_len)
+def _seq_mean_token_mean(loss_BT, keep_BT, tokens, seqs, norm_len):
+    row_mean_B = torch.where(keep_BT, loss_BT, 0.0).sum(-1) / keep_BT.sum(-1).clamp(min=1)
+    return row_mean_B.sum() / seqs
+
+
+def _seq_mean_token_sum_norm(loss_BT, keep_BT, tokens, seqs, norm_len):
+    if norm_len is None or norm_len <= 0:
+        raise ValueError("seq-mean-token-sum-norm needs norm_len > 0 (a constant length, e.g. max_new_tokens)")
+    return torch.where(keep_BT, loss_BT, 0.0).sum() / (seqs * norm_len)
 
 
 AGGREGATIONS = {
@@ -33,111 +38,166 @@ AGGREGATIONS = {
 }
 
 
-def aggregate(loss_BT, mask_BT, mode: str, *, global_tokens: int, global_seqs: int, norm_len: int | None = None):
-    """This batch's contribution to ``mode`` over a mini-batch of ``global_tokens`` tokens in ``global_seqs`` rows."""
+def aggregate(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    *,
+    global_tokens: int,
+    global_seqs: int,
+    norm_len: int | None = None,
+) -> torch.Tensor:
+    """This micro-batch's contribution to the ``mode`` aggregate over a mini-batch of ``global_tokens`` masked tokens
+    in ``global_seqs`` rows: summing the contributions of all micro-batches on all ranks gives the global value."""
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {list(AGGREGATIONS)}")
-    return AGGREGATIONS[mode](loss_BT, mask_BT.to(loss_BT.dtype), max(global_tokens, 1), max(global_seqs, 1), norm_len)
+    return AGGREGATIONS[mode](loss_BT.float(), mask_BT.bool(), max(global_tokens, 1), max(global_seqs, 1), norm_len)
 
 
-def _clipped_objective(ratio, adv, clip_low, clip_high, clip_c=None):
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    clipped_loss = torch.maximum(loss1, loss2)
-    out = {"clipped": (loss2 > loss1).float()}
-    if clip_c is None:
-        out["loss"], out["dual_clipped"] = clipped_loss, torch.zeros_like(clipped_loss)
-        return out
-    bound = -adv * clip_c
-    dual = (adv < 0) & (bound < clipped_loss)
-    out["loss"] = torch.where(adv < 0, torch.minimum(clipped_loss, bound), clipped_loss)
-    out["dual_clipped"] = dual.float()
-    return out
+def _clipped_surrogate(ratio_BT, adv_BT, clip_low, clip_high):
+    loss1 = -adv_BT * ratio_BT
+    loss2 = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(loss1, loss2), (loss2 > loss1).float()
 
 
-def ppo_policy_loss(logp_BT, old_logp_BT, adv_BT, *, clip_low: float, clip_high: float, clip_c: float) -> dict:
-    """PPO's clipped surrogate with separate low/high clip (DAPO clip-higher) and dual clip for A < 0.
+def ppo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+) -> dict[str, torch.Tensor]:
+    """PPO's clipped surrogate with ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher) and, for
+    A < 0, the dual clip bound -A * clip_c (None: no dual clip).
 
     Per-token tensors: ``loss``, ``clipped``, ``dual_clipped``, ``ratio``, ``approx_kl`` (old - new)."""
-    log_ratio = (logp_BT - old_logp_BT).clamp(-20, 20)
-    ratio = torch.exp(log_ratio)
-    out = _clipped_objective(ratio, adv_BT, clip_low, clip_high, clip_c)
-    out["ratio"], out["approx_kl"] = ratio.detach(), -log_ratio.detach()
-    return out
+    if clip_c is not None and clip_c <= 1:
+        raise ValueError(f"clip_c must be > 1, got {clip_c}")
+    logp, old, adv = logp_BT.float(), old_logp_BT.float(), adv_BT.float()
+    ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss, clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high)
+    dual_clipped = torch.zeros_like(loss)
+    if clip_c is not None:
+        bound = -adv * clip_c
+        negative = adv < 0
+        dual_clipped = (negative & (bound < loss)).float()
+        loss = torch.where(negative, torch.minimum(loss, bound), loss)
+    return {
+        "loss": loss,
+        "clipped": clipped,
+        "dual_clipped": dual_clipped,
+        "ratio": ratio.detach(),
+        "approx_kl": (old - logp).detach(),
+    }
 
 
-def gspo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float, clip_high: float) -> dict:
-    """GSPO: the sequence-level ratio exp(mean over the row of log(pi/pi_old)), applied per token as
-    sg[s_i] * pi_t / sg[pi_t] (value s_i, gradient through each token), clipped as in PPO."""
-    mask = mask_BT.to(logp_BT.dtype)
-    log_ratio = (logp_BT - old_logp_BT) * mask
-    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    token_log_ratio = seq_log_ratio.detach() + logp_BT - logp_BT.detach()
-    ratio = torch.exp(token_log_ratio.clamp(max=10))
-    out = _clipped_objective(ratio, adv_BT, clip_low, clip_high)
-    out["ratio"], out["approx_kl"] = ratio.detach(), -(logp_BT - old_logp_BT).detach()
-    return out
+def gspo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> dict[str, torch.Tensor]:
+    """GSPO: the sequence ratio s_i = exp(masked row mean of log(pi/pi_old)) applied per token as
+    s_it = sg[s_i] * pi_t / sg[pi_t] (value s_i; gradient through each token), then PPO's clipped surrogate on s_it.
+    Same keys as ``ppo_policy_loss`` (``dual_clipped`` all zeros)."""
+    logp, old, adv = logp_BT.float(), old_logp_BT.float(), adv_BT.float()
+    keep = mask_BT.bool()
+    log_ratio = torch.where(keep, logp - old, 0.0)
+    seq_log_ratio_B1 = log_ratio.sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio_B1 = seq_log_ratio_B1.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(seq_log_ratio_B1.detach() + logp - logp.detach())
+    loss, clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high)
+    return {
+        "loss": loss,
+        "clipped": clipped,
+        "dual_clipped": torch.zeros_like(loss),
+        "ratio": ratio.detach(),
+        "approx_kl": (old - logp).detach(),
+    }
 
 
-def value_loss(values_BT, old_values_BT, returns_BT, clip: float) -> dict:
-    """0.5 x max((v - R)^2, (v_clipped - R)^2) with v_clipped within ``clip`` of the rollout-time value."""
-    clipped_values = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
-    loss1 = (values_BT - returns_BT) ** 2
-    loss2 = (clipped_values - returns_BT) ** 2
+def value_loss(
+    values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor, clip: float
+) -> dict[str, torch.Tensor]:
+    """Per token: ``loss`` = 0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped = old + clamp(v - old, +-clip);
+    ``clipped`` = 1 where the clipped term is the larger."""
+    values, old, returns = values_BT.float(), old_values_BT.float(), returns_BT.float()
+    clipped_values = old + (values - old).clamp(-clip, clip)
+    loss1 = (values - returns) ** 2
+    loss2 = (clipped_values - returns) ** 2
     return {"loss": 0.5 * torch.maximum(loss1, loss2), "clipped": (loss2 > loss1).float()}
 
 
-def _is_off(log_ratio, mask, cap):
-    return torch.ones_like(log_ratio), torch.zeros_like(log_ratio)
+def _is_off(log_ratio_BT, keep_BT, cap):
+    return torch.ones_like(log_ratio_BT), torch.zeros_like(log_ratio_BT)
 
 
-def _is_token_truncate(log_ratio, mask, cap):
-    weights = torch.exp(log_ratio.clamp(max=20))
-    return weights.clamp(max=cap), (weights > cap).float() * mask
+def _is_token_truncate(log_ratio_BT, keep_BT, cap):
+    weights = torch.exp(log_ratio_BT.clamp(max=LOG_RATIO_CLAMP))
+    return weights.clamp(max=cap), (keep_BT & (weights > cap)).float()
 
 
-def _is_seq_mask(log_ratio, mask, cap):
-    import math
-
-    seq = (log_ratio * mask).sum(-1, keepdim=True)
-    keep = ((seq >= -math.log(cap)) & (seq <= math.log(cap))).float().expand_as(log_ratio)
-    return keep, (1 - keep) * mask
+def _is_seq_mask(log_ratio_BT, keep_BT, cap):
+    seq_log_ratio_B1 = torch.where(keep_BT, log_ratio_BT, 0.0).sum(-1, keepdim=True)
+    kept_B1 = (seq_log_ratio_B1 >= -math.log(cap)) & (seq_log_ratio_B1 <= math.log(cap))
+    weights = kept_B1.float().expand_as(log_ratio_BT).contiguous()
+    return weights, (keep_BT & ~kept_B1).float()
 
 
 ROLLOUT_IS = {"off": _is_off, "token_truncate": _is_token_truncate, "seq_mask": _is_seq_mask}
 
 
 @torch.no_grad()
-def rollout_is_weights(old_logp_BT, rollout_logp_BT, mask_BT, mode: str, cap: float) -> dict:
-    """Importance weights pi_old / pi_rollout correcting the engine-vs-trainer mismatch: ``token_truncate`` caps each
-    token's weight at ``cap``; ``seq_mask`` drops whole sequences whose ratio leaves [1/cap, cap]. ``masked`` marks
-    the tokens that were truncated or dropped."""
+def rollout_is_weights(
+    old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, cap: float
+) -> dict[str, torch.Tensor]:
+    """Importance weights pi_old / pi_rollout correcting the rollout engine's mismatch with the trainer (no gradient).
+
+    ``token_truncate``: per-token weight min(ratio, cap); ``seq_mask``: weight 1 on rows whose sequence ratio lies in
+    [1/cap, cap], else 0. ``masked`` is 1 on the real tokens that were truncated or dropped."""
     if mode not in ROLLOUT_IS:
         raise ValueError(f"unknown rollout_is mode {mode!r}; choose one of {list(ROLLOUT_IS)}")
-    mask = mask_BT.float()
-    weights, masked = ROLLOUT_IS[mode]((old_logp_BT - rollout_logp_BT).float(), mask, cap)
+    if mode != "off" and cap < 1:
+        raise ValueError(f"rollout_is cap must be >= 1, got {cap}")
+    log_ratio = old_logp_BT.detach().float() - rollout_logp_BT.detach().float()
+    weights, masked = ROLLOUT_IS[mode](log_ratio, mask_BT.bool(), cap)
     return {"weights": weights, "masked": masked}
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def vocab_parallel_entropy(
-    logits_BTV, *, vocab_start: int = 0, true_vocab: int | None = None, all_reduce_sum=None, all_reduce_max=None
+    logits_BTV: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    true_vocab: int | None = None,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Entropy of softmax over the full vocabulary from this rank's slice [vocab_start, vocab_start + V) of the
-    logits, without gathering them: H = log S + m - A / S, S = sum exp(x - m), A = sum exp(x - m) x. Entries with
-    global id >= ``true_vocab`` are padding (probability 0). ``all_reduce_sum`` must be differentiable (backward:
-    identity); ``all_reduce_max`` only stabilises and carries no gradient. None: a single shard."""
-    reduce_sum = all_reduce_sum or (lambda x: x)
-    reduce_max = all_reduce_max or (lambda x: x)
+    """Entropy [B, T] of softmax over the full vocabulary, from this rank's slice [vocab_start, vocab_start + V) of
+    the logits, without gathering them: H = log S + m - A / S with S = sum exp(x - m), A = sum exp(x - m) * x.
+
+    Global ids >= ``true_vocab`` are padding (probability 0). ``all_reduce_max`` (called once, on a detached
+    [B, T, 1] tensor) only stabilises; ``all_reduce_sum`` (called once, on [B, T, 2] = (S, A) partials) must be
+    differentiable with identity backward. None: a single shard."""
+    reduce_sum = all_reduce_sum or _identity
+    reduce_max = all_reduce_max or _identity
     x = logits_BTV.float()
+    keep_V = torch.ones(x.shape[-1], dtype=torch.bool, device=x.device)
     if true_vocab is not None:
-        ids = torch.arange(vocab_start, vocab_start + x.shape[-1], device=x.device)
-        valid = ids < true_vocab
-    else:
-        valid = torch.ones(x.shape[-1], dtype=torch.bool, device=x.device)
-    x_safe = torch.where(valid, x, torch.zeros_like(x))  # padding values never reach exp or a product
-    local_max = torch.where(valid, x, torch.full_like(x, float("-inf"))).max(-1, keepdim=True).values
-    m = reduce_max(local_max.detach())
-    e = torch.where(valid, torch.exp(x_safe - m), torch.zeros_like(x))
-    s = reduce_sum(e.sum(-1, keepdim=True))
-    a = reduce_sum((e * x_safe).sum(-1, keepdim=True))
-    return (torch.log(s) + m - a / s).squeeze(-1)
+        keep_V = torch.arange(vocab_start, vocab_start + x.shape[-1], device=x.device) < true_vocab
+    keep = keep_V & (x > -math.inf)  # exp(-inf) = 0 would meet x = -inf in A: 0 * -inf = nan
+    local_max = torch.where(keep, x, -math.inf).amax(-1, keepdim=True)
+    m = reduce_max(local_max.detach()).detach()
+    e = torch.exp(torch.where(keep, x - m, -math.inf))
+    x_safe = torch.where(keep, x, 0.0)
+    partial_BT2 = torch.cat([e.sum(-1, keepdim=True), (e * x_safe).sum(-1, keepdim=True)], dim=-1)
+    s, a = reduce_sum(partial_BT2).unbind(-1)
+    return torch.log(s) + m.squeeze(-1) - a / s

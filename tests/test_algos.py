@@ -1,0 +1,675 @@
+"""megarl.algos: hand-computed cases plus comparisons with plain Python-loop references on ragged random batches."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from megarl.algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    aggregate,
+    broadcast_to_tokens,
+    gae,
+    grpo,
+    gspo_policy_loss,
+    kl_controller,
+    kl_estimate,
+    kl_penalty_rewards,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    ppo_policy_loss,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
+    rollout_is_weights,
+    token_level_scores,
+    value_loss,
+    vocab_parallel_entropy,
+)
+
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=1e-5)
+
+
+def response_mask(lengths, width):
+    """[N, R] mask, contiguous from position 0 with the given lengths."""
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+
+
+def span_mask(spans, width):
+    """[B, T] mask that is 1 on [start, stop) of each row (the response may start anywhere in a micro-batch row)."""
+    pos = torch.arange(width)[None, :]
+    starts, stops = (torch.tensor(s)[:, None] for s in zip(*spans))
+    return ((pos >= starts) & (pos < stops)).float()
+
+
+def garbage_outside(x, mask, value=float("nan")):
+    """x with ``value`` outside the mask: results must not depend on padding."""
+    return torch.where(mask.bool(), x, torch.full_like(x, value))
+
+
+def rows(t):
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------- masked stats
+
+
+def ref_masked_stats(x, mask):
+    vals = [v for xr, mr in zip(rows(x), rows(mask)) for v, m in zip(xr, mr) if m]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return mean, var
+
+
+def test_masked_stats_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    x = garbage_outside(x, mask)
+    # masked entries 1, 2, 3, 4: mean 2.5; squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5
+    close(masked_mean(x, mask), 2.5)
+    close(masked_mean(x, mask, dim=-1), [2.0, 4.0])
+    close(masked_var(x, mask), 5 / 3)
+    close(masked_var(x, mask, unbiased=False), 1.25)
+    # whiten: (x - 2.5) / sqrt(5/3) = [-1.5, -0.5, 0.5, 1.5] / 1.2909944
+    white = masked_whiten(x, mask)
+    close(white, [[-1.161895, -0.387298, 0.387298], [1.161895, 0.0, 0.0]])
+    close(masked_whiten(x, mask, shift_mean=False), [[1.338105, 2.112702, 2.887298], [3.661895, 0.0, 0.0]])
+    assert white.dtype == torch.float32
+
+
+def test_masked_stats_vs_loop():
+    torch.manual_seed(0)
+    mask = response_mask([5, 1, 3, 7, 2], 7)
+    x = torch.randn(5, 7) * 3 + 1
+    mean, var = ref_masked_stats(x, mask)
+    close(masked_mean(x, mask), mean)
+    close(masked_var(x, mask), var)
+    expected = [[(v - mean) / math.sqrt(var + 1e-8) if m else 0.0 for v, m in zip(xr, mr)] for xr, mr in
+                zip(rows(x), rows(mask))]
+    close(masked_whiten(x, mask), expected)
+    row_means = [sum(v for v, m in zip(xr, mr) if m) / sum(mr) for xr, mr in zip(rows(x), rows(mask))]
+    close(masked_mean(x, mask, dim=1), row_means)
+
+
+# ---------------------------------------------------------------------------------------------------- GAE
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    advs, rets = [], []
+    for r, v, m in zip(rows(rewards), rows(values), rows(mask)):
+        n = int(sum(m))
+        adv, nxt = [0.0] * len(m), 0.0
+        for t in reversed(range(n)):
+            v_next = v[t + 1] if t + 1 < n else 0.0
+            nxt = r[t] + gamma * v_next - v[t] + gamma * lam * nxt
+            adv[t] = nxt
+        advs.append(adv)
+        rets.append([a + v[t] if t < n else 0.0 for t, a in enumerate(adv)])
+    return torch.tensor(advs), torch.tensor(rets)
+
+
+def test_gae_hand():
+    mask = response_mask([3, 2], 3)
+    rewards = garbage_outside(torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.5, 0.0]]), mask, 9.0)
+    values = garbage_outside(torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.4, 0.0]]), mask, 9.0)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    # row 0: d2 = 1 - 0.7 = 0.3; d1 = 0.9*0.7 - 0.6 = 0.03; d0 = 0.9*0.6 - 0.5 = 0.04
+    #        A2 = 0.3; A1 = 0.03 + 0.72*0.3 = 0.246; A0 = 0.04 + 0.72*0.246 = 0.21712
+    # row 1: d1 = 0.5 - 0.4 = 0.1 (V after the last token is 0, not the padding's 9); d0 = 1 + 0.9*0.4 - 0.2 = 1.16
+    #        A1 = 0.1; A0 = 1.16 + 0.72*0.1 = 1.232
+    close(adv, [[0.21712, 0.246, 0.3], [1.232, 0.1, 0.0]])
+    close(ret, [[0.71712, 0.846, 1.0], [1.432, 0.5, 0.0]])
+
+
+def test_gae_vs_loop():
+    torch.manual_seed(1)
+    mask = response_mask([6, 1, 4, 0, 3], 6)
+    rewards, values = torch.randn(5, 6), torch.randn(5, 6)
+    exp_adv, exp_ret = ref_gae(rewards, values, mask, 0.95, 0.9)
+    adv, ret = gae(garbage_outside(rewards, mask), garbage_outside(values, mask), mask, 0.95, 0.9, whiten=False)
+    close(adv, exp_adv)
+    close(ret, exp_ret)
+    white, ret2 = gae(rewards, values, mask, 0.95, 0.9)
+    close(white, masked_whiten(exp_adv, mask))
+    close(ret2, exp_ret)  # returns are never whitened
+    assert (white[mask == 0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- group baselines
+
+
+def ref_groups(group):
+    out = {}
+    for i, g in enumerate(group.tolist()):
+        out.setdefault(g, []).append(i)
+    return out.values()
+
+
+def ref_grpo(scores, group, norm_by_std, eps=1e-6):
+    adv = [0.0] * len(scores)
+    for idx in ref_groups(group):
+        s = scores[idx]
+        mean, std = (s.double().mean().item(), s.double().std().item()) if len(idx) > 1 else (0.0, 1.0)
+        for i in idx:
+            adv[i] = (scores[i].item() - mean) / (std + eps) if norm_by_std else scores[i].item() - mean
+    return torch.tensor(adv)
+
+
+def test_grpo_hand():
+    scores = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    group = torch.tensor([7, 7, 3, 7])  # ids, not positions: group 7 = rows 0, 1, 3; group 3 = row 2 alone
+    # group 7: scores 1, 0, 1 -> mean 2/3, unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3, std 0.5773503
+    # alone: mean 0, std 1 -> the raw score 0.5
+    close(grpo(scores, group), [(1 / 3) / (0.5773503 + 1e-6), (-2 / 3) / (0.5773503 + 1e-6), 0.5 / (1 + 1e-6),
+                                (1 / 3) / (0.5773503 + 1e-6)])
+    close(grpo(scores, group), [0.577349, -1.154698, 0.5, 0.577349])
+    close(grpo(scores, group, norm_by_std=False), [1 / 3, -2 / 3, 0.5, 1 / 3])
+
+
+def test_grpo_uniform_group_is_zero():
+    adv = grpo(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 1, 1]))
+    close(adv, torch.zeros(5))
+    assert torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_vs_loop(norm_by_std):
+    torch.manual_seed(2)
+    group = torch.tensor([3, 0, 3, 1, 0, 3, 2, 0, 1, 1, 1])
+    scores = torch.randn(len(group))
+    close(grpo(scores, group, norm_by_std=norm_by_std), ref_grpo(scores, group, norm_by_std))
+
+
+def ref_rloo(scores, group):
+    adv = scores.tolist()
+    for idx in ref_groups(group):
+        for i in idx:
+            if len(idx) > 1:
+                adv[i] = scores[i].item() - sum(scores[j].item() for j in idx if j != i) / (len(idx) - 1)
+    return torch.tensor(adv)
+
+
+def test_rloo_hand():
+    # group 0: 1, 0, 1 -> 1 - (0+1)/2 = 0.5, 0 - (1+1)/2 = -1, 0.5; group 1 of one keeps its score 2
+    close(rloo(torch.tensor([1.0, 0.0, 1.0, 2.0]), torch.tensor([0, 0, 0, 1])), [0.5, -1.0, 0.5, 2.0])
+
+
+def test_rloo_vs_loop():
+    torch.manual_seed(3)
+    group = torch.tensor([5, 5, 2, 9, 2, 5, 2, 2])
+    scores = torch.randn(len(group))
+    close(rloo(scores, group), ref_rloo(scores, group))
+
+
+# ---------------------------------------------------------------------------------------------------- REINFORCE++
+
+
+def ref_return_to_go(rewards, mask, gamma):
+    out = []
+    for r, m in zip(rows(rewards), rows(mask)):
+        n = int(sum(m))
+        row = [0.0] * len(m)
+        for t in range(n):
+            row[t] = sum(gamma ** (k - t) * r[k] for k in range(t, n))
+        out.append(row)
+    return torch.tensor(out)
+
+
+def test_reinforce_pp_hand():
+    mask = response_mask([3, 1], 3)
+    rewards = garbage_outside(torch.tensor([[1.0, 0.0, 2.0], [3.0, 0.0, 0.0]]), mask, 5.0)
+    adv, ret = reinforce_pp(rewards, mask, gamma=0.5)
+    # row 0: G2 = 2, G1 = 0 + 0.5*2 = 1, G0 = 1 + 0.5*1 = 1.5; row 1: G0 = 3
+    close(ret, [[1.5, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    # whiten 1.5, 1, 2, 3: mean 1.875, unbiased var 2.1875 / 3 = 0.7291667, std 0.8539126
+    close(adv, [[-0.439155, -1.024695, 0.146385], [1.317465, 0.0, 0.0]])
+
+
+def test_reinforce_pp_vs_loop():
+    torch.manual_seed(4)
+    mask = response_mask([4, 2, 5, 1], 5)
+    rewards = torch.randn(4, 5)
+    adv, ret = reinforce_pp(garbage_outside(rewards, mask), mask, gamma=0.9)
+    expected = ref_return_to_go(rewards, mask, 0.9)
+    close(ret, expected)
+    mean, var = ref_masked_stats(expected, mask)
+    close(adv, [[(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(er, mr)]
+                for er, mr in zip(rows(expected), rows(mask))])
+
+
+def test_reinforce_pp_baseline_hand():
+    mask = response_mask([1, 1, 2], 3)
+    adv = reinforce_pp_baseline(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0, 0, 1]), mask)
+    # centred: 0.5, -0.5, 0 (alone: its own mean); tokens 0.5, -0.5, 0, 0: mean 0, var 0.5/3, std 0.4082483
+    close(adv, [[1.224745, 0.0, 0.0], [-1.224745, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_reinforce_pp_baseline_vs_loop():
+    torch.manual_seed(5)
+    group = torch.tensor([0, 1, 0, 1, 1, 2])
+    mask = response_mask([3, 1, 4, 2, 4, 2], 4)
+    scores = torch.randn(6)
+    centred = [0.0] * 6
+    for idx in ref_groups(group):
+        for i in idx:
+            centred[i] = scores[i].item() - sum(scores[j].item() for j in idx) / len(idx)
+    tokens = torch.tensor([[centred[i] * m for m in mr] for i, mr in enumerate(rows(mask))])
+    mean, var = ref_masked_stats(tokens, mask)
+    expected = [[(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(tr, mr)]
+                for tr, mr in zip(rows(tokens), rows(mask))]
+    close(reinforce_pp_baseline(scores, group, mask), expected)
+
+
+# ---------------------------------------------------------------------------------------------------- token placement
+
+
+def test_broadcast_to_tokens():
+    mask = response_mask([2, 0, 3], 3)
+    close(broadcast_to_tokens(torch.tensor([0.5, 7.0, -1.0]), mask), [[0.5, 0.5, 0.0], [0, 0, 0], [-1.0, -1.0, -1.0]])
+    torch.manual_seed(6)
+    adv, mask = torch.randn(4), response_mask([1, 4, 2, 3], 4)
+    close(broadcast_to_tokens(adv, mask), [[a * m for m in mr] for a, mr in zip(adv.tolist(), rows(mask))])
+
+
+def test_token_level_scores():
+    mask = response_mask([2, 0, 3], 3)
+    close(token_level_scores(torch.tensor([0.5, 7.0, -1.0]), mask), [[0.0, 0.5, 0.0], [0, 0, 0], [0.0, 0.0, -1.0]])
+    torch.manual_seed(7)
+    lengths = [3, 1, 5, 2]
+    scores, mask = torch.randn(4), response_mask(lengths, 5)
+    expected = [[s if t == n - 1 else 0.0 for t in range(5)] for s, n in zip(scores.tolist(), lengths)]
+    close(token_level_scores(scores, mask), expected)
+
+
+# ---------------------------------------------------------------------------------------------------- KL
+
+
+def test_kl_estimators_hand():
+    logp = torch.tensor([math.log(0.5)], requires_grad=True)
+    ref = torch.tensor([math.log(0.25)])
+    close(kl_estimate(logp, ref, "k1"), [math.log(2)])  # 0.693147
+    close(kl_estimate(logp, ref, "k2"), [0.5 * math.log(2) ** 2])  # 0.240227
+    k3 = kl_estimate(logp, ref, "k3")  # r = ref - logp = -log 2: exp(r) - r - 1 = 0.5 + 0.693147 - 1 = 0.193147
+    close(k3, [0.193147])
+    (grad,) = torch.autograd.grad(k3.sum(), logp)  # d/dlogp = 1 - exp(r) = 0.5
+    close(grad, [0.5])
+    close(kl_estimate(torch.tensor([-30.0]), torch.tensor([0.0]), "k3"), [10.0])  # clamped
+    with pytest.raises(ValueError, match="k1.*k2.*k3"):
+        kl_estimate(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_vs_loop(kind):
+    torch.manual_seed(8)
+    logp, ref = -torch.rand(20) * 3, -torch.rand(20) * 3
+    formulas = {
+        "k1": lambda a, b: a - b,
+        "k2": lambda a, b: 0.5 * (a - b) ** 2,
+        "k3": lambda a, b: min(max(math.exp(b - a) - (b - a) - 1, -10), 10),
+    }
+    close(kl_estimate(logp, ref, kind), [formulas[kind](a, b) for a, b in zip(logp.tolist(), ref.tolist())])
+
+
+def test_kl_penalty_rewards_hand():
+    mask = response_mask([3, 2], 3)
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    ref = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0]])
+    logp = garbage_outside(ref + 0.1, mask, 4.0)  # k1 = 0.1 on every real token; padding carries no penalty
+    rewards, kl_mean = kl_penalty_rewards(scores, logp, ref, mask, coef=0.5, kind="k1")
+    close(rewards, [[-0.05, -0.05, 0.95], [-0.05, 1.95, 0.0]])
+    assert kl_mean == pytest.approx(0.1, abs=1e-6)
+
+
+def test_kl_penalty_rewards_vs_loop():
+    torch.manual_seed(9)
+    mask = response_mask([4, 1, 3], 4)
+    scores, logp, ref = torch.randn(3, 4), -torch.rand(3, 4), -torch.rand(3, 4)
+    rewards, kl_mean = kl_penalty_rewards(scores, logp, ref, mask, coef=0.3, kind="k2")
+    kls = [[0.5 * (a - b) ** 2 * m for a, b, m in zip(ar, br, mr)] for ar, br, mr in
+           zip(rows(logp), rows(ref), rows(mask))]
+    close(rewards, [[s - 0.3 * k for s, k in zip(sr, kr)] for sr, kr in zip(rows(scores), kls)])
+    assert kl_mean == pytest.approx(sum(map(sum, kls)) / 8, rel=1e-5)
+
+
+def test_kl_controllers():
+    ctrl = kl_controller("adaptive", kl_coef=0.1, target_kl=0.05, horizon=100)
+    assert isinstance(ctrl, AdaptiveKLController)
+    ctrl.update(current_kl=0.06, n_steps=10)  # err = 0.06/0.05 - 1 = 0.2: value = 0.1 * (1 + 0.2 * 10/100) = 0.102
+    assert ctrl.value == pytest.approx(0.102)
+    ctrl.update(current_kl=0.045, n_steps=10)  # err = -0.1: value = 0.102 * (1 - 0.01) = 0.10098
+    assert ctrl.value == pytest.approx(0.10098)
+    ctrl.update(current_kl=1.0, n_steps=10)  # err = 19 clipped to 0.2: value = 0.10098 * 1.02 = 0.1029996
+    assert ctrl.value == pytest.approx(0.1029996)
+    state = ctrl.state_dict()
+    assert state == {"value": pytest.approx(0.1029996)} and all(type(v) is float for v in state.values())
+    fresh = kl_controller("adaptive", kl_coef=0.1, target_kl=0.05, horizon=100)
+    fresh.load_state_dict(state)
+    assert fresh.value == ctrl.value
+
+    fixed = kl_controller("fixed", kl_coef=0.2, target_kl=0.05, horizon=100)
+    assert isinstance(fixed, FixedKLController) and not isinstance(fixed, AdaptiveKLController)
+    fixed.update(current_kl=5.0, n_steps=1000)
+    assert fixed.value == 0.2
+    with pytest.raises(ValueError, match="adaptive"):
+        kl_controller("pid", kl_coef=0.2, target_kl=0.05, horizon=100)
+
+
+# ---------------------------------------------------------------------------------------------------- aggregation
+
+
+def ref_aggregate(loss, mask, mode, norm_len=None):
+    per_row = [[v for v, m in zip(lr, mr) if m] for lr, mr in zip(rows(loss), rows(mask))]
+    tokens, seqs = sum(map(len, per_row)), len(per_row)
+    return {
+        "token-mean": lambda: sum(map(sum, per_row)) / tokens,
+        "seq-mean-token-sum": lambda: sum(map(sum, per_row)) / seqs,
+        "seq-mean-token-mean": lambda: sum(sum(r) / max(len(r), 1) for r in per_row) / seqs,
+        "seq-mean-token-sum-norm": lambda: sum(map(sum, per_row)) / (seqs * norm_len),
+    }[mode]()
+
+
+def test_aggregate_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    kw = dict(global_tokens=4, global_seqs=2)
+    close(aggregate(loss, mask, "token-mean", **kw), 4.0)  # (1 + 4 + 5 + 6) / 4
+    close(aggregate(loss, mask, "seq-mean-token-sum", **kw), 8.0)  # (1 + 15) / 2
+    close(aggregate(loss, mask, "seq-mean-token-mean", **kw), 3.0)  # (1/1 + 15/3) / 2
+    close(aggregate(loss, mask, "seq-mean-token-sum-norm", norm_len=4, **kw), 2.0)  # 16 / (2 * 4)
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm", **kw)
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(loss, mask, "sum", **kw)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_split_over_micro_batches_and_ranks(mode):
+    rng = random.Random(10)
+    torch.manual_seed(10)
+    n_rows, width = 12, 9
+    spans = [(s, rng.randint(s + 1, width)) for s in (rng.randint(0, width - 1) for _ in range(n_rows))]
+    mask = span_mask(spans, width)
+    loss = garbage_outside(torch.randn(n_rows, width), mask).requires_grad_()
+    kw = dict(global_tokens=int(mask.sum()), global_seqs=n_rows, norm_len=width)
+    whole = aggregate(loss, mask, mode, **kw)
+    close(whole, ref_aggregate(loss.detach(), mask, mode, norm_len=width))
+    (whole_grad,) = torch.autograd.grad(whole, loss)
+
+    order = list(range(n_rows))
+    rng.shuffle(order)
+    ranks = [order[: n_rows // 2], order[n_rows // 2 :]]  # 2 simulated DP ranks, each split into micro-batches
+    total = 0.0
+    for rank_rows in ranks:
+        cuts = sorted(rng.sample(range(1, len(rank_rows)), 2))
+        for mb in (rank_rows[: cuts[0]], rank_rows[cuts[0] : cuts[1]], rank_rows[cuts[1] :]):
+            total = total + aggregate(loss[mb], mask[mb], mode, **kw)
+    close(total, whole)
+    (split_grad,) = torch.autograd.grad(total, loss)
+    close(split_grad, whole_grad)
+    assert torch.isfinite(split_grad).all() and (split_grad[mask == 0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- policy losses
+
+
+def ref_ppo(logp, old, adv, clip_low, clip_high, clip_c):
+    out = {k: [] for k in ("loss", "clipped", "dual_clipped", "ratio")}
+    for lp, o, a in zip(logp.flatten().tolist(), old.flatten().tolist(), adv.flatten().tolist()):
+        ratio = math.exp(lp - o)
+        l1, l2 = -a * ratio, -a * min(max(ratio, 1 - clip_low), 1 + clip_high)
+        loss, dual = max(l1, l2), 0.0
+        if a < 0 and -a * clip_c < loss:
+            loss, dual = -a * clip_c, 1.0
+        for k, v in zip(out, (loss, float(l2 > l1), dual, ratio)):
+            out[k].append(v)
+    return {k: torch.tensor(v).view(logp.shape) for k, v in out.items()}
+
+
+def test_ppo_hand_clip_higher_and_dual_clip():
+    ratio = torch.tensor([[1.5, 1.25, 0.7, 5.0, 2.0, 5.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0]])
+    logp = ratio.log().requires_grad_()
+    old = torch.zeros_like(ratio)
+    out = ppo_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    # A>0, r=1.5: only the high clip binds -> -1.28. A>0, r=1.25: inside [0.8, 1.28] (a symmetric 0.2 would clip).
+    # A<0, r=0.7: only the low clip binds -> max(0.7, 0.8) = 0.8. A<0, r=5: max(5, 1.28) = 5 > 3 -> dual bound 3.
+    # A<0, r=2: max(2, 1.28) = 2 < 3, no dual clip. A>0, r=5: high clip -1.28 (dual clip only for A<0).
+    close(out["loss"], [[-1.28, -1.25, 0.8, 3.0, 2.0, -1.28]])
+    close(out["clipped"], [[1, 0, 1, 0, 0, 1]])
+    close(out["dual_clipped"], [[0, 0, 0, 1, 0, 0]])
+    close(out["ratio"], ratio)
+    close(out["approx_kl"], -ratio.log())
+    (grad,) = torch.autograd.grad(out["loss"].sum(), logp)
+    # d(-A r)/dlogp = -A r where the unclipped term is taken, 0 where a clip bound is
+    close(grad, [[0.0, -1.25, 0.0, 0.0, 2.0, 0.0]])
+
+
+def test_ppo_vs_loop():
+    torch.manual_seed(11)
+    logp, old, adv = -torch.rand(4, 6) * 2, -torch.rand(4, 6) * 2, torch.randn(4, 6)
+    out = ppo_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.3, clip_c=2.5)
+    expected = ref_ppo(logp, old, adv, 0.2, 0.3, 2.5)
+    for key in expected:
+        close(out[key], expected[key])
+    assert out["clipped"].sum() > 0 and out["dual_clipped"].sum() > 0  # the random case exercises both bounds
+
+
+def test_gspo_hand():
+    mask = torch.tensor([[1, 1, 0]])
+    old = torch.tensor([[-1.0, -2.0, -3.0]])
+    logp = garbage_outside(old + torch.tensor([[0.1, 0.3, 0.0]]), mask, 50.0)  # padding would swamp an unmasked mean
+    adv = torch.ones(1, 3)
+    # s = exp(mean(0.1, 0.3)) = exp(0.2) = 1.2214028 on every token
+    out = gspo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    close(out["ratio"], [[1.2214028] * 3])
+    close(out["loss"], [[-1.2] * 3])  # clipped at 1 + 0.2
+    close(out["clipped"], [[1.0] * 3])
+    out = gspo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    close(out["loss"], [[-1.2214028] * 3])
+    close(out["clipped"], [[0.0] * 3])
+    close(out["dual_clipped"], [[0.0] * 3])
+
+
+def test_gspo_vs_sequence_ratio_form():
+    torch.manual_seed(12)
+    lengths = [4, 1, 3, 6]
+    mask = span_mask([(1, 5), (0, 1), (3, 6), (0, 6)], 6)
+    old = -torch.rand(4, 6) * 2
+    logp = (old + 0.3 * torch.randn(4, 6)).requires_grad_()
+    adv = torch.randn(4, 1).expand(4, 6)
+    out = gspo_policy_loss(logp, old, adv, mask, clip_low=5.0, clip_high=5.0)  # wide: nothing clips
+    # loop reference: s_i = exp(mean over the row's tokens of logp - old)
+    seq_ratio = []
+    for i in range(4):
+        toks = [t for t in range(6) if mask[i, t]]
+        assert len(toks) == lengths[i]
+        seq_ratio.append(torch.exp(sum(logp[i, t] - old[i, t] for t in toks) / len(toks)))
+    seq_ratio = torch.stack(seq_ratio)
+    close(out["ratio"], seq_ratio.detach()[:, None].expand(4, 6))
+    # per-token form, averaged within each sequence, has the gradient of the sequence-level objective -A_i s_i
+    token_form = aggregate(out["loss"], mask, "seq-mean-token-mean", global_tokens=14, global_seqs=4)
+    seq_form = (-adv[:, 0] * seq_ratio).mean()
+    close(token_form, seq_form)
+    (g_token,) = torch.autograd.grad(token_form, logp)
+    (g_seq,) = torch.autograd.grad(seq_form, logp)
+    close(g_token, g_seq)
+    assert g_seq.abs().sum() > 0
+
+
+def test_gspo_clipping_vs_loop():
+    torch.manual_seed(29)  # a draw where some rows clip and some do not
+    mask = span_mask([(0, 3), (2, 7), (1, 2), (0, 7), (4, 6)], 7)
+    old, adv = -torch.rand(5, 7), torch.randn(5, 1).expand(5, 7)
+    logp = old + 0.4 * torch.randn(5, 7)
+    out = gspo_policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.15)
+    for i in range(5):
+        toks = [t for t in range(7) if mask[i, t]]
+        s = math.exp(sum(logp[i, t].item() - old[i, t].item() for t in toks) / len(toks))
+        a = adv[i, 0].item()
+        l1, l2 = -a * s, -a * min(max(s, 0.9), 1.15)
+        close(out["loss"][i], [max(l1, l2)] * 7)
+        close(out["clipped"][i], [float(l2 > l1)] * 7)
+    assert 0 < out["clipped"].sum() < out["clipped"].numel()
+
+
+# ---------------------------------------------------------------------------------------------------- value loss
+
+
+def test_value_loss_hand():
+    values = torch.tensor([1.5, 1.1, 0.5])
+    old = torch.tensor([1.0, 1.0, 1.0])
+    returns = torch.tensor([2.0, 0.0, 0.0])
+    out = value_loss(values, old, returns, clip=0.2)
+    # 1.5 -> clipped 1.2: max(0.25, 0.64) = 0.64 -> 0.32; 1.1 stays (within 0.2): 1.21 -> 0.605;
+    # 0.5 -> clipped 0.8: max(0.25, 0.64) -> 0.32
+    close(out["loss"], [0.32, 0.605, 0.32])
+    close(out["clipped"], [1.0, 0.0, 1.0])
+
+
+def test_value_loss_vs_loop():
+    torch.manual_seed(14)
+    values, old, returns = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    out = value_loss(values, old, returns, clip=0.3)
+    exp_loss, exp_clipped = [], []
+    for v, o, r in zip(values.flatten().tolist(), old.flatten().tolist(), returns.flatten().tolist()):
+        vc = o + min(max(v - o, -0.3), 0.3)
+        exp_loss.append(0.5 * max((v - r) ** 2, (vc - r) ** 2))
+        exp_clipped.append(float((vc - r) ** 2 > (v - r) ** 2))
+    close(out["loss"].flatten(), exp_loss)
+    close(out["clipped"].flatten(), exp_clipped)
+
+
+# ---------------------------------------------------------------------------------------------------- rollout IS
+
+
+def test_rollout_is_hand():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+    rollout = torch.tensor([[-1.0, -2.0, -0.5, -1.0], [-1.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.0, -1.0]])
+    token_ratio = torch.tensor([[1.5, 3.0, 0.5, 10.0], [1.5, 1.2, 1.0, 1.0], [0.4, 1.0, 1.0, 1.0]])
+    old = (rollout + token_ratio.log()).requires_grad_()
+
+    out = rollout_is_weights(old, rollout, mask, "token_truncate", cap=2.0)
+    close(out["weights"][:, :3], [[1.5, 2.0, 0.5], [1.5, 1.2, 1.0], [0.4, 1.0, 1.0]])
+    close(out["masked"], [[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])  # the padded 10.0 is not counted
+    assert not out["weights"].requires_grad
+
+    out = rollout_is_weights(old, rollout, mask, "seq_mask", cap=2.0)
+    # row 0: 1.5 * 3 * 0.5 = 2.25 > 2 -> dropped; row 1: 1.5 * 1.2 = 1.8 kept; row 2: 0.4 < 1/2 -> dropped
+    close(out["weights"], [[0.0] * 4, [1.0] * 4, [0.0] * 4])
+    close(out["masked"], [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
+    assert not out["weights"].requires_grad
+
+    out = rollout_is_weights(old, rollout, mask, "off", cap=2.0)
+    close(out["weights"], torch.ones(3, 4))
+    close(out["masked"], torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="token_truncate"):
+        rollout_is_weights(old, rollout, mask, "seq_truncate", cap=2.0)
+
+
+def test_rollout_is_vs_loop():
+    torch.manual_seed(15)
+    mask = span_mask([(0, 4), (2, 5), (1, 2), (0, 6), (3, 6), (0, 1)], 6)
+    rollout = -torch.rand(6, 6) * 2
+    old = rollout + 0.6 * torch.randn(6, 6)
+    cap = 1.5
+    trunc = rollout_is_weights(old, rollout, mask, "token_truncate", cap)
+    seq = rollout_is_weights(old, rollout, mask, "seq_mask", cap)
+    for i in range(6):
+        r_seq = math.exp(sum(old[i, t].item() - rollout[i, t].item() for t in range(6) if mask[i, t]))
+        keep = 1 / cap <= r_seq <= cap
+        for t in range(6):
+            w = math.exp(old[i, t].item() - rollout[i, t].item())
+            assert trunc["weights"][i, t].item() == pytest.approx(min(w, cap), rel=1e-5)
+            assert trunc["masked"][i, t].item() == float(bool(mask[i, t]) and w > cap)
+            assert seq["weights"][i, t].item() == float(keep)
+            assert seq["masked"][i, t].item() == float(bool(mask[i, t]) and not keep)
+    assert 0 < seq["weights"][:, 0].sum() < 6 and trunc["masked"].sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------- entropy
+
+
+def ref_entropy_loop(logits, true_vocab):
+    out = []
+    for row in logits.reshape(-1, logits.shape[-1]).tolist():
+        row = row[:true_vocab]
+        mx = max(row)
+        z = sum(math.exp(v - mx) for v in row)
+        out.append(-sum(math.exp(v - mx) / z * (v - mx - math.log(z)) for v in row))
+    return torch.tensor(out).view(logits.shape[:-1])
+
+
+def test_entropy_hand():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [math.log(2), 0.0, 0.0, 80.0]]])
+    # row 0: uniform over 4 -> log 4 = 1.386294; row 1 with id 3 as padding: p = 0.5, 0.25, 0.25 -> 1.5 log 2
+    close(vocab_parallel_entropy(logits[:, :1]), [[1.386294]])
+    close(vocab_parallel_entropy(logits, true_vocab=3)[0, 1], 1.039721)
+
+
+def test_entropy_single_shard_vs_categorical_and_loop():
+    torch.manual_seed(16)
+    true_vocab = 7
+    logits = (torch.randn(2, 3, 10) * 3).requires_grad_()
+    padded = torch.where(torch.arange(10) < true_vocab, logits, torch.full_like(logits, 1e4))  # huge padding logits
+    ent = vocab_parallel_entropy(padded, true_vocab=true_vocab)
+    ref = torch.distributions.Categorical(logits=logits[..., :true_vocab]).entropy()
+    close(ent, ref)
+    close(ent, ref_entropy_loop(logits.detach(), true_vocab))
+    close(vocab_parallel_entropy(logits), torch.distributions.Categorical(logits=logits).entropy())
+    (grad,) = torch.autograd.grad(ent.sum(), logits)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+    close(grad, ref_grad)  # ref_grad is 0 on the padding columns
+    assert torch.isfinite(grad).all()
+
+
+def test_entropy_neg_inf_logits_stay_finite():
+    logits = torch.tensor([[[0.0, float("-inf"), 0.0]]], requires_grad=True)
+    ent = vocab_parallel_entropy(logits)
+    close(ent, [[math.log(2)]])
+    (grad,) = torch.autograd.grad(ent.sum(), logits)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("vocab, true_vocab", [(10, 7), (12, 6), (8, 8)])  # (12, 6): shard 1 is all padding
+def test_entropy_two_shards(vocab, true_vocab):
+    torch.manual_seed(17)
+    logits = (torch.randn(2, 3, vocab) * 2).requires_grad_()
+    half = vocab // 2
+    shards = [logits[..., :half].detach().requires_grad_(), logits[..., half:].detach().requires_grad_()]
+    starts = [0, half]
+
+    def run(rank, reduce_sum, reduce_max):
+        return vocab_parallel_entropy(shards[rank], vocab_start=starts[rank], true_vocab=true_vocab,
+                                      all_reduce_sum=reduce_sum, all_reduce_max=reduce_max)
+
+    def recorder(store):
+        def reduce(t):
+            store.append(t.detach().clone())
+            return t
+        return reduce
+
+    # pass 1: each rank's local max; pass 2: each rank's (S, A) partials under the global max
+    local_max = [[], []]
+    for rank in range(2):
+        run(rank, None, recorder(local_max[rank]))
+    global_max = torch.maximum(local_max[0][0], local_max[1][0])
+    partials = [[], []]
+    for rank in range(2):
+        run(rank, recorder(partials[rank]), lambda t: global_max)
+    # pass 3: the all-reduce adds the other rank's partials (identity backward, like megatron's reduce)
+    ents = [run(rank, lambda t, r=rank: t + partials[1 - r][0], lambda t: global_max) for rank in range(2)]
+
+    ref = torch.distributions.Categorical(logits=logits[..., :true_vocab]).entropy()
+    close(ents[0], ref)
+    close(ents[1], ref)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+    for rank in range(2):
+        (grad,) = torch.autograd.grad(ents[rank].sum(), shards[rank])
+        close(grad, ref_grad[..., starts[rank] : starts[rank] + half])
