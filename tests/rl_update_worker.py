@@ -90,6 +90,11 @@ def run_case(hf_dir: str, layout: ParallelLayout, algo: str, split: str, referen
     with everything:
         learned = learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl, skip_old_logprob=skip,
                         timer=PhaseTimer())  # fmt: skip
+    if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
+        for metrics in (learned.actor, learned.critic):
+            for k in metrics:
+                if k not in ("grad_norm", "lr") and not k.startswith("max/"):
+                    metrics[k] /= layout.dp
     out = {
         "actor": learned.actor,
         "critic": learned.critic,
@@ -108,5 +113,24 @@ def run_case(hf_dir: str, layout: ParallelLayout, algo: str, split: str, referen
     return out
 
 
+def tp_attribute_bug(hf_dir: str) -> dict:
+    """megatron-core 0.16: a model built without random init lacks TP attributes; megarl's builder restores them."""
+    from megarl.compat.megatron_fixes import restore_tp_attributes
+    from megarl.models.builder import build_model_chunk
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    layout = ParallelLayout(tp=dist.get_world_size())
+    init_distributed(layout, seed=1)
+    with mock.patch("megarl.models.builder.restore_tp_attributes", lambda model: 0):
+        raw = build_model_chunk(spec, layout, init_weights=False)
+    flags = lambda m: {n: hasattr(p, "tensor_model_parallel") for n, p in m.named_parameters() if "layernorm" not in n}
+    before = flags(raw)
+    restored = restore_tp_attributes(raw)
+    return {"before": before, "after": flags(raw), "restored": restored,
+            "builder": flags(build_model_chunk(spec, layout, init_weights=False))}  # fmt: skip
+
+
 def run_cases(hf_dir: str, cases: list[tuple[str, dict]]) -> dict:
-    return {name: run_case(hf_dir, **kwargs) for name, kwargs in cases}
+    out = {name: run_case(hf_dir, **kwargs) for name, kwargs in cases}
+    out["tp_attribute_bug"] = tp_attribute_bug(hf_dir)
+    return out

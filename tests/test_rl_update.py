@@ -81,3 +81,11 @@ def test_layout_matches_single_rank_world2(world2, algo, layout):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_tp2pp2_matches_single_rank(world4, algo):
     _assert_same_update(world4[f"tp2pp2_{algo}"], world4[f"ref_{algo}_mbs2"])
+
+
+def test_megatron_016_tp_attribute_bug_is_worked_around(world2):
+    """Without megarl.compat.megatron_fixes, no TP-split weight of a model built for loading carries
+    ``tensor_model_parallel`` (so TP rank 1's shards were left out of the gradient norm); the builder restores all."""
+    bug = world2["tp_attribute_bug"]
+    assert not any(bug["before"].values()) and bug["restored"] == len(bug["before"])
+    assert all(bug["after"].values()) and all(bug["builder"].values())

@@ -1,6 +1,7 @@
 """The only package that patches torch, megatron-core or vLLM.
 
 - ``cpu``: the CPU shim for megatron-core (installed only when CUDA is absent; see its docstring).
+- ``megatron_fixes``: workarounds for megatron-core bugs on every platform, gated by version.
 """
 
 from megarl.compat.cpu import install_if_needed, megatron_mode

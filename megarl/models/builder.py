@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.compat import megatron_mode
+from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.models.spec import ModelSpec
 from megarl.models.value_head import ValueHead
 from megarl.parallel.layout import ParallelLayout
@@ -65,6 +66,7 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         # micro-batches are padded to their own longest sequence: stages exchange each activation's shape first
         variable_seq_lengths=layout.pp > 1,
+        moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -117,4 +119,5 @@ def build_model_chunk(
         )
         if value_head and model.post_process:
             model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype)
+    restore_tp_attributes(model)
     return model
