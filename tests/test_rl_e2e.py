@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from megarl.models.tiny import make_tiny_hf_model
+from tests.wandb_reader import history
 
 STEPS = 3
 COMMON = [f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
@@ -24,8 +25,8 @@ FLAKY = '''
 def flaky(prompts, responses, ground_truths, extras):
     out = []
     for prompt in prompts:
-        if prompt.startswith("copy"):
-            raise ValueError("flaky reward: no copies")
+        if int(prompt.split()[1][0]) % 2 == 0:
+            raise ValueError("flaky reward: even digit")
         out.append(1.0)
     return out
 '''
@@ -105,22 +106,27 @@ def test_samples_carry_the_previous_updates_weights_and_match_the_actor(runs, na
 
 def test_reward_errors_score_zero_and_are_counted(runs):
     rows = runs["rows"]["flaky"]
-    samples = 4 * 8
+    samples = 4 * 8  # 4 prompts x 8 samples; the prompts with an even digit raise
     for r in rows:
-        assert 0 < r["reward/errors"] < samples
         assert r["reward/mean"] == pytest.approx(1 - r["reward/errors"] / samples, abs=1e-12)
+    assert any(0 < r["reward/errors"] < samples for r in rows)
     assert runs["stdout"].count("the reward function raised") == 1
-    assert "flaky reward: no copies" in runs["stdout"]
+    assert "flaky reward: even digit" in runs["stdout"]
 
 
 def test_wandb_offline_run_holds_the_logged_keys(runs):
+    """Read the offline run file back (wandb's own record schema) and compare it with metrics.jsonl."""
     wandb_dir = runs["out"] / "grpo" / "wandb"
     run_dirs = [d for d in os.listdir(wandb_dir) if d.startswith("offline-run-")]
     assert len(run_dirs) == 1
-    summary = json.load(open(wandb_dir / run_dirs[0] / "files" / "wandb-summary.json"))
-    last = runs["rows"]["grpo"][-1]
-    for key in ("reward/mean", "actor/pg_loss", "timing/step"):
-        assert summary[key] == pytest.approx(last[key])
+    run_file = next((wandb_dir / run_dirs[0]).glob("run-*.wandb"))
+    logged = history(str(run_file))
+    rows = runs["rows"]["grpo"]
+    assert [h["_step"] for h in logged] == [r["step"] for r in rows]
+    for h, r in zip(logged, rows):
+        for key, value in r.items():
+            if key != "step":
+                assert h[key] == pytest.approx(value), key
 
 
 def test_wandb_disabled_writes_nothing(runs):
