@@ -123,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # overrides after an option (`train RECIPE --dry-run a.b=1`)
+        args.overrides += extra
     return args.func(args)
 
 
