@@ -16,13 +16,12 @@ from megarl.training.init_weights import model_source
 
 def main(args: dict) -> None:
     engine = None
-    source = model_source(args["hf_dir"])
-    for name, recipe, overrides in args["jobs"]:
+    for name, recipe, overrides in args["jobs"]:  # a job's own model.path (a checkpoint of the same model) wins
         cfg = load_config(
             recipe, [f"model.path={args['hf_dir']}", f"trainer.output_dir={args['out']}/{name}", *overrides]
         )
         spec = validate(cfg, world_size=2)
-        engine = train(cfg, spec, source, engine=engine).engine
+        engine = train(cfg, spec, model_source(cfg.model.path), engine=engine).engine
 
 
 if __name__ == "__main__":

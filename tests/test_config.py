@@ -65,7 +65,10 @@ def test_missing_model_section():
         (["actor.parallel.tp=4"], None, "does not divide the model's 2 key/value heads"),
         (["actor.parallel.pp=3"], None, "actor.parallel.pp=3 does not divide the model's 2 layers"),
         (["actor.parallel.tp=1", "actor.parallel.dp=3"], None, "actor.global_batch_size=8 is not divisible by"),
-        (["actor.micro_batch_size=3"], None, "use a multiple of 3"),
+        (["actor.global_batch_size=3"], None, "use a global_batch_size that divides 8"),
+        (["algorithm.adv_estimator=grpo"], None, "set rollout.sampling.n >= 2"),
+        (["data.max_prompt_length=1000"], None, "exceeds actor.seq_length=1024"),
+        (["trainer.val_every=5"], None, "data.val_files is empty"),
         (["model.vocab_pad_multiple=3", "actor.parallel.tp=2"], None, "not divisible by actor.parallel.tp=2"),
         (["actor.seq_length=4096"], None, "exceeds the model's max_position_embeddings=1024"),
         (["model.path=/nonexistent"], None, "model.path: no HuggingFace config at /nonexistent/config.json"),
@@ -113,6 +116,7 @@ def test_kv_cache_budget_must_hold_one_sequence(tmp_path):
                 "rollout.kv_cache_mb=1",
                 "rollout.max_model_len=128",
                 "rollout.sampling.max_new_tokens=64",
+                "data.max_prompt_length=64",
             ],
         )
     )

@@ -32,7 +32,8 @@ def flaky(prompts, responses, ground_truths, extras):
 '''
 JOBS = {
     "grpo": ("configs/tiny_grpo.yaml", ["logging.wandb.mode=offline", "trainer.val_every=2", "data.val_batch_size=4"]),
-    "ppo": ("configs/tiny_ppo.yaml", ["data.train_batch_size=8", "actor.global_batch_size=16"]),
+    # PPO starts from a megarl checkpoint of the model (actor, critic body and reference loaded from it)
+    "ppo": ("configs/tiny_ppo.yaml", ["data.train_batch_size=8", "actor.global_batch_size=16", "model.path={ckpt}"]),
     "rloo": ("configs/tiny_rloo.yaml", []),
     "reinforce_pp": ("configs/tiny_reinforce_pp.yaml", []),
     "reinforce_pp_baseline": ("configs/tiny_reinforce_pp_baseline.yaml", []),
@@ -61,6 +62,7 @@ EXPECTED = {
     "flaky": BASE_KEYS,
 }
 MATCH = 1e-4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,11 @@ def runs(tmp_path_factory):
     hf = make_tiny_hf_model(str(tmp / "llama"), "llama", seed=3, init_std=0.08)
     (tmp / "user_reward.py").write_text(FLAKY)
     flaky = f"{tmp / 'user_reward.py'}:flaky"
-    jobs = [[name, recipe, COMMON + [o.format(flaky=flaky) for o in extra]] for name, (recipe, extra) in JOBS.items()]
+    ckpt = tmp / "ckpt"
+    convert = [sys.executable, "checkpoints_tools/hf_to_megatron.py", "--hf-dir", hf, "--out", str(ckpt)]
+    assert subprocess.run(convert, capture_output=True, cwd=REPO, timeout=300).returncode == 0
+    jobs = [[name, recipe, COMMON + [o.format(flaky=flaky, ckpt=ckpt) for o in extra]]
+            for name, (recipe, extra) in JOBS.items()]  # fmt: skip
     out = tmp / "out"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_DIR": str(tmp),
@@ -77,8 +83,7 @@ def runs(tmp_path_factory):
     proc = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node=2", "tests/rl_e2e_worker.py",
          json.dumps({"hf_dir": hf, "out": str(out), "jobs": jobs})],
-        env=env, capture_output=True, text=True, timeout=1200,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env, capture_output=True, text=True, timeout=1200, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in JOBS}
@@ -127,6 +132,14 @@ def test_wandb_offline_run_holds_the_logged_keys(runs):
         for key, value in r.items():
             if key != "step":
                 assert h[key] == pytest.approx(value), key
+
+
+def test_ppo_from_a_megarl_checkpoint_starts_from_the_same_policy(runs):
+    """The PPO job loaded actor, reference and critic body from a converted checkpoint: its first step's KL to the
+    reference is 0 (same weights) and the engine matched the actor (checked above for every job)."""
+    first = runs["rows"]["ppo"][0]
+    assert first["kl/ref_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert first["critic/values_mean"] == 0.0  # the value head starts at zero
 
 
 def test_wandb_disabled_writes_nothing(runs):

@@ -112,7 +112,7 @@ class ActorConfig:
     """Sequences per optimizer step (a PPO mini-batch) over all data-parallel ranks."""
     ppo_epochs: int = 1
     """Passes over the step's samples."""
-    seq_length: int = 256
+    seq_length: int = 1024
     """Longest training sequence in tokens (prompt + response); data.max_prompt_length + max_new_tokens must fit."""
     policy_loss: str = "ppo"
     """'ppo' (token-level clipped ratio) or 'gspo' (GSPO's sequence-level ratio)."""
@@ -231,7 +231,7 @@ class OverlongConfig:
 class AlgorithmConfig:
     """Advantage estimation and reward shaping."""
 
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "gae"
     """gae (PPO with a critic), grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
