@@ -43,6 +43,7 @@ def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
         f"actor.seq_length={args.new_tokens + 32}",
         "rollout.kv_cache_mb=64",
         "actor.max_tokens_per_micro_batch=4096",
+        f"rollout.tp={args.rollout_tp}",
     ]
 
 
@@ -130,6 +131,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--rollout-tp", type=int, default=0, help="vLLM TP (0: the actor's, 2)")
     args = parser.parse_args(argv)
     from megarl.models.tiny import make_tiny_hf_model
 

@@ -95,6 +95,14 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_TYPES = ("k1", "k2", "k3")
 
 
+def _check_update_shape(cfg) -> None:
+    """Micro-batching, epochs and aggregation: the fields actor and critic share."""
+    _require(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+    _require(cfg.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
+    _require(cfg.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+    _require(cfg.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
     """The policy model: parallel layout, optimizer, batch shape and its RL loss."""
@@ -135,16 +143,13 @@ class ActorConfig:
     """KL estimator for the loss term: k1, k2 or k3 (low-variance)."""
 
     def __post_init__(self):
-        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
+        _check_update_shape(self)
         _require(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
-        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         _require(self.seq_length >= 2, "seq_length", "must be >= 2")
         losses = ("ppo", "gspo")
         _require(self.policy_loss in losses, "policy_loss", f"must be one of {losses}, got {self.policy_loss!r}")
         _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low", "clip ratios must be >= 0")
         _require(self.clip_ratio_c > 1, "clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
-        _require(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
         _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
         _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
         _require(self.kl_loss_type in KL_TYPES, "kl_loss_type", f"must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
@@ -168,11 +173,8 @@ class CriticConfig:
     """Aggregation of the per-token value loss (as actor.loss_agg_mode)."""
 
     def __post_init__(self):
-        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
-        _require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _check_update_shape(self)
         _require(self.cliprange_value > 0, "cliprange_value", "must be > 0")
-        _require(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
