@@ -45,6 +45,19 @@ def train(cfg, spec, source, state: TrainerState | None = None, engine=None) -> 
     return job
 
 
+ROLLOUT, TRAIN = "rollout", "train"
+
+
+def switch_to(job: Job, phase: str) -> None:
+    """The one place that moves memory between generation and training: the engine sleeps while Megatron trains
+    (CUDA: vLLM frees its weights and KV cache; HF: its model is freed; vLLM on CPU: a logged no-op) and wakes for
+    generation. A step starts and ends in the rollout phase (the weight sync rewrites the engine's weights)."""
+    if phase == TRAIN:
+        job.engine.sleep()
+    else:
+        job.engine.wake()
+
+
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     """One RL step; afterwards the engine holds weight version ``step``."""
     timer = PhaseTimer()
@@ -55,6 +68,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
                 f"the reward function raised; those samples score 0 (counted in reward/errors):\n{batch.first_error}"
             )
             job.said_reward_error = True
+        switch_to(job, TRAIN)
         learned = learn(
             job.cfg,
             job.spec,
@@ -66,6 +80,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
         )
         with timer("sync"):
             report = job.engine.update_weights(actor_tensors(job.models.actor), step)
+            switch_to(job, ROLLOUT)
     state.step = step
     state.data = job.sampler.state_dict()
     state.kl_ctrl = job.kl_ctrl.state_dict()
