@@ -11,6 +11,7 @@ import torch
 from megarl.data.builtin import PREFIX, builtin_records
 
 FORMATS = (".jsonl", ".json", ".parquet")
+_TOKENIZE_CHUNK = 1024  # prompts per tokenizer call (fast tokenizers batch in Rust)
 
 
 class DataError(ValueError):
@@ -22,88 +23,189 @@ class Prompt:
     """One prompt as the engine sees it."""
 
     index: int
-    """Position in the dataset."""
+    """Position in the dataset (after overlong prompts were dropped)."""
     prompt_ids: list[int]
+    """Token ids of ``prompt_text`` (no special tokens added)."""
     prompt_text: str
     """The text given to the tokenizer (after the chat template, if any)."""
     ground_truth: object = None
+    """The answer-key field (None when data.answer_key is empty)."""
     extras: dict = field(default_factory=dict)
-    """The record's other fields (passed to the reward function)."""
+    """The record's other fields (every field but the prompt), passed to the reward function."""
+
+
+# ---- reading records -------------------------------------------------------------------------------------------
+
+
+def _missing(path: str) -> DataError:
+    return DataError(
+        f"data file not found: {path}; set data.train_files / data.val_files to existing JSONL or Parquet files"
+    )
+
+
+def _unsupported(path: str) -> DataError:
+    return DataError(f"{path}: unsupported format; use one of {FORMATS} (or builtin:NAME)")
+
+
+def _json_record(path: str, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{number}: not a JSON object ({e.msg}); write one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{number}: a {type(record).__name__}, not a JSON object; one object per line")
+    return record
+
+
+def _json_lines(path: str, limit: int | None = None) -> list[dict]:
+    """Records of a JSONL file (blank lines skipped); a ``.json`` file holding one JSON array is read whole."""
+    records = []
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not data
+        if path.endswith(".json") and f.read(64).lstrip().startswith("["):
+            f.seek(0)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{e.lineno}: invalid JSON array ({e.msg})") from None
+            for number, row in enumerate(rows, 1):
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}: element {number} is a {type(row).__name__}, not a JSON object")
+            return rows[:limit]
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                records.append(_json_record(path, number, line))
+                if limit is not None and len(records) >= limit:
+                    break
+    return records
+
+
+def _parquet(path: str, limit: int | None = None) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if limit is None:
+            return pq.read_table(path).to_pylist()
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
+        return [] if batch is None else batch.to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def _read(path: str, split: str, limit: int | None) -> list[dict]:
+    if path.startswith(PREFIX):
+        try:
+            return builtin_records(path, split)[:limit]
+        except KeyError:
+            raise DataError(f"{path}: no split {split!r} (built-in datasets have 'train' and 'val')") from None
+        except ValueError as e:
+            raise DataError(str(e)) from None
+    if not path.endswith(FORMATS):
+        raise _unsupported(path)
+    if not os.path.isfile(path):
+        raise _missing(path)
+    return _parquet(path, limit) if path.endswith(".parquet") else _json_lines(path, limit)
 
 
 def read_records(path: str, split: str = "train") -> list[dict]:
-    """The records of one data file (or built-in dataset)."""
-    if path.startswith(PREFIX):
-        try:
-            return builtin_records(path, split)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-    if not os.path.isfile(path):
-        raise DataError(
-            f"data file not found: {path}; set data.train_files / data.val_files to existing JSONL or Parquet files"
-        )
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """The records of one data file: JSONL ('.jsonl' / '.json', one object per line; a '.json' file may instead hold
+    one array of objects), Parquet, or 'builtin:NAME' (``split``: 'train' or 'val')."""
+    return _read(path, split, None)
 
-        return pq.read_table(path).to_pylist()
-    if path.endswith((".jsonl", ".json")):
-        records = []
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{number}: not a JSON object ({e.msg}); one object per line") from None
-        return records
-    raise DataError(f"{path}: unsupported format; use one of {FORMATS} (or builtin:NAME)")
+
+# ---- fields ------------------------------------------------------------------------------------------------------
 
 
 def _field(record: dict, dotted: str):
+    """``record['a']['b']`` for 'a.b'; KeyError(keys where the path stopped) if absent."""
     value = record
-    for part in dotted.split("."):
+    for depth, part in enumerate(dotted.split(".")):
         if not isinstance(value, dict) or part not in value:
-            raise KeyError(dotted)
+            where = ".".join(dotted.split(".")[:depth])
+            keys = sorted(value) if isinstance(value, dict) else f"a {type(value).__name__}, not a mapping"
+            raise KeyError(f"fields of {where}: {keys}" if where else f"fields: {keys}")
         value = value[part]
     return value
 
 
-def _key_error(path: str, number: int, record: dict, key: str, option: str) -> DataError:
-    return DataError(
-        f"{path}, record {number}: no field {key!r} (fields: {sorted(record)}); set {option}=<one of them>"
+def _get(record: dict, key: str, option: str, where: str):
+    try:
+        return _field(record, key)
+    except KeyError as e:
+        raise DataError(f"{where}: no field {key!r} ({e.args[0]}); set {option}=<one of them>") from None
+
+
+def _check_prompt(prompt, where: str) -> None:
+    messages = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
+    if isinstance(prompt, str) or (messages and all("role" in m and "content" in m for m in prompt)):
+        return
+    raise DataError(
+        f"{where}: a prompt must be a string or a non-empty list of {{'role', 'content'}} messages, got "
+        f"{prompt!r:.100}; point data.prompt_key at such a field"
     )
 
 
 def check_files(files: list[str], prompt_key: str, answer_key: str, split: str = "train") -> None:
-    """Cheap check before any process starts: every file exists and its first record has the keys."""
+    """Cheap check before any process starts (no tokenizer): every file exists in a supported format and its first
+    record has the prompt (a string or chat messages) and the answer key."""
     for path in files:
-        records = read_records(path, split)
+        records = _read(path, split, limit=1)
         if not records:
-            raise DataError(f"{path} holds no records")
-        for key, option in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-            if key:
-                try:
-                    _field(records[0], key)
-                except KeyError:
-                    raise _key_error(path, 1, records[0], key, option) from None
+            raise DataError(f"{path} holds no records; give a file with at least one")
+        where = f"{path}, record 1"
+        _check_prompt(_get(records[0], prompt_key, "data.prompt_key", where), where)
+        if answer_key:
+            _get(records[0], answer_key, "data.answer_key", where)
+
+
+# ---- tokenising ------------------------------------------------------------------------------------------------
 
 
 def _render(prompt, tokenizer, where: str) -> str:
+    _check_prompt(prompt, where)
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
-                "use a tokenizer with one or give plain-text prompts"
-            )
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    raise DataError(f"{where}: a prompt must be a string or a list of {{role, content}} messages, got {prompt!r:.80}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; use a model "
+            "whose tokenizer has one (e.g. an -Instruct model) or give plain-text prompts"
+        )
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def _prompts_of(records, source, *, tokenizer, prompt_key, answer_key, max_prompt_length, on_overlong):
+    """(prompts numbered from 0, number dropped as overlong) of the records of one source (a file name)."""
+    if on_overlong not in ("drop", "error"):
+        raise ValueError(f"on_overlong must be 'drop' or 'error', got {on_overlong!r}")
+    rows = []  # (record number, text, ground truth, extras)
+    for number, record in enumerate(records, 1):
+        where = f"{source}, record {number}"
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: a {type(record).__name__}, not a mapping of fields")
+        text = _render(_get(record, prompt_key, "data.prompt_key", where), tokenizer, where)
+        truth = _get(record, answer_key, "data.answer_key", where) if answer_key else None
+        rows.append((number, text, truth, {k: v for k, v in record.items() if k != prompt_key}))
+    prompts, dropped = [], 0
+    for start in range(0, len(rows), _TOKENIZE_CHUNK):
+        chunk = rows[start : start + _TOKENIZE_CHUNK]
+        ids_per_row = tokenizer([text for _, text, _, _ in chunk], add_special_tokens=False)["input_ids"]
+        for (number, text, truth, extras), ids in zip(chunk, ids_per_row):
+            if len(ids) > max_prompt_length:
+                if on_overlong == "error":
+                    raise DataError(
+                        f"{source}, record {number}: the prompt has {len(ids)} tokens > "
+                        f"data.max_prompt_length={max_prompt_length}; raise data.max_prompt_length or set "
+                        "data.on_overlong=drop"
+                    )
+                dropped += 1
+                continue
+            prompts.append(Prompt(len(prompts), list(ids), text, truth, extras))
+    return prompts, dropped
 
 
 class PromptDataset:
-    """Tokenised prompts; overlong ones dropped (``dropped`` counts them) or refused."""
+    """Tokenised prompts; overlong ones dropped (``dropped`` counts them, for the caller to log) or refused."""
 
     def __init__(self, prompts: list[Prompt], dropped: int = 0):
         self.prompts, self.dropped = prompts, dropped
@@ -115,36 +217,86 @@ class PromptDataset:
         return self.prompts[i]
 
     @classmethod
-    def from_files(cls, files, *, tokenizer, prompt_key, answer_key, max_prompt_length, on_overlong, split="train"):
+    def from_records(
+        cls,
+        records: list[dict],
+        *,
+        tokenizer,
+        prompt_key: str,
+        answer_key: str,
+        max_prompt_length: int,
+        on_overlong: str,
+        source: str = "records",
+    ) -> PromptDataset:
+        """The dataset of in-memory records; ``source`` names them in error messages."""
+        return cls.from_sources(
+            [(source, records)],
+            tokenizer=tokenizer,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            max_prompt_length=max_prompt_length,
+            on_overlong=on_overlong,
+        )
+
+    @classmethod
+    def from_files(
+        cls,
+        files: list[str],
+        *,
+        tokenizer,
+        prompt_key: str,
+        answer_key: str,
+        max_prompt_length: int,
+        on_overlong: str,
+        split: str = "train",
+    ) -> PromptDataset:
+        """The dataset of JSONL / Parquet files or 'builtin:NAME' (see ``read_records``), in file order."""
+        return cls.from_sources(
+            [(path, read_records(path, split)) for path in files],
+            tokenizer=tokenizer,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            max_prompt_length=max_prompt_length,
+            on_overlong=on_overlong,
+        )
+
+    @classmethod
+    def from_sources(
+        cls,
+        sources: list[tuple[str, list[dict]]],
+        *,
+        tokenizer,
+        prompt_key: str,
+        answer_key: str,
+        max_prompt_length: int,
+        on_overlong: str,
+    ) -> PromptDataset:
+        """(name, records) pairs concatenated, the name used in error messages; DataError if no prompt is left."""
         prompts, dropped = [], 0
-        for path in files:
-            for number, record in enumerate(read_records(path, split), 1):
-                where = f"{path}, record {number}"
-                try:
-                    raw = _field(record, prompt_key)
-                except KeyError:
-                    raise _key_error(path, number, record, prompt_key, "data.prompt_key") from None
-                truth = None
-                if answer_key:
-                    try:
-                        truth = _field(record, answer_key)
-                    except KeyError:
-                        raise _key_error(path, number, record, answer_key, "data.answer_key") from None
-                text = _render(raw, tokenizer, where)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                if len(ids) > max_prompt_length:
-                    if on_overlong == "error":
-                        raise DataError(
-                            f"{where}: the prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length};"
-                            " raise data.max_prompt_length or set data.on_overlong=drop"
-                        )
-                    dropped += 1
-                    continue
-                extras = {k: v for k, v in record.items() if k != prompt_key}
-                prompts.append(Prompt(len(prompts), ids, text, truth, extras))
+        for source, records in sources:
+            part, part_dropped = _prompts_of(
+                records,
+                source,
+                tokenizer=tokenizer,
+                prompt_key=prompt_key,
+                answer_key=answer_key,
+                max_prompt_length=max_prompt_length,
+                on_overlong=on_overlong,
+            )
+            for p in part:
+                p.index = len(prompts)
+                prompts.append(p)
+            dropped += part_dropped
         if not prompts:
-            raise DataError(f"no usable prompts in {list(files)} (dropped as too long: {dropped})")
+            names = [source for source, _ in sources]
+            raise DataError(
+                f"no usable prompts in {names} ({dropped} dropped as longer than "
+                f"data.max_prompt_length={max_prompt_length}); give non-empty data or raise the limit"
+            )
         return cls(prompts, dropped)
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
 
 
 class PromptSampler:
@@ -152,9 +304,21 @@ class PromptSampler:
     shuffling). Its position is a plain dict, so a restored sampler continues exactly."""
 
     def __init__(self, dataset: PromptDataset, seed: int, shuffle: bool = True):
+        if len(dataset) == 0:
+            raise ValueError("PromptSampler needs a non-empty dataset")
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
-        self.epoch, self.position = 0, 0
+        self._epoch, self._position = 0, 0
         self._order = self._permutation(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed before the next prompt (0 in the first pass)."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Prompts of the current epoch already taken."""
+        return self._position
 
     def _permutation(self, epoch: int) -> list[int]:
         n = len(self.dataset)
@@ -163,18 +327,25 @@ class PromptSampler:
         return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def take(self, k: int) -> list[Prompt]:
+        """The next ``k`` prompts, crossing into the next epoch(s) when this one runs out."""
         out = []
         while len(out) < k:
-            if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            out.append(self.dataset[self._order[self.position]])
-            self.position += 1
+            if self._position == len(self._order):
+                self._epoch, self._position = self._epoch + 1, 0
+                self._order = self._permutation(self._epoch)
+            stop = min(len(self._order), self._position + k - len(out))
+            out.extend(self.dataset[i] for i in self._order[self._position : stop])
+            self._position = stop
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self._epoch, "position": self._position}
 
     def load_state_dict(self, d: dict) -> None:
-        self.epoch, self.position = int(d["epoch"]), int(d["position"])
-        self._order = self._permutation(self.epoch)
+        epoch, position = int(d["epoch"]), int(d["position"])
+        if epoch < 0 or not 0 <= position <= len(self.dataset):
+            raise ValueError(
+                f"sampler state {d} does not fit a dataset of {len(self.dataset)} prompts; resume with the same data"
+            )
+        self._epoch, self._position = epoch, position
+        self._order = self._permutation(epoch)

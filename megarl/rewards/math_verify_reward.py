@@ -1,33 +1,46 @@
 """Math answers checked with HF's Math-Verify (``math-verify`` 0.9.0): parse both sides, then symbolic equality.
 
-Math-Verify bounds its parse/verify time with ``signal.alarm``, which works only in the main thread; elsewhere the
-timeouts are disabled (``None``) rather than raising."""
+Call it from the main thread: Math-Verify bounds each parse / comparison with ``signal.alarm``, which Python allows
+only there. In any other thread the timeouts are passed as ``None`` (disabled) instead of raising, so a pathological
+expression can then run long. (Named ``math_verify_reward`` so that no ``math.py`` shadows the standard library.)"""
 
 from __future__ import annotations
 
 import threading
 
 TIMEOUT_S = 5
+"""Seconds per parse and per comparison (main thread only)."""
 
 
-def _timeout() -> int | None:
+def _timeout_s() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def math_score(response: str, ground_truth) -> float:
-    from math_verify import parse, verify
+def _gold_text(ground_truth) -> str:
+    """A bare answer ('0.5', '\\frac{1}{2}') is wrapped in $...$ so the LaTeX extractor finds it."""
+    truth = str(ground_truth).strip()
+    return truth if "$" in truth or "\\boxed" in truth else f"${truth}$"
 
-    truth = str(ground_truth)
-    if "$" not in truth and "\\boxed" not in truth:
-        truth = f"${truth}$"
-    timeout = _timeout()
-    gold = parse(truth, parsing_timeout=timeout)
-    answer = parse(response, parsing_timeout=timeout)
-    if not gold or not answer:
+
+def math_score(response: str, ground_truth) -> float:
+    """1.0 when the response's final answer equals the ground truth, 0.0 otherwise (a side that fails to parse or
+    times out scores 0)."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    if ground_truth is None:
+        raise ValueError("the math reward needs the ground truth: set data.answer_key (e.g. answer)")
+    timeout_s = _timeout_s()
+    try:
+        gold = parse(_gold_text(ground_truth), parsing_timeout=timeout_s)
+        answer = parse(response, parsing_timeout=timeout_s)
+        if not gold or not answer:
+            return 0.0
+        return float(verify(gold, answer, timeout_seconds=timeout_s))
+    except TimeoutException:  # a BaseException: Math-Verify catches it itself, but never let one stop the run
         return 0.0
-    return float(verify(gold, answer, timeout_seconds=timeout))
 
 
 def math(prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> list[float]:
-    """1.0 when Math-Verify finds the response's final answer equal to the ground truth."""
+    """1.0 when Math-Verify finds the response's final answer equal to the ground truth, else 0.0."""
     return [math_score(r, gt) for r, gt in zip(responses, ground_truths)]
