@@ -217,48 +217,16 @@ class PromptDataset:
         return self.prompts[i]
 
     @classmethod
-    def from_records(
-        cls,
-        records: list[dict],
-        *,
-        tokenizer,
-        prompt_key: str,
-        answer_key: str,
-        max_prompt_length: int,
-        on_overlong: str,
-        source: str = "records",
-    ) -> PromptDataset:
-        """The dataset of in-memory records; ``source`` names them in error messages."""
-        return cls.from_sources(
-            [(source, records)],
-            tokenizer=tokenizer,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-            max_prompt_length=max_prompt_length,
-            on_overlong=on_overlong,
-        )
+    def from_records(cls, records: list[dict], *, source: str = "records", **options) -> PromptDataset:
+        """The dataset of in-memory records; ``source`` names them in error messages; ``options`` as
+        ``from_sources``."""
+        return cls.from_sources([(source, records)], **options)
 
     @classmethod
-    def from_files(
-        cls,
-        files: list[str],
-        *,
-        tokenizer,
-        prompt_key: str,
-        answer_key: str,
-        max_prompt_length: int,
-        on_overlong: str,
-        split: str = "train",
-    ) -> PromptDataset:
-        """The dataset of JSONL / Parquet files or 'builtin:NAME' (see ``read_records``), in file order."""
-        return cls.from_sources(
-            [(path, read_records(path, split)) for path in files],
-            tokenizer=tokenizer,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-            max_prompt_length=max_prompt_length,
-            on_overlong=on_overlong,
-        )
+    def from_files(cls, files: list[str], *, split: str = "train", **options) -> PromptDataset:
+        """The dataset of JSONL / Parquet files or 'builtin:NAME' (see ``read_records``), in file order; ``options``
+        as ``from_sources``."""
+        return cls.from_sources([(path, read_records(path, split)) for path in files], **options)
 
     @classmethod
     def from_sources(
