@@ -15,6 +15,7 @@ RUNTIME = [
     "math-verify==0.9.0",
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
+    "psutil==7.2.2",
 ]
 
 setup(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
 def _cmd_train(args) -> int:
     from megarl.config import ConfigError, load_config, validate
     from megarl.config.validate import check_inputs
+    from megarl.trainer import faults
+    from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, plan_start
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -17,9 +20,16 @@ def _cmd_train(args) -> int:
         spec = validate(cfg, world_size=launched)
         if launched is None:  # once, before any process starts (not again on every launched rank)
             check_inputs(cfg)
-    except ConfigError as e:
+            faults.planned()
+    except (ConfigError, ValueError) as e:
         print(f"megarl: config error: {e}", file=sys.stderr)
         return 2
+    if launched is None and not args.dry_run:
+        try:
+            plan_start(cfg, spec)  # resume target, same model, writable output_dir: before any process starts
+        except ResumeError as e:
+            print(f"megarl: {e}", file=sys.stderr)
+            return 2
     par = cfg.actor.parallel
     world = par.tp * par.pp * par.dp
     if args.dry_run:
@@ -29,18 +39,20 @@ def _cmd_train(args) -> int:
             f"write to {cfg.trainer.output_dir}"
         )
         return 0
+    stopped = os.path.join(cfg.trainer.output_dir, STOPPED_FILE)
     if launched is None and world > 1:
-        return _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
+        rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
+        return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
     from megarl.parallel.spawn import run_on_ranks
     from megarl.trainer.loop import train
     from megarl.training.init_weights import model_source
 
     source = model_source(cfg.model.path)
-    if launched is None:
-        run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
-    else:
-        train(cfg, spec, source)
-    return 0
+    if launched is not None:
+        train(cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
+        return 0
+    run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+    return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
@@ -59,7 +71,17 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     ]
     print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):  # to the ranks themselves: they stop at the step boundary after a save
+        import psutil
+
+        for rank in psutil.Process(child.pid).children():
+            rank.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    return child.wait()
 
 
 def _cmd_tiny_model(args) -> int:

@@ -91,8 +91,10 @@ def test_masked_stats_vs_loop():
     mean, var = ref_masked_stats(x, mask)
     close(masked_mean(x, mask), mean)
     close(masked_var(x, mask), var)
-    expected = [[(v - mean) / math.sqrt(var + 1e-8) if m else 0.0 for v, m in zip(xr, mr)] for xr, mr in
-                zip(rows(x), rows(mask))]
+    expected = [
+        [(v - mean) / math.sqrt(var + 1e-8) if m else 0.0 for v, m in zip(xr, mr)]
+        for xr, mr in zip(rows(x), rows(mask))
+    ]
     close(masked_whiten(x, mask), expected)
     row_means = [sum(v for v, m in zip(xr, mr) if m) / sum(mr) for xr, mr in zip(rows(x), rows(mask))]
     close(masked_mean(x, mask, dim=1), row_means)
@@ -167,8 +169,10 @@ def test_grpo_hand():
     group = torch.tensor([7, 7, 3, 7])  # ids, not positions: group 7 = rows 0, 1, 3; group 3 = row 2 alone
     # group 7: scores 1, 0, 1 -> mean 2/3, unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3, std 0.5773503
     # alone: mean 0, std 1 -> the raw score 0.5
-    close(grpo(scores, group), [(1 / 3) / (0.5773503 + 1e-6), (-2 / 3) / (0.5773503 + 1e-6), 0.5 / (1 + 1e-6),
-                                (1 / 3) / (0.5773503 + 1e-6)])
+    close(
+        grpo(scores, group),
+        [(1 / 3) / (0.5773503 + 1e-6), (-2 / 3) / (0.5773503 + 1e-6), 0.5 / (1 + 1e-6), (1 / 3) / (0.5773503 + 1e-6)],
+    )
     close(grpo(scores, group), [0.577349, -1.154698, 0.5, 0.577349])
     close(grpo(scores, group, norm_by_std=False), [1 / 3, -2 / 3, 0.5, 1 / 3])
 
@@ -240,8 +244,13 @@ def test_reinforce_pp_vs_loop():
     expected = ref_return_to_go(rewards, mask, 0.9)
     close(ret, expected)
     mean, var = ref_masked_stats(expected, mask)
-    close(adv, [[(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(er, mr)]
-                for er, mr in zip(rows(expected), rows(mask))])
+    close(
+        adv,
+        [
+            [(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(er, mr)]
+            for er, mr in zip(rows(expected), rows(mask))
+        ],
+    )
 
 
 def test_reinforce_pp_baseline_hand():
@@ -262,8 +271,9 @@ def test_reinforce_pp_baseline_vs_loop():
             centred[i] = scores[i].item() - sum(scores[j].item() for j in idx) / len(idx)
     tokens = torch.tensor([[centred[i] * m for m in mr] for i, mr in enumerate(rows(mask))])
     mean, var = ref_masked_stats(tokens, mask)
-    expected = [[(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(tr, mr)]
-                for tr, mr in zip(rows(tokens), rows(mask))]
+    expected = [
+        [(v - mean) / math.sqrt(var) if m else 0.0 for v, m in zip(tr, mr)] for tr, mr in zip(rows(tokens), rows(mask))
+    ]
     close(reinforce_pp_baseline(scores, group, mask), expected)
 
 
@@ -332,8 +342,9 @@ def test_kl_penalty_rewards_vs_loop():
     mask = response_mask([4, 1, 3], 4)
     scores, logp, ref = torch.randn(3, 4), -torch.rand(3, 4), -torch.rand(3, 4)
     rewards, kl_mean = kl_penalty_rewards(scores, logp, ref, mask, coef=0.3, kind="k2")
-    kls = [[0.5 * (a - b) ** 2 * m for a, b, m in zip(ar, br, mr)] for ar, br, mr in
-           zip(rows(logp), rows(ref), rows(mask))]
+    kls = [
+        [0.5 * (a - b) ** 2 * m for a, b, m in zip(ar, br, mr)] for ar, br, mr in zip(rows(logp), rows(ref), rows(mask))
+    ]
     close(rewards, [[s - 0.3 * k for s, k in zip(sr, kr)] for sr, kr in zip(rows(scores), kls)])
     assert kl_mean == pytest.approx(sum(map(sum, kls)) / 8, rel=1e-5)
 
@@ -646,13 +657,19 @@ def test_entropy_two_shards(vocab, true_vocab):
     starts = [0, half]
 
     def run(rank, reduce_sum, reduce_max):
-        return vocab_parallel_entropy(shards[rank], vocab_start=starts[rank], true_vocab=true_vocab,
-                                      all_reduce_sum=reduce_sum, all_reduce_max=reduce_max)
+        return vocab_parallel_entropy(
+            shards[rank],
+            vocab_start=starts[rank],
+            true_vocab=true_vocab,
+            all_reduce_sum=reduce_sum,
+            all_reduce_max=reduce_max,
+        )
 
     def recorder(store):
         def reduce(t):
             store.append(t.detach().clone())
             return t
+
         return reduce
 
     # pass 1: each rank's local max; pass 2: each rank's (S, A) partials under the global max

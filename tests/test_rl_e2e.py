@@ -21,7 +21,7 @@ STEPS = 3
 COMMON = [f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
           "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=32",
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
-FLAKY = '''
+FLAKY = """
 def flaky(prompts, responses, ground_truths, extras):
     out = []
     for prompt in prompts:
@@ -29,7 +29,7 @@ def flaky(prompts, responses, ground_truths, extras):
             raise ValueError("flaky reward: even digit")
         out.append(1.0)
     return out
-'''
+"""
 JOBS = {
     "grpo": ("configs/tiny_grpo.yaml", ["logging.wandb.mode=offline", "trainer.val_every=2", "data.val_batch_size=4"]),
     # PPO starts from a megarl checkpoint of the model (actor, critic body and reference loaded from it)

@@ -16,10 +16,16 @@ from tests.rl_update_worker import run_cases
 RTOL = 1e-5
 ATOL_WEIGHTS = 1e-5
 ALGOS = ("ppo", "grpo")
-WORLD2 = [(f"ref_{a}_{s}", dict(layout=L(dp=2), algo=a, split=s, reference=True))
-          for a in ALGOS for s in ("mbs2", "mbs1", "pack", "one")]
-WORLD2 += [(f"{n}_{a}", dict(layout=lay, algo=a, split="pack"))
-           for n, lay in (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2))) for a in ALGOS]
+WORLD2 = [
+    (f"ref_{a}_{s}", dict(layout=L(dp=2), algo=a, split=s, reference=True))
+    for a in ALGOS
+    for s in ("mbs2", "mbs1", "pack", "one")
+]
+WORLD2 += [
+    (f"{n}_{a}", dict(layout=lay, algo=a, split="pack"))
+    for n, lay in (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
+    for a in ALGOS
+]
 WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
 WORLD4 += [(f"tp2pp2_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1")) for a in ALGOS]  # fmt: skip
 

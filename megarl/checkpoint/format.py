@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import torch.distributed as dist
@@ -49,18 +50,24 @@ def read_meta(root: str) -> dict:
 
 def write_meta(root: str, meta: dict) -> None:
     """Rank 0 only. Plain types only (dist_checkpointing's common.pt is read with weights_only=True)."""
-    _atomic_write(os.path.join(root, META_FILE), json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2))
+    atomic_write(os.path.join(root, META_FILE), json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2))
 
 
 def latest_iteration_dir(root: str) -> str:
-    """The complete iteration directory that ``latest`` names."""
+    """The complete iteration directory that ``latest`` names (a damaged ``latest`` is refused, naming it)."""
     latest = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(latest):
         raise CheckpointError(f"{root} has no '{LATEST_FILE}' file: not a complete megarl checkpoint")
-    with open(latest) as f:
-        path = os.path.join(root, f.read().strip())
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path} (named by {latest}) is not a complete distributed checkpoint")
+    with open(latest, "rb") as f:
+        raw = f.read(256)
+    name = raw.decode("utf-8", "replace").strip()
+    path = os.path.join(root, name)
+    if not re.fullmatch(r"iter_\d{7}", name) or not os.path.isfile(os.path.join(path, "metadata.json")):
+        present = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
+        raise CheckpointError(
+            f"{latest} is damaged: it holds {raw[:40]!r}, which names no complete iter_N directory. "
+            f"Write the name of the iteration to load into it (present here: {present or 'none'})"
+        )
     return path
 
 
@@ -83,7 +90,7 @@ def save_model(root: str, model_chunk, iteration: int = 0) -> str:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _atomic_write(os.path.join(root, LATEST_FILE), iter_dirname(iteration) + "\n")
+        atomic_write(os.path.join(root, LATEST_FILE), iter_dirname(iteration) + "\n")
     dist.barrier()
     return final
 
@@ -116,7 +123,7 @@ def replace_dir(src: str, dst: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)

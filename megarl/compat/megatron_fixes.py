@@ -6,9 +6,13 @@
   loaded). Without the attribute, ``param_is_not_tensor_parallel_duplicate`` treats every TP rank > 0's shard as a
   replica, so the optimizer's gradient norm (and clipping by it) counts only TP rank 0's shards. Seen as a TP=2
   ``actor/grad_norm`` 26% below the single-rank value (tests/test_rl_update.py).
+- ``prime_optimizer_state`` / ``unshare_optimizer_steps`` (and a patched ``_set_main_param_and_optimizer_states``):
+  the distributed optimizer's checkpoint load with torch's Adam (no TE/Apex) in 0.16.x; see below.
 """
 
 from __future__ import annotations
+
+import torch
 
 AFFECTED_VERSIONS = ("0.16.",)
 
@@ -40,3 +44,72 @@ def restore_tp_attributes(model) -> int:
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=getattr(module, "stride", 1))
         fixed += 1
     return fixed
+
+
+# --- Distributed optimizer checkpoints with torch.optim.Adam (no TE / Apex), megatron-core 0.16.x -------------------
+# Measured in ../shared/facts/megatron-dist-ckpt-cpu.md §2 and shown by tests/test_checkpoint.py:
+# (a) a never-stepped optimizer cannot build its loading template: ``sharded_state_dict(is_loading=True)`` calls
+#     ``state_dict()``, which asserts that the inner state holds exactly one ``step`` (it holds none);
+# (b) ``_set_main_param_and_optimizer_states`` copies every key of the inner state, ``step`` included:
+#     fully_reshardable raises ``KeyError: 'step'``, dp_reshardable silently restores the template's step 0 (and
+#     copies into leaf views outside ``no_grad``);
+# (c) ``load_state_dict`` gives every parameter the *same* ``step`` tensor, which torch Adam then increments once per
+#     parameter, so the bias correction after a resume is wrong.
+
+
+def _torch_adam_distributed(optimizer) -> list:
+    """The DistributedOptimizers inside ``optimizer`` (a Megatron optimizer or ChainedOptimizer) whose inner
+    optimizer is torch's Adam, when the installed megatron-core has the bugs above."""
+    if not _applies():
+        return []
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return []
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in parts if isinstance(o, do.DistributedOptimizer) and isinstance(o.optimizer, torch.optim.Adam)]
+
+
+def prime_optimizer_state(optimizer) -> None:
+    """(a): give a never-stepped distributed Adam a zero state (step 0, zero moments) so its loading template can
+    be built. The load then overwrites all of it."""
+    for opt in _torch_adam_distributed(optimizer):
+        _patch_set_main_param(type(opt))
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                if not opt.optimizer.state[p]:
+                    opt.optimizer.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
+
+
+def unshare_optimizer_steps(optimizer) -> None:
+    """(c): after a load, give every parameter its own ``step`` tensor."""
+    for opt in _torch_adam_distributed(optimizer):
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _patch_set_main_param(cls) -> None:
+    """(b): copy the main parameter and the moments only (the ``step`` comes from the loaded param groups), under
+    ``no_grad``. Installed once, on first use."""
+    if getattr(cls._set_main_param_and_optimizer_states, "_megarl_fixed", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        with torch.no_grad():
+            main_param.copy_(tensors["param"])
+            for key, value in self.optimizer.state[main_param].items():
+                if key != "step":
+                    value.copy_(tensors[key])
+
+    _set_main_param_and_optimizer_states._megarl_fixed = True
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states

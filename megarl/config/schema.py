@@ -84,11 +84,28 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables clipping."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr (the first step already uses lr / lr_warmup_steps)."""
+    lr_decay_style: str = "constant"
+    """After warmup: 'constant', 'linear' or 'cosine' decay to min_lr at lr_decay_steps."""
+    lr_decay_steps: int = 0
+    """Optimizer step at which the decay reaches min_lr (required, > lr_warmup_steps, unless constant)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
 
     def __post_init__(self):
         _require(self.optimizer in ("adam", "sgd"), "optimizer", f"must be 'adam' or 'sgd', got {self.optimizer!r}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
+        _require(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
+        styles = ("constant", "linear", "cosine")
+        _require(self.lr_decay_style in styles, "lr_decay_style", f"must be one of {styles}")
+        _require(
+            self.lr_decay_style == "constant" or self.lr_decay_steps > self.lr_warmup_steps,
+            "lr_decay_steps",
+            f"must be > lr_warmup_steps ({self.lr_warmup_steps}) for lr_decay_style={self.lr_decay_style!r}",
+        )
+        _require(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr], got {self.min_lr}")
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -349,12 +366,30 @@ class TrainerConfig:
     """Where metrics.jsonl, the W&B run, reward_curve.png and the resolved config go."""
     val_every: int = 0
     """Run a validation pass every N steps (and after the last); 0: never."""
+    save_every: int = 0
+    """Save a training checkpoint (everything a continuation needs) every N steps and after the last; 0: only
+    when stopped by SIGTERM/SIGUSR1."""
+    keep_last: int = 0
+    """Keep only the newest K complete checkpoints (never deleting the newest complete one); 0 keeps all."""
+    resume: str = "auto"
+    """'auto': continue from the newest complete checkpoint in output_dir/checkpoints, if any; 'never': start
+    fresh (refusing a non-empty output_dir unless overwrite); or the path of a checkpoint to continue from."""
+    overwrite: bool = False
+    """With resume='never': delete what a previous run left in output_dir."""
+    verify_checkpoint: bool = True
+    """Check every checkpoint file's SHA-256 before loading (sizes are always checked)."""
+    max_consecutive_skips: int = 3
+    """Stop with an error after this many RL steps in a row whose loss or gradients were not finite."""
 
     def __post_init__(self):
         _require(self.total_steps >= 1, "total_steps", "must be >= 1")
         _require(self.log_every >= 1, "log_every", "must be >= 1")
         _require(bool(self.output_dir), "output_dir", "is required")
         _require(self.val_every >= 0, "val_every", "must be >= 0 (0 = never)")
+        _require(self.save_every >= 0, "save_every", "must be >= 0 (0 = only on SIGTERM/SIGUSR1)")
+        _require(self.keep_last >= 0, "keep_last", "must be >= 0 (0 = keep all)")
+        _require(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
+        _require(self.max_consecutive_skips >= 1, "max_consecutive_skips", "must be >= 1")
 
 
 @dataclass(kw_only=True)

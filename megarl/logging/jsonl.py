@@ -30,3 +30,14 @@ class JsonlWriter:
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_metrics(path: str, rows: list[dict]) -> None:
+    """Replace ``path`` with ``rows`` (each with its ``step``) atomically: a resumed run's metrics.jsonl holds the
+    checkpoint's history, and then continues."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+    os.replace(tmp, path)

@@ -14,8 +14,9 @@ from megarl.parallel.layout import ParallelLayout
 
 
 def default_backend() -> str:
-    """NCCL when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL for CUDA tensors when CUDA is usable (with gloo beside it for the small host-side collectives: metrics,
+    flags, objects), gloo otherwise."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> None:
@@ -30,7 +31,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float 
     cpu_compat.install_if_needed()
     if not dist.is_initialized():
         backend = default_backend()
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()

@@ -7,17 +7,23 @@ group), then the first weight sync (version 0: the initial actor weights; the en
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megarl.algos import kl_controller
+from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.training import checkpoints_root, load_training, read_trainer_state, set_rng_states
 from megarl.config.loader import to_yaml
 from megarl.config.schema import MegarlConfig
+from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
+from megarl.logging.jsonl import write_metrics
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
@@ -26,6 +32,7 @@ from megarl.reshard.sync import actor_tensors
 from megarl.rewards import load_reward_fn
 from megarl.rollout import build_engine, write_engine_dir
 from megarl.trainer.models import RLModels, build_rl_models
+from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, clear_previous_run, plan_start
 from megarl.trainer.state import TrainerState
 from megarl.training.init_weights import ModelSource
 
@@ -37,6 +44,7 @@ class Job:
     """The resources of one run (a plain holder; the loop in ``loop.py`` does the work)."""
 
     cfg: MegarlConfig
+    source: ModelSource
     spec: ModelSpec
     layout: ParallelLayout
     rank: int
@@ -52,6 +60,8 @@ class Job:
     """One mini-batch and one epoch: the policy before the update is the current one, so no separate forward."""
     said_reward_error: bool = False
     """The first reward-function traceback is printed once per run."""
+    stopped_by: str | None = None
+    """The signal that stopped the run early (after a save), if one did."""
 
     def say(self, message: str) -> None:
         if self.rank == 0:
@@ -72,6 +82,28 @@ def _datasets(cfg: MegarlConfig, tokenizer) -> tuple[PromptDataset, PromptDatase
     return train, val
 
 
+def describe_checkpoint_root(job: Job, root: str) -> None:
+    """Rank 0, before the first save: the model description and tokenizer that make ``root`` a megarl checkpoint
+    (so the export, verify and ``model.path`` read a training checkpoint's actor like a converted one)."""
+    if os.path.isfile(os.path.join(root, ckpt.META_FILE)):
+        return
+    os.makedirs(root, exist_ok=True)
+    copy_tokenizer_files(job.source.tokenizer_dir, os.path.join(root, ckpt.TOKENIZER_DIR))
+    ckpt.write_meta(
+        root,
+        {
+            "family": job.spec.family,
+            "hf_config": job.source.hf_config,
+            "vocab_size": job.spec.vocab_size,
+            "padded_vocab_size": job.spec.padded_vocab_size,
+            "dtype": job.cfg.model.dtype,
+            "written_with": {"tp": job.layout.tp, "pp": job.layout.pp, "dp": job.layout.dp},
+            "source": os.path.abspath(job.source.path),
+            "kind": "training",
+        },
+    )
+
+
 def skips_old_logprob(cfg: MegarlConfig) -> bool:
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
     return cfg.actor.ppo_epochs == 1 and one_minibatch
@@ -90,9 +122,10 @@ def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout
     return build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
 
 
-def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: TrainerState, engine=None) -> Job:
-    """Collective over the world (every rank calls it with the same config). ``engine``: reuse a running rollout
-    engine of the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
+def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=None) -> tuple[Job, TrainerState]:
+    """Collective over the world (every rank calls it with the same config): a fresh start, or the continuation of
+    the checkpoint ``trainer.resume`` names (``resume.plan_start``). ``engine``: reuse a running rollout engine of
+    the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
     from transformers import AutoTokenizer
 
     par = cfg.actor.parallel
@@ -100,6 +133,40 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: Tr
     init_distributed(layout, seed=cfg.trainer.seed)
     rank = dist.get_rank()
     out_dir = cfg.trainer.output_dir
+
+    start = plan_start(cfg, spec)
+    if rank == 0:
+        if start is None and cfg.trainer.overwrite:
+            clear_previous_run(out_dir)
+        for stale in glob.glob(os.path.join(checkpoints_root(out_dir), "iter_*.tmp")):
+            shutil.rmtree(stale, ignore_errors=True)  # interrupted saves
+        if os.path.exists(os.path.join(out_dir, STOPPED_FILE)):
+            os.remove(os.path.join(out_dir, STOPPED_FILE))
+    dist.barrier()
+
+    models = build_rl_models(cfg, spec, layout, source, rank, load_weights=start is None)
+    state, rng, notes = TrainerState(seed=cfg.trainer.seed), None, []
+    if start is not None:
+        saved = read_trainer_state(start.path)
+        same_world = saved["world_size"] == dist.get_world_size()
+        rng = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_world)
+        state = TrainerState.from_dict(saved["state"])
+        notes += [f"skipped {s}" for s in start.skipped]
+        notes.append(f"resuming from {start.path} (step {state.step})")
+        if saved["layout"] != dataclasses.asdict(layout):
+            notes.append(
+                f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
+                "schedulers reshard exactly; floating-point results differ from an uninterrupted run in the last "
+                "bits (another reduction order)"
+                + (
+                    ""
+                    if same_world
+                    else "; RNG states are per rank and do not carry to another world size: "
+                    "they are reseeded from trainer.seed"
+                )  # fmt: skip
+            )
+        if rank == 0:
+            write_metrics(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     train, val = _datasets(cfg, tokenizer)
@@ -112,10 +179,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: Tr
     if state.kl_ctrl:
         kl_ctrl.load_state_dict(state.kl_ctrl)
 
-    models = build_rl_models(cfg, spec, layout, source, rank)
     if engine is None:
         engine = start_engine(cfg, spec, source, layout)
     engine.update_weights(actor_tensors(models.actor), state.step)
+    if rng is not None:
+        set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 
     tracker = Tracker(
         cfg.logging,
@@ -131,6 +199,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: Tr
     state.wandb_run_id = tracker.run_id
     job = Job(
         cfg=cfg,
+        source=source,
         spec=spec,
         layout=layout,
         rank=rank,
@@ -155,6 +224,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, state: Tr
         )
         + (f", {len(val_prompts)} validation prompts" if val_prompts else "")
     )
+    for note in notes:
+        job.say(note)
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
-    return job
+    return job, state

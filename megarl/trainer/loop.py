@@ -3,46 +3,82 @@ weight sync -> metrics. Every rank runs the same code on the same global batch; 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from megarl.checkpoint.format import atomic_write
+from megarl.checkpoint.training import checkpoints_root, save_training
 from megarl.reshard.sync import actor_tensors
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rollout.protocol import rollout
+from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import collect
-from megarl.trainer.job import Job, build_job
+from megarl.trainer.job import Job, build_job, describe_checkpoint_root
 from megarl.trainer.metrics import step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import RLModels
+from megarl.trainer.preemption import StopRequests
+from megarl.trainer.resume import STOPPED_FILE
 from megarl.trainer.state import TrainerState
 from megarl.trainer.timer import PhaseTimer
 from megarl.training.batch import Sequence
 from megarl.training.logprobs import logprobs_from_logits
 from megarl.training.losses import actor_loss, critic_loss, critic_values
+from megarl.training.step import NonFiniteUpdate
 from megarl.training.update import forward_fields, ppo_updates
 
 
-def train(cfg, spec, source, state: TrainerState | None = None, engine=None) -> Job:
-    """Run ``trainer.total_steps`` RL steps (collective over the world); returns the job (its engine can serve
-    another job of the same model and layout)."""
-    state = state or TrainerState(seed=cfg.trainer.seed)
-    job = build_job(cfg, spec, source, state, engine=engine)
-    history = []
-    with job.tracker:
-        for step in range(state.step + 1, cfg.trainer.total_steps + 1):
+def train(cfg, spec, source, engine=None) -> Job:
+    """Run RL steps up to ``trainer.total_steps`` (collective over the world), continuing a checkpoint when
+    ``trainer.resume`` finds one; returns the job (its engine can serve another job of the same model and layout).
+    A SIGTERM/SIGUSR1 stops it at the next step boundary, after a save; ``job.stopped_by`` then names the signal."""
+    job, state = build_job(cfg, spec, source, engine=engine)
+    t = cfg.trainer
+    with job.tracker, StopRequests() as stop:
+        for step in range(state.step + 1, t.total_steps + 1):
             metrics = rl_step(job, state, step)
-            if (
-                cfg.trainer.val_every
-                and job.val_prompts
-                and (step % cfg.trainer.val_every == 0 or step == cfg.trainer.total_steps)
-            ):
+            if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
                 metrics.update(validate(job, step))
             job.tracker.log(step, metrics)
-            history.append(metrics)
-        job.tracker.finish(summary_lines(history))
+            state.history.append({"step": step, **metrics})
+            stopping = stop.agreed()
+            if stopping or (t.save_every and (step % t.save_every == 0 or step == t.total_steps)):
+                save(job, state)
+            if stopping:
+                job.stopped_by = stop.signal_name or "a signal on another rank"
+                if job.rank == 0:
+                    atomic_write(
+                        os.path.join(t.output_dir, STOPPED_FILE), f"step {step}: stopped by {job.stopped_by}\n"
+                    )
+                job.say(f"stopped by {job.stopped_by} after step {step}; saved; resume with the same command")
+                break
+        else:
+            job.tracker.finish(summary_lines(state.history))
     return job
+
+
+def save(job: Job, state: TrainerState) -> dict:
+    """Collective: a training checkpoint of this step under ``output_dir/checkpoints``."""
+    root = checkpoints_root(job.cfg.trainer.output_dir)
+    if job.rank == 0:
+        describe_checkpoint_root(job, root)
+    report = save_training(
+        root,
+        state.step,
+        job.models,
+        {"state": state.to_dict(), "layout": dataclasses.asdict(job.layout), "world_size": job.layout.world_size},
+        keep_last=job.cfg.trainer.keep_last,
+        before_manifest=lambda: faults.fire("save", state.step),
+    )
+    job.say(
+        f"saved step {state.step}: {report['path']} ({report['bytes'] / 1e6:.1f} MB, {report['seconds']:.2f}s, "
+        f"hashing {report['hash_seconds']:.2f}s)"
+    )
+    return report
 
 
 ROLLOUT, TRAIN = "rollout", "train"
@@ -61,7 +97,9 @@ def switch_to(job: Job, phase: str) -> None:
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     """One RL step; afterwards the engine holds weight version ``step``."""
     timer = PhaseTimer()
+    faults.fire("sigterm", step)
     with timer("step"):
+        faults.fire("generate", step, after_s=0.05)
         batch = collect(job.cfg, job.engine, job.sampler, job.reward_fn, job.tokenizer, step=step, timer=timer)
         if batch.first_error and not job.said_reward_error:
             job.say(
@@ -77,6 +115,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
             kl_ctrl=job.kl_ctrl,
             skip_old_logprob=job.skip_old_logprob,
             timer=timer,
+            poison_loss=faults.at("nan_loss", step),
         )
         with timer("sync"):
             report = job.engine.update_weights(actor_tensors(job.models.actor), step)
@@ -84,7 +123,22 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     state.step = step
     state.data = job.sampler.state_dict()
     state.kl_ctrl = job.kl_ctrl.state_dict()
-    return step_metrics(job, batch, learned, sync=report, timer=timer)
+    if learned.skipped:
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        job.say(f"step {step}: update skipped ({'; '.join(learned.skipped)}); weights and optimizer unchanged")
+        if state.consecutive_skips >= job.cfg.trainer.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{state.consecutive_skips} RL steps in a row had a non-finite loss or gradients (last: "
+                f"{'; '.join(learned.skipped)}); stopping (trainer.max_consecutive_skips="
+                f"{job.cfg.trainer.max_consecutive_skips}). Lower the learning rate or check the reward function; "
+                "the last checkpoint is intact"
+            )
+    else:
+        state.consecutive_skips = 0
+    metrics = step_metrics(job, batch, learned, sync=report, timer=timer)
+    metrics["train/skipped_steps"] = float(state.skipped_steps)
+    return metrics
 
 
 @dataclass
@@ -101,11 +155,17 @@ class Learned:
     actor: dict[str, float]
     critic: dict[str, float]
     kl: dict[str, float]
+    skipped: list[str]
+    """Updates not applied because their loss or gradients were not finite ("actor: non-finite pg_loss")."""
 
 
-def learn(cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool, timer: PhaseTimer) -> Learned:
+def learn(
+    cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool, timer: PhaseTimer, poison_loss=False
+) -> Learned:
     """Collective: old / reference log-probs and values, advantages, then the critic's and the actor's updates on the
-    step's samples (the exact token ids the engine generated)."""
+    step's samples (the exact token ids the engine generated). A model's update whose loss or gradients are not
+    finite is not applied (see ``ppo_updates``) and is named in ``Learned.skipped``. ``poison_loss``: make the
+    actor's loss NaN (fault injection)."""
     a, m = cfg.actor, models
     seqs = [Sequence(s.prompt_ids + s.token_ids, len(s.prompt_ids)) for s in batch.samples]
     lengths = [s.response_len for s in seqs]
@@ -147,13 +207,19 @@ def learn(cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool
             kl_metric_type=a.kl_loss_type,
         )
     adv = unpad_rows(adv_NR, lengths)
+    if poison_loss:
+        adv = [a * float("nan") for a in adv]
+    skipped = []
     returns = unpad_rows(returns_NR, lengths) if returns_NR is not None else None
     norm_len = a.loss_agg_norm_len or cfg.rollout.sampling.max_new_tokens
     critic_metrics = {}
     with timer("update_critic"):
         if m.critic is not None:
             c = cfg.critic
-            critic_metrics = ppo_updates(
+            critic_metrics = _applied(
+                "critic",
+                skipped,
+                ppo_updates,
                 m.critic,
                 m.critic_optim,
                 seqs,
@@ -164,6 +230,7 @@ def learn(cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool
                 max_tokens=c.max_tokens_per_micro_batch,
                 micro_batch_size=c.micro_batch_size,
                 norm_len=norm_len,
+                scheduler=m.critic_sched,
             )
     with timer("update_actor"):
         fields = {"advantages": adv, "rollout_logp": rollout_logp}
@@ -171,7 +238,10 @@ def learn(cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool
             fields["old_logp"] = old_logp
         if a.kl_loss_coef > 0:
             fields["ref_logp"] = ref_logp
-        actor_metrics = ppo_updates(
+        actor_metrics = _applied(
+            "actor",
+            skipped,
+            ppo_updates,
             m.actor,
             m.actor_optim,
             seqs,
@@ -182,10 +252,30 @@ def learn(cfg, spec, models: RLModels, batch, *, kl_ctrl, skip_old_logprob: bool
             max_tokens=a.max_tokens_per_micro_batch,
             micro_batch_size=a.micro_batch_size,
             norm_len=norm_len,
+            scheduler=m.actor_sched,
         )
     return Learned(
-        seqs, rollout_logp, old_logp, ref_logp, values, returns, adv, actor_metrics, critic_metrics, kl_metrics
+        seqs,
+        rollout_logp,
+        old_logp,
+        ref_logp,
+        values,
+        returns,
+        adv,
+        actor_metrics,
+        critic_metrics,
+        kl_metrics,
+        skipped,
     )
+
+
+def _applied(name: str, skipped: list[str], update, *args, **kwargs) -> dict[str, float]:
+    """``update(*args, **kwargs)``'s metrics, or {} (and a note in ``skipped``) when it was not finite."""
+    try:
+        return update(*args, **kwargs)
+    except NonFiniteUpdate as e:
+        skipped.append(f"{name}: {e}")
+        return {}
 
 
 def validate(job: Job, step: int) -> dict[str, float]:

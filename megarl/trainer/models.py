@@ -12,7 +12,7 @@ from megarl.models.builder import build_model_chunk
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.training.init_weights import ModelSource, load_initial_weights
-from megarl.training.setup import wrap_for_training
+from megarl.training.setup import make_scheduler, wrap_for_training
 
 
 @dataclass
@@ -20,8 +20,11 @@ class RLModels:
     actor: torch.nn.Module
     """The actor, wrapped in Megatron DDP."""
     actor_optim: object
+    actor_sched: object
+    """The actor's learning-rate scheduler (Megatron's OptimizerParamScheduler)."""
     critic: torch.nn.Module | None = None
     critic_optim: object | None = None
+    critic_sched: object | None = None
     reference: torch.nn.Module | None = None
     """Frozen initial actor weights (no DDP, no optimizer)."""
 
@@ -34,10 +37,13 @@ def needs_critic(cfg: MegarlConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
-def build_rl_models(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, source: ModelSource, rank: int):
-    """Collective: every model this job needs, initialised from ``source``."""
+def build_rl_models(
+    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, source: ModelSource, rank: int, *, load_weights=True
+):
+    """Collective: every model this job needs, initialised from ``source``. ``load_weights=False`` (resuming: a
+    checkpoint fills actor and critic next) loads only the reference, which is always the initial weights."""
 
-    def chunk(value_head: bool = False):
+    def chunk(value_head: bool = False, load: bool = True):
         model = build_model_chunk(
             spec,
             layout,
@@ -46,13 +52,17 @@ def build_rl_models(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, 
             transformer_impl=cfg.model.transformer_impl,
             init_weights=False,
         )
-        load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
+        if load:
+            load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
         return model
 
-    actor, actor_optim = wrap_for_training(chunk(), cfg.actor.optim)
-    models = RLModels(actor=actor, actor_optim=actor_optim)
+    actor, actor_optim = wrap_for_training(chunk(load=load_weights), cfg.actor.optim)
+    models = RLModels(actor=actor, actor_optim=actor_optim, actor_sched=make_scheduler(actor_optim, cfg.actor.optim))
     if needs_critic(cfg):
-        models.critic, models.critic_optim = wrap_for_training(chunk(value_head=True), cfg.critic.optim)
+        models.critic, models.critic_optim = wrap_for_training(
+            chunk(value_head=True, load=load_weights), cfg.critic.optim
+        )
+        models.critic_sched = make_scheduler(models.critic_optim, cfg.critic.optim)
     if needs_reference(cfg):
         models.reference = chunk().eval().requires_grad_(False)
     return models

@@ -19,6 +19,12 @@ class TrainerState:
     """The in-reward KL controller's state (``state_dict``)."""
     wandb_run_id: str | None = None
     """The W&B run to continue on resume."""
+    skipped_steps: int = 0
+    """RL steps whose update was skipped (non-finite loss or gradients) so far."""
+    consecutive_skips: int = 0
+    """Skipped RL steps in a row, up to the last one."""
+    history: list[dict] = field(default_factory=list)
+    """Every logged step's metrics (for metrics.jsonl on resume, the reward curve and the summary)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -44,3 +44,24 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
     if tf_config.bf16 or tf_config.fp16:
         tf_config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
+
+
+def make_scheduler(optimizer, optim: OptimConfig):
+    """Megatron's learning-rate scheduler for ``optim`` (warmup, then constant / linear / cosine decay), counted in
+    optimizer steps. Step it by one *before* each optimizer step, so step k uses the rate for k."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    constant = optim.lr_decay_style == "constant"
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.lr if constant else optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=optim.lr_warmup_steps + 1 if constant else optim.lr_decay_steps,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )

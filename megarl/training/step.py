@@ -7,6 +7,7 @@ vocab-parallel without gathering logits; a critic returns values [batch, seq, 1]
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -102,17 +103,47 @@ def _reduce_metrics(reported: list[dict], ps, reduce: str = MEAN) -> dict:
     return metrics
 
 
+class NonFiniteUpdate(FloatingPointError):
+    """An optimizer step was skipped because its loss or gradients were not finite (weights and optimizer state
+    are unchanged). Raised on every rank together."""
+
+
+def _non_finite(model, metrics: dict) -> str | None:
+    """Why this step must not be applied (the same answer on every rank), or None."""
+    bad_metrics = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    grads = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]  # Megatron DDP's grad buffers
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    flags = torch.tensor([float(bool(bad_metrics)), float(not finite.item())])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if not flags.any():
+        return None
+    parts = []
+    if flags[0]:
+        parts.append("non-finite " + (", ".join(bad_metrics) if bad_metrics else "metrics on another rank"))
+    if flags[1]:
+        parts.append("non-finite gradients")
+    return " and ".join(parts)
+
+
 def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn, *, reduce: str = MEAN) -> dict:
     """Zero grads, forward/backward all micro-batches, take one optimizer step. Returns metrics incl. grad_norm and
-    lr (metrics reduced as in ``forward_backward``)."""
+    lr (metrics reduced as in ``forward_backward``). Raises ``NonFiniteUpdate`` instead of stepping when a metric
+    (the loss) or a gradient is NaN/inf anywhere."""
     with megatron_mode():
         model.zero_grad_buffer()
         optimizer.zero_grad()
     metrics = forward_backward(model, micro_batches, loss_fn, reduce=reduce)
+    reason = _non_finite(model, metrics)
+    if reason is not None:
+        with megatron_mode():
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+        raise NonFiniteUpdate(reason)
     with megatron_mode():
         ok, grad_norm, _ = optimizer.step()
-    if not ok:
-        raise FloatingPointError("optimizer step skipped (inf/nan gradients)")
+    if not ok:  # fp16 loss scaling found inf/nan (and skipped the step itself)
+        raise NonFiniteUpdate("inf/nan gradients (loss scaler)")
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics

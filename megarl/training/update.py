@@ -17,7 +17,7 @@ from megarl.rollout.protocol import prompt_slice
 from megarl.training.batch import Sequence, micro_batches, response_values
 from megarl.training.logprobs import forward_per_token
 from megarl.training.losses import GlobalNorm
-from megarl.training.step import SUM, train_step
+from megarl.training.step import SUM, NonFiniteUpdate, train_step
 
 
 def minibatch_rows(num_seqs: int, global_batch_size: int) -> list[range]:
@@ -79,9 +79,12 @@ def ppo_updates(
     max_tokens: int,
     micro_batch_size: int,
     norm_len: int,
+    scheduler=None,
 ) -> dict[str, float]:
-    """Collective: ``epochs`` passes of one optimizer step per mini-batch. Returns the metrics averaged over the
-    optimizer steps (``max/`` keys: the maximum), with ``grad_norm`` and ``lr``."""
+    """Collective: ``epochs`` passes of one optimizer step per mini-batch (``scheduler`` stepped before each).
+    Returns the metrics averaged over the optimizer steps (``max/`` keys: the maximum), with ``grad_norm`` and
+    ``lr``. A non-finite step raises ``NonFiniteUpdate`` (the scheduler is stepped back; the steps before it
+    stay applied) and ends this update."""
     dp_rank, dp = _dp_coords()
     history: list[dict] = []
     for _ in range(epochs):
@@ -99,7 +102,14 @@ def ppo_updates(
                 norm_len=norm_len,
                 scale=float(len(batches) * dp),
             )
-            history.append(train_step(model, optimizer, batches, make_loss(norm), reduce=SUM))
+            if scheduler is not None:
+                scheduler.step(1)
+            try:
+                history.append(train_step(model, optimizer, batches, make_loss(norm), reduce=SUM))
+            except NonFiniteUpdate:
+                if scheduler is not None:
+                    scheduler.step(-1)
+                raise
     keys = history[0].keys()
     return {
         k: max(h[k] for h in history) if k.startswith("max/") else sum(h[k] for h in history) / len(history)

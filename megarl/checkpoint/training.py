@@ -1,0 +1,217 @@
+"""Training checkpoints: everything a continuation needs, in the one checkpoint format.
+
+``<output_dir>/checkpoints/`` is a megarl checkpoint root (``megarl_checkpoint.json``, ``tokenizer/``, ``latest``):
+the actor is stored under its plain Megatron names, so the export and verify tools read a training checkpoint like a
+converted one. Each ``iter_N/`` holds one Megatron distributed checkpoint with
+
+- ``actor`` / ``critic.*`` weights and their optimizers (the distributed optimizer ``fully_reshardable``, so both
+  reshard to another TP/PP/DP on load), the learning-rate schedulers (plain dicts);
+- every rank's RNG states (python, numpy, torch, CUDA, Megatron's tracker) as one ``ShardedObject`` per global rank;
+- ``trainer_state.json`` (plain JSON: the trainer state, the layout, and the metrics history for the curve);
+- ``manifest.json``: every file's size and SHA-256, written last.
+
+A save writes ``iter_N.tmp/``, the manifest, then renames it and replaces ``latest``; a directory without a complete
+manifest is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.manifest import ManifestError, read_manifest, verify_manifest, write_manifest
+from megarl.compat import megatron_mode
+from megarl.compat.megatron_fixes import prime_optimizer_state, unshare_optimizer_steps
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass
+class Found:
+    """The checkpoint a run resumes from."""
+
+    path: str
+    step: int
+    skipped: list[str]
+    """Newer ``iter_N`` directories passed over (no complete manifest), with the reason."""
+
+
+def checkpoints_root(output_dir: str) -> str:
+    return os.path.join(output_dir, CHECKPOINTS)
+
+
+def complete_iterations(root: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """(step, path) of every ``iter_N`` under ``root`` whose manifest is complete, newest first, and a note per
+    ``iter_N`` passed over. ``iter_N.tmp`` directories (interrupted saves) are never candidates."""
+    found, skipped = [], []
+    if not os.path.isdir(root):
+        return found, skipped
+    for name in sorted(os.listdir(root), reverse=True):
+        m = _ITER.match(name)
+        if not m:
+            continue
+        path = os.path.join(root, name)
+        try:
+            read_manifest(path)
+        except ManifestError as e:
+            skipped.append(str(e))
+            continue
+        found.append((int(m.group(1)), path))
+    return found, skipped
+
+
+def find_resume(output_dir: str) -> Found | None:
+    """The newest complete checkpoint under ``output_dir`` (``resume=auto``), or None."""
+    found, skipped = complete_iterations(checkpoints_root(output_dir))
+    return Found(found[0][1], found[0][0], skipped) if found else None
+
+
+def resolve_path(path: str) -> Found:
+    """``resume=<path>``: an ``iter_N`` directory, or a checkpoints root (its newest complete iteration)."""
+    name = os.path.basename(os.path.normpath(path))
+    if _ITER.match(name):
+        read_manifest(path)  # ManifestError names the missing/damaged manifest
+        return Found(path, int(name[5:]), [])
+    found, skipped = complete_iterations(path)
+    if not found:
+        raise ckpt.CheckpointError(
+            f"trainer.resume={path}: no complete iter_N checkpoint there"
+            + (f" ({'; '.join(skipped)})" if skipped else "")
+            + "; name an iter_N directory or a run's checkpoints directory"
+        )
+    return Found(found[0][1], found[0][0], skipped)
+
+
+def read_trainer_state(path: str) -> dict:
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
+def _rng_states() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_states(s: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(s["tracker"])
+
+
+def _rng_object(data):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", data, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded_state(models, *, loading: bool, rng: bool) -> dict:
+    """The dist-checkpoint state dict of the actor (plain names) and critic (``critic.`` names), their optimizers
+    and schedulers, and (``rng``) this rank's RNG states."""
+    state = {}
+    for name, prefix in (("actor", ""), ("critic", "critic.")):
+        model = getattr(models, name)
+        if model is None:
+            continue
+        optim = getattr(models, f"{name}_optim")
+        if loading:
+            prime_optimizer_state(optim)
+        model_sd = model.module.sharded_state_dict(prefix=prefix)
+        state[name] = model_sd
+        state[f"{name}_optim"] = optim.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
+        state[f"{name}_sched"] = getattr(models, f"{name}_sched").state_dict()
+    if rng:
+        state["rng"] = _rng_object(None if loading else _rng_states())
+    return state
+
+
+def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0,
+                  before_manifest=None) -> dict:  # fmt: skip
+    """Collective: write ``<root>/iter_<step>`` (see the module docstring) and point ``latest`` at it; then delete
+    all but the newest ``keep_last`` complete checkpoints. The root's ``megarl_checkpoint.json`` must exist.
+    ``before_manifest()`` runs between the shards and the manifest (fault injection). Returns sizes/times."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    rank = dist.get_rank()
+    final = os.path.join(root, ckpt.iter_dirname(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    with megatron_mode():
+        dist_checkpointing.save(
+            _sharded_state(models, loading=False, rng=True),
+            tmp,
+            content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
+        )
+    if rank == 0:
+        ckpt.atomic_write(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state))
+    dist.barrier()
+    if before_manifest is not None:
+        before_manifest()
+    t_write = time.perf_counter() - t0
+    write_manifest(tmp)
+    t_hash = time.perf_counter() - t0 - t_write
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
+        if keep_last:
+            for _, old in complete_iterations(root)[0][keep_last:]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
+    return {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
+
+
+def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng: bool = True) -> dict | None:
+    """Collective: verify ``path``'s manifest, then load weights, optimizers and schedulers into ``models`` at
+    whatever layout they were built with. Returns this rank's saved RNG states (``restore_rng``; apply them with
+    ``set_rng_states`` when nothing else will reseed), else None."""
+    from megatron.core import dist_checkpointing
+
+    verify_manifest(path, hashes=verify_hashes)
+    with megatron_mode():
+        state = dist_checkpointing.load(_sharded_state(models, loading=True, rng=restore_rng), path)
+        for name in ("actor", "critic"):
+            model = getattr(models, name)
+            if model is None:
+                continue
+            weights = {k.removeprefix("critic.") if name == "critic" else k: v for k, v in state[name].items()}
+            missing, unexpected = model.module.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
+            optim = getattr(models, f"{name}_optim")
+            optim.load_state_dict(state[f"{name}_optim"])
+            unshare_optimizer_steps(optim)
+            getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])
+    return state["rng"] if restore_rng else None

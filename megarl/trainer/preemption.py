@@ -1,0 +1,40 @@
+"""Stop requests: SIGTERM or SIGUSR1 (SLURM sends one before it kills a preempted job) only set a flag; the loop
+finishes the current step, all ranks agree at the step boundary, save, and exit with ``EXIT_PREEMPTED``."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequests:
+    """Context manager installing the handlers (main thread only); ``agreed()`` is collective."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        return False
+
+    def agreed(self) -> bool:
+        """Collective: whether any rank was asked to stop."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,112 @@
+"""Where a run starts: ``trainer.resume`` (auto / never / a path) against what ``trainer.output_dir`` holds.
+
+``plan_start`` is pure (no process group): the CLI calls it once before any process starts, so a bad resume target,
+a checkpoint of another model or an unwritable ``output_dir`` fails with one message; every rank calls it again at
+start and gets the same answer. Nothing here deletes anything except ``clear_previous_run`` (resume=never with
+trainer.overwrite=true).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.manifest import ManifestError
+from megarl.checkpoint.training import Found, checkpoints_root, complete_iterations, find_resume, resolve_path
+from megarl.config.schema import MegarlConfig
+from megarl.models.spec import ModelSpec, spec_from_hf_config
+
+METRICS_FILE = "metrics.jsonl"
+STOPPED_FILE = "STOPPED"
+"""Written by rank 0 when a signal stopped the run after saving (its content says the step and the signal)."""
+EXIT_PREEMPTED = 75
+"""``megarl train``'s exit status after a SIGTERM/SIGUSR1 stop with a saved checkpoint (EX_TEMPFAIL): requeue."""
+
+_MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                 "vocab_size", "tie_word_embeddings")  # fmt: skip
+
+
+class ResumeError(ValueError):
+    """The run cannot start from what output_dir / trainer.resume name; the message says the fix."""
+
+
+def _check_writable(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".megarl-write-test-"):
+            pass
+    except OSError as e:
+        raise ResumeError(
+            f"trainer.output_dir={out} is not writable ({e.strerror or e}); choose a directory you can write"
+        ) from None
+
+
+def holds_previous_run(out: str) -> bool:
+    root = checkpoints_root(out)
+    has_iters = os.path.isdir(root) and any(n.startswith("iter_") for n in os.listdir(root))
+    return os.path.isfile(os.path.join(out, METRICS_FILE)) or has_iters
+
+
+def _check_same_model(found: Found, spec: ModelSpec) -> None:
+    root = os.path.dirname(found.path)
+    try:
+        meta = ckpt.read_meta(root)
+    except ckpt.CheckpointError as e:
+        raise ResumeError(f"cannot resume from {found.path}: {e}") from None
+    theirs = spec_from_hf_config(meta["hf_config"])
+    diff = [f"{f} {getattr(theirs, f)} (checkpoint) vs {getattr(spec, f)} (model.path)" for f in _MODEL_FIELDS
+            if getattr(theirs, f) != getattr(spec, f)]  # fmt: skip
+    if diff:
+        raise ResumeError(
+            f"{found.path} holds a different model than model.path: {'; '.join(diff)}. Resume with the model it was "
+            "trained from, or start fresh (trainer.resume=never with another trainer.output_dir)"
+        )
+
+
+def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
+    """The checkpoint to resume from, or None for a fresh start; ResumeError says why neither is possible."""
+    t = cfg.trainer
+    out = t.output_dir
+    _check_writable(out)
+    if t.resume == "never":
+        if holds_previous_run(out) and not t.overwrite:
+            raise ResumeError(
+                f"trainer.output_dir={out} holds a previous run and trainer.resume=never: set trainer.overwrite=true "
+                "to delete it, trainer.resume=auto to continue it, or choose another trainer.output_dir"
+            )
+        return None
+    if t.resume == "auto":
+        found = find_resume(out)
+        if found is None:
+            if holds_previous_run(out):
+                _, skipped = complete_iterations(checkpoints_root(out))
+                raise ResumeError(
+                    f"trainer.output_dir={out} holds a previous run but no complete checkpoint to continue from"
+                    + (f" ({'; '.join(skipped)})" if skipped else "")
+                    + ": set trainer.resume=never trainer.overwrite=true to start over there, or choose another "
+                    "trainer.output_dir"
+                )
+            return None
+    else:
+        try:
+            found = resolve_path(t.resume)
+        except (ManifestError, ckpt.CheckpointError) as e:
+            raise ResumeError(f"trainer.resume: {e}") from None
+    _check_same_model(found, spec)
+    if found.step >= t.total_steps:
+        raise ResumeError(
+            f"{found.path} is at step {found.step}, and trainer.total_steps={t.total_steps}: nothing left to run "
+            "(raise trainer.total_steps to continue training)"
+        )
+    return found
+
+
+def clear_previous_run(out: str) -> None:
+    """resume=never with overwrite: delete the previous run's metrics, checkpoints, W&B files and plots."""
+    for name in (METRICS_FILE, STOPPED_FILE, "reward_curve.png", "config.yaml"):
+        if os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    for name in (os.path.basename(checkpoints_root(out)), "wandb"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
