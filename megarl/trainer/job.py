@@ -135,17 +135,20 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     out_dir = cfg.trainer.output_dir
 
     start = plan_start(cfg, spec)
+    interrupted = sorted(glob.glob(os.path.join(checkpoints_root(out_dir), "iter_*.tmp")))
+    dist.barrier()  # every rank has read the checkpoints before rank 0 cleans up
     if rank == 0:
         if start is None and cfg.trainer.overwrite:
             clear_previous_run(out_dir)
-        for stale in glob.glob(os.path.join(checkpoints_root(out_dir), "iter_*.tmp")):
-            shutil.rmtree(stale, ignore_errors=True)  # interrupted saves
+        for stale in interrupted:
+            shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(os.path.join(out_dir, STOPPED_FILE)):
             os.remove(os.path.join(out_dir, STOPPED_FILE))
     dist.barrier()
 
     models = build_rl_models(cfg, spec, layout, source, rank, load_weights=start is None)
-    state, rng, notes = TrainerState(seed=cfg.trainer.seed), None, []
+    state, rng = TrainerState(seed=cfg.trainer.seed), None
+    notes = [f"removed an interrupted save: {d}" for d in interrupted]
     if start is not None:
         saved = read_trainer_state(start.path)
         same_world = saved["world_size"] == dist.get_world_size()
@@ -154,16 +157,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         notes += [f"skipped {s}" for s in start.skipped]
         notes.append(f"resuming from {start.path} (step {state.step})")
         if saved["layout"] != dataclasses.asdict(layout):
+            rng_note = "" if same_world else (
+                "; RNG states are per rank and do not carry to another world size: they are reseeded from trainer.seed"
+            )  # fmt: skip
             notes.append(
                 f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
                 "schedulers reshard exactly; floating-point results differ from an uninterrupted run in the last "
-                "bits (another reduction order)"
-                + (
-                    ""
-                    if same_world
-                    else "; RNG states are per rank and do not carry to another world size: "
-                    "they are reseeded from trainer.seed"
-                )  # fmt: skip
+                "bits (another reduction order)" + rng_note
             )
         if rank == 0:
             write_metrics(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
