@@ -10,7 +10,8 @@ import os
 import random
 import subprocess
 import sys
-import time
+import tempfile
+import uuid
 
 import psutil
 import pytest
@@ -48,27 +49,33 @@ def _env(fault=None):
     return env
 
 
-def _run(cmd, fault=None):
-    p = subprocess.run(cmd, env=_env(fault), capture_output=True, text=True, cwd=REPO, timeout=600)
-    return p.returncode, p.stdout + p.stderr
-
-
-def _run_killed_at_random(cmd, seed):
-    """Start the run and SIGKILL its whole process tree (launcher and ranks) at a random moment of its life (start,
-    load, step, save: a run resumed from step 5 takes about 30 s here); returns whether it was still running."""
-    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    try:
-        p.wait(timeout=random.Random(seed).uniform(2.0, 30.0))
-    except subprocess.TimeoutExpired:
-        pass
-    alive = p.poll() is None
-    if alive:
-        for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
-            try:
+def _kill_run(tag):
+    """SIGKILL every process of one run: launcher, torchrun, ranks (each in a session of its own) and the helper
+    processes megatron's checkpoint writer starts (they outlive a killed rank)."""
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("MEGARL_TEST_RUN") == tag:
                 proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-    return alive, p.communicate(timeout=60)[0]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
+def _run(cmd, fault=None, kill_after_s=None):
+    """Run one `megarl train` (output to a file: processes left by a killed rank would hold a pipe open), then kill
+    whatever of it is left. ``kill_after_s``: SIGKILL all of it then, as a node failure would. Returns (exit status,
+    or None if killed; output)."""
+    tag = uuid.uuid4().hex
+    with tempfile.TemporaryFile("w+") as log:
+        env = {**_env(fault), "MEGARL_TEST_RUN": tag}
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        try:
+            rc = p.wait(timeout=kill_after_s or 600)
+        except subprocess.TimeoutExpired:
+            rc = None
+        _kill_run(tag)
+        p.wait()
+        log.seek(0)
+        return rc, log.read()
 
 
 def _metrics(out_dir):
@@ -98,7 +105,9 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     log["save@4"] = _run(cmd, "save@4")  # SIGKILL after step 4's shards, before its manifest
     log["generate@5"] = _run(cmd, "generate@5")  # resumes from step 2; SIGKILL during step 5's generation
     log["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
-    killed, log["random"] = _run_killed_at_random(cmd, seed=len(name))  # resumes from 5
+    # resumes from 5; SIGKILLed at a random moment of its life (start, load, step 6 or its save: ~30 s here)
+    rc, log["random"] = _run(cmd, kill_after_s=random.Random(len(name)).uniform(2.0, 30.0))
+    killed = rc is None
     log["last"] = _run(cmd) if killed and not (cut / "checkpoints" / f"iter_{STEPS:07d}").exists() else (0, "")
     return {"name": name, "ref": ref, "cut": cut, "log": log, "killed": killed, "tmp": tmp}
 

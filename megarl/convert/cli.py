@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from megarl.checkpoint.format import CheckpointError
+from megarl.config.validate import layout_errors
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.spawn import run_on_ranks
 
@@ -33,8 +34,13 @@ def hf_to_megatron_main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     args = p.parse_args(argv)
     try:
-        check_hf_source(args.hf_dir)  # refuse bad input before any process starts
+        _, spec = check_hf_source(args.hf_dir)  # refuse bad input before any process starts
         check_output_dir(args.out, args.overwrite)
+        if args.tp < 1 or args.pp < 1:
+            raise ConversionError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
+        errors = layout_errors(spec, args.tp, args.pp, option="--{}")
+        if errors:
+            raise ConversionError("; ".join(errors))
     except ConversionError as e:
         return _fail(str(e))
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
@@ -85,8 +91,12 @@ def verify_main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", required=True, help="megarl checkpoint directory")
     _layout_args(p, "load the checkpoint")
     args = p.parse_args(argv)
+    from megarl.models.spec import spec_from_hf_config
+
     try:
-        read_meta(args.ckpt)
+        errors = layout_errors(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args.tp, args.pp, "--{}")
+        if errors:
+            raise CheckpointError("; ".join(errors))
     except CheckpointError as e:
         return _fail(str(e))
     layout = ParallelLayout(tp=args.tp, pp=args.pp)

@@ -22,6 +22,22 @@ TOKENIZER_FILES = (
 )
 
 
+def _check_readable(path: str) -> list[str]:
+    """The tensor names of a safetensors file; ValueError naming the file if it is missing, truncated or damaged
+    (safetensors checks the header and that the file is as long as the header says)."""
+    from safetensors import SafetensorError
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing (named by {INDEX_FILE}); copy the complete model directory")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}): it is truncated or damaged; download or export it again"
+        ) from None
+
+
 class HFWeights:
     """Lazy access to the tensors of a HF directory (single file or sharded with an index)."""
 
@@ -31,14 +47,16 @@ class HFWeights:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             self._file_of = {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
+            for path in sorted(set(self._file_of.values())):
+                _check_readable(path)
         else:
             files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors weights in {hf_dir} (only safetensors checkpoints are read)")
             self._file_of = {}
             for fname in files:
-                with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
-                    self._file_of.update({name: os.path.join(hf_dir, fname) for name in f.keys()})
+                names = _check_readable(os.path.join(hf_dir, fname))
+                self._file_of.update({name: os.path.join(hf_dir, fname) for name in names})
 
     @property
     def names(self) -> set[str]:
