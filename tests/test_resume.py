@@ -143,3 +143,15 @@ def test_resumed_weights_and_optimizer_equal_the_uninterrupted_run(chain):
     if chain["name"].startswith("ppo"):
         assert any(k.startswith("critic.") for k in ref)
     assert [k for k in ref if not torch.equal(ref[k], cut[k])] == []
+
+
+def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
+    """`megarl convert megatron-to-hf` reads a training checkpoint's actor; the verify tool then finds the HF
+    model's logits equal to the Megatron actor's."""
+    ckpt, hf = str(chain["ref"] / "checkpoints"), str(chain["tmp"] / "exported")
+    export = subprocess.run([sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt,
+                             "--out", hf], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-3000:]
+    verify = subprocess.run([sys.executable, "checkpoints_tools/verify.py", "--hf-dir", hf, "--ckpt", ckpt],
+                            capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip
+    assert verify.returncode == 0 and verify.stdout.startswith("PASS"), verify.stdout + verify.stderr[-3000:]

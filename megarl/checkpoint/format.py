@@ -106,7 +106,9 @@ def load_model(root: str, model_chunk, skip_prefixes: tuple[str, ...] = ()) -> N
     with megatron_mode():
         wanted = {k: v for k, v in model_chunk.sharded_state_dict().items() if not k.startswith(skip_prefixes)}
         state = dist_checkpointing.load(wanted, path)
-        state.pop("content_metadata", None)  # stored by save(content_metadata=...), not a model tensor
+        # the result also holds the checkpoint's common (non-tensor) state: content_metadata and, in a training
+        # checkpoint, the optimizers' and schedulers' plain entries
+        state = {k: v for k, v in state.items() if k in wanted}
         missing, unexpected = model_chunk.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(skip_prefixes)]
     if missing or unexpected:

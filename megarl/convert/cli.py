@@ -56,7 +56,7 @@ def _convert(hf_dir, out, layout, dtype, overwrite):
 
 
 def megatron_to_hf_main(argv: list[str] | None = None) -> int:
-    from megarl.checkpoint.format import read_meta
+    from megarl.checkpoint.format import latest_iteration_dir, read_meta
     from megarl.convert.hf_to_megatron import ConversionError
     from megarl.convert.megatron_to_hf import check_export_dir
 
@@ -68,6 +68,7 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         read_meta(args.ckpt)
+        latest_iteration_dir(args.ckpt)
         check_export_dir(args.out, args.overwrite)
     except (CheckpointError, ConversionError) as e:
         return _fail(str(e))
