@@ -149,8 +149,8 @@ def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
     """`megarl convert megatron-to-hf` reads a training checkpoint's actor; the verify tool then finds the HF
     model's logits equal to the Megatron actor's."""
     ckpt, hf = str(chain["ref"] / "checkpoints"), str(chain["tmp"] / "exported")
-    export = subprocess.run([sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt,
-                             "--out", hf], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip
+    cmd = [sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt, "--out", hf]
+    export = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
     assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-3000:]
     verify = subprocess.run([sys.executable, "checkpoints_tools/verify.py", "--hf-dir", hf, "--ckpt", ckpt],
                             capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip

@@ -57,8 +57,7 @@ def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parall
         ("pp", pp, spec.num_layers, "layers"),
     ]
     return [
-        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in "
-        f"{_divisors(count)}"
+        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in {_divisors(count)}"
         for name, degree, count, what in divisibility
         if count % degree
     ]
