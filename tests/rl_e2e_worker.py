@@ -7,6 +7,7 @@ engine (starting an engine costs 10-40 s here; every job syncs its own initial a
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from megarl.config import load_config, validate
@@ -16,12 +17,20 @@ from megarl.training.init_weights import model_source
 
 def main(args: dict) -> None:
     engine = None
-    for name, recipe, overrides in args["jobs"]:  # a job's own model.path (a checkpoint of the same model) wins
+    for name, recipe, overrides, env in args["jobs"]:  # a job's own model.path (a checkpoint of the same model) wins
         cfg = load_config(
             recipe, [f"model.path={args['hf_dir']}", f"trainer.output_dir={args['out']}/{name}", *overrides]
         )
         spec = validate(cfg, world_size=2)
-        engine = train(cfg, spec, model_source(cfg.model.path), engine=engine).engine
+        os.environ.update(env)  # fault injection for this job only
+        try:
+            engine = train(cfg, spec, model_source(cfg.model.path), engine=engine).engine
+        except FloatingPointError as e:  # expected by a job that must stop (the last one: the engine is kept)
+            with open(os.path.join(args["out"], name, "error.txt"), "w") as f:
+                f.write(str(e))
+        finally:
+            for key in env:
+                os.environ.pop(key)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ EXPECTED = {
     "dapo": BASE_KEYS + ["reward/overlong_penalty_mean", "dynamic_sampling/gen_rounds"],
     "flaky": BASE_KEYS,
 }
+FAULT_JOBS = {  # not in the per-algorithm checks: their updates are skipped on purpose
+    "nan": ("configs/tiny_grpo.yaml", ["trainer.save_every=1"], {"MEGARL_FAULT": "nan_loss@2"}),
+    "nan_stop": ("configs/tiny_grpo.yaml", ["trainer.max_consecutive_skips=1"], {"MEGARL_FAULT": "nan_loss@2"}),
+}
 MATCH = 1e-4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,8 +78,9 @@ def runs(tmp_path_factory):
     ckpt = tmp / "ckpt"
     convert = [sys.executable, "checkpoints_tools/hf_to_megatron.py", "--hf-dir", hf, "--out", str(ckpt)]
     assert subprocess.run(convert, capture_output=True, cwd=REPO, timeout=300).returncode == 0
-    jobs = [[name, recipe, COMMON + [o.format(flaky=flaky, ckpt=ckpt) for o in extra]]
+    jobs = [[name, recipe, COMMON + [o.format(flaky=flaky, ckpt=ckpt) for o in extra], {}]
             for name, (recipe, extra) in JOBS.items()]  # fmt: skip
+    jobs += [[name, recipe, COMMON + extra, env] for name, (recipe, extra, env) in FAULT_JOBS.items()]
     out = tmp / "out"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_DIR": str(tmp),
@@ -86,7 +91,7 @@ def runs(tmp_path_factory):
         env=env, capture_output=True, text=True, timeout=1200, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in JOBS}
+    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in [*JOBS, *FAULT_JOBS]}
     return {"rows": rows, "out": out, "stdout": proc.stdout}
 
 
@@ -145,3 +150,35 @@ def test_ppo_from_a_megarl_checkpoint_starts_from_the_same_policy(runs):
 def test_wandb_disabled_writes_nothing(runs):
     assert not (runs["out"] / "rloo" / "wandb").exists()
     assert (runs["out"] / "rloo" / "reward_curve.png").is_file() and (runs["out"] / "rloo" / "config.yaml").is_file()
+
+
+def _checkpoint_tensors(iter_dir, tmp):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(tmp, os.path.basename(iter_dir) + ".pt")
+    dcp_to_torch_save(iter_dir, path)
+    return {k: v for k, v in torch.load(path, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_non_finite_loss_skips_that_steps_update(runs, tmp_path):
+    """MEGARL_FAULT=nan_loss@2: step 2's actor loss is NaN; its update is skipped (weights and Adam state after
+    step 2 equal those after step 1), counted, and step 3 trains again."""
+    import torch
+
+    rows = runs["rows"]["nan"]
+    assert [r["train/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert "actor/pg_loss" in rows[0] and "actor/pg_loss" not in rows[1] and "actor/pg_loss" in rows[2]
+    assert "step 2: update skipped (actor: non-finite" in runs["stdout"]
+    ckpts = runs["out"] / "nan" / "checkpoints"
+    s1, s2, s3 = (_checkpoint_tensors(str(ckpts / f"iter_{i:07d}"), tmp_path) for i in (1, 2, 3))
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in s1)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert not torch.equal(s2["output_layer.weight"], s3["output_layer.weight"])
+
+
+def test_consecutive_non_finite_steps_stop_the_run_with_a_clear_error(runs):
+    error = (runs["out"] / "nan_stop" / "error.txt").read_text()
+    assert "1 consecutive RL step(s) had a non-finite loss or gradients" in error
+    assert "trainer.max_consecutive_skips=1" in error and "Lower the learning rate" in error
+    assert [r["step"] for r in runs["rows"]["nan_stop"]] == [1]

@@ -129,7 +129,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
         job.say(f"step {step}: update skipped ({'; '.join(learned.skipped)}); weights and optimizer unchanged")
         if state.consecutive_skips >= job.cfg.trainer.max_consecutive_skips:
             raise FloatingPointError(
-                f"{state.consecutive_skips} RL steps in a row had a non-finite loss or gradients (last: "
+                f"{state.consecutive_skips} consecutive RL step(s) had a non-finite loss or gradients (last: "
                 f"{'; '.join(learned.skipped)}); stopping (trainer.max_consecutive_skips="
                 f"{job.cfg.trainer.max_consecutive_skips}). Lower the learning rate or check the reward function; "
                 "the last checkpoint is intact"
