@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError, read_manifest, verify_manifest, write_manifest
 from megarl.compat import megatron_mode
-from megarl.compat.megatron_fixes import prime_optimizer_state, unshare_optimizer_steps
+from megarl.compat.megatron_fixes import fix_parameter_state_load, prime_optimizer_state, unshare_optimizer_steps
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
@@ -211,6 +211,7 @@ def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng:
             if missing or unexpected:
                 raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
             optim = getattr(models, f"{name}_optim")
+            fix_parameter_state_load(optim)
             optim.load_state_dict(state[f"{name}_optim"])
             unshare_optimizer_steps(optim)
             getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])

@@ -74,7 +74,6 @@ def prime_optimizer_state(optimizer) -> None:
     """(a): give a never-stepped distributed Adam a zero state (step 0, zero moments) so its loading template can
     be built. The load then overwrites all of it."""
     for opt in _torch_adam_distributed(optimizer):
-        _patch_set_main_param(type(opt))
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 if not opt.optimizer.state[p]:
@@ -93,9 +92,14 @@ def unshare_optimizer_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def fix_parameter_state_load(optimizer) -> None:
+    """(b): make the distributed optimizer's parameter-state load copy the main parameter and the moments only (the
+    ``step`` comes from the loaded param groups), under ``no_grad``. Patches the class once, on first use."""
+    for opt in _torch_adam_distributed(optimizer):
+        _patch_set_main_param(type(opt))
+
+
 def _patch_set_main_param(cls) -> None:
-    """(b): copy the main parameter and the moments only (the ``step`` comes from the loaded param groups), under
-    ``no_grad``. Installed once, on first use."""
     if getattr(cls._set_main_param_and_optimizer_states, "_megarl_fixed", False):
         return
     original = cls._set_main_param_and_optimizer_states

@@ -26,6 +26,7 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
             OptimizerConfig(
                 optimizer=optim.optimizer,
                 lr=optim.lr,
+                min_lr=optim.min_lr,  # the scheduler reads each param group's max_lr / min_lr
                 weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1,
                 adam_beta2=optim.adam_beta2,

@@ -1,0 +1,106 @@
+"""Run on 2 spawned ranks by tests/test_checkpoint_compat.py: the three megatron-core 0.16 distributed-optimizer
+checkpoint bugs with torch's Adam, each shown with its workaround off, and a save / load / step that equals the
+uninterrupted step with all of them on (TP=1 x DP=2, the distributed optimizer, fully_reshardable)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.training import OPTIM_METADATA, _sharded_state, load_training, save_training
+from megarl.compat import megatron_fixes, megatron_mode
+from megarl.config.schema import OptimConfig
+from megarl.models.builder import build_model_chunk
+from megarl.models.spec import read_hf_config, spec_from_hf_config
+from megarl.parallel.init import init_distributed
+from megarl.parallel.layout import ParallelLayout
+from megarl.training.setup import make_scheduler, wrap_for_training
+from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
+
+OPTIM = OptimConfig(lr=1e-2, use_distributed_optimizer=True, lr_warmup_steps=2, lr_decay_style="cosine",
+                    lr_decay_steps=10)  # fmt: skip
+
+
+def _models(spec, layout):
+    torch.manual_seed(0)
+    actor, optim = wrap_for_training(build_model_chunk(spec, layout), OPTIM)
+    return types.SimpleNamespace(actor=actor, actor_optim=optim, actor_sched=make_scheduler(optim, OPTIM), critic=None)
+
+
+def _step(models, batch, step):
+    models.actor_sched.step(1)
+    return train_step(models.actor, models.actor_optim, make_lm_micro_batches(batch, 1), lm_loss)["loss"]
+
+
+def _weights(models):
+    return {k: v.detach().clone() for k, v in models.actor.module.named_parameters()}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # the bug's own exception, reported to the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def run(hf_dir: str, root: str) -> dict:
+    layout = ParallelLayout(tp=1, pp=1, dp=2)
+    init_distributed(layout)
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = [torch.randint(0, spec.vocab_size, (2, 17), generator=g) for _ in range(3)]
+
+    straight = _models(spec, layout)  # the run that is never stopped: steps 1, 2, 3
+    for i, b in enumerate(batches):
+        _step(straight, b, i + 1)
+    out = {"straight": _weights(straight)}
+
+    saved = _models(spec, layout)  # steps 1, 2, then a checkpoint
+    for i, b in enumerate(batches[:2]):
+        _step(saved, b, i + 1)
+    save_training(root, 2, saved, {"step": 2})
+    path = f"{root}/iter_0000002"
+
+    # (a) a never-stepped distributed optimizer cannot build its loading template
+    fresh = _models(spec, layout)
+    with megatron_mode():
+        msd = fresh.actor.module.sharded_state_dict()
+        out["bug_a"] = _error(
+            lambda: fresh.actor_optim.sharded_state_dict(msd, is_loading=True, metadata=OPTIM_METADATA)
+        )
+
+    # (b) with (a) worked around, the parameter-state load copies 'step' (fully_reshardable: KeyError)
+    from megatron.core import dist_checkpointing
+
+    def load_unpatched():
+        with megatron_mode():
+            state = dist_checkpointing.load(_sharded_state(fresh, loading=True, rng=False), path)
+            fresh.actor_optim.load_state_dict(state["actor_optim"])
+
+    out["bug_b"] = _error(load_unpatched)
+
+    # (c) with (a) and (b) worked around, every parameter shares one 'step' tensor, and the next step goes wrong
+    shared = _models(spec, layout)
+    with megatron_mode():
+        state = dist_checkpointing.load(_sharded_state(shared, loading=True, rng=False), path)
+        megatron_fixes.fix_parameter_state_load(shared.actor_optim)
+        shared.actor.module.load_state_dict(state["actor"], strict=False)
+        shared.actor_optim.load_state_dict(state["actor_optim"])
+        shared.actor_sched.load_state_dict(state["actor_sched"])
+    inner = shared.actor_optim.chained_optimizers[0].optimizer
+    out["bug_c_distinct_steps"] = len({id(s["step"]) for s in inner.state.values()})
+    out["bug_c_params"] = len(inner.state)
+    _step(shared, batches[2], 3)
+    out["bug_c"] = _weights(shared)
+
+    # all three worked around (load_training): step 3 equals the uninterrupted step 3
+    resumed = _models(spec, layout)
+    load_training(path, resumed, restore_rng=False)
+    _step(resumed, batches[2], 3)
+    out["resumed"] = _weights(resumed)
+    out["lr"] = (straight.actor_sched.get_lr(straight.actor_optim.param_groups[0]),
+                 resumed.actor_sched.get_lr(resumed.actor_optim.param_groups[0]))  # fmt: skip
+    return out

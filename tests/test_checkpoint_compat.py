@@ -1,0 +1,32 @@
+"""megarl/compat/megatron_fixes.py's distributed-optimizer checkpoint workarounds (megatron-core 0.16, torch Adam):
+each bug shows with its workaround off, and with all of them on a saved and reloaded optimizer takes the same next
+step as the one that never stopped (2 spawned ranks, TP=1 x DP=2)."""
+
+import pytest
+import torch
+
+from megarl.parallel.spawn import run_on_ranks
+from tests import checkpoint_worker
+
+
+@pytest.fixture(scope="module")
+def result(tiny_llama_dir, tmp_path_factory):
+    return run_on_ranks(checkpoint_worker.run, 2, tiny_llama_dir, str(tmp_path_factory.mktemp("ckpt")))
+
+
+def test_bug_a_a_fresh_distributed_optimizer_cannot_build_its_loading_template(result):
+    assert result["bug_a"].startswith("AssertionError")
+
+
+def test_bug_b_the_parameter_state_load_copies_step(result):
+    assert result["bug_b"].startswith("KeyError") and "step" in result["bug_b"]
+
+
+def test_bug_c_the_loaded_step_is_one_shared_tensor_and_the_next_step_is_wrong(result):
+    assert result["bug_c_params"] > 1 and result["bug_c_distinct_steps"] == 1
+    assert any(not torch.equal(result["bug_c"][k], result["straight"][k]) for k in result["straight"])
+
+
+def test_with_the_workarounds_the_resumed_step_is_bitwise_the_uninterrupted_one(result):
+    assert result["lr"][0] == result["lr"][1]
+    assert [k for k in result["straight"] if not torch.equal(result["resumed"][k], result["straight"][k])] == []
