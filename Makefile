@@ -46,7 +46,7 @@ demo: install
 	@echo "[make] tiny local model (no downloads) at .cache/tiny-llama"
 	$(VENV)/bin/megarl tiny-model --out .cache/tiny-llama
 	@echo "[make] megarl train configs/quickstart.yaml"
-	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/quickstart.yaml
+	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/quickstart.yaml trainer.resume=never trainer.overwrite=true
 
 lint: install
 	$(PY) -m ruff check .

@@ -151,19 +151,17 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     notes = [f"removed an interrupted save: {d}" for d in interrupted]
     if start is not None:
         saved = read_trainer_state(start.path)
-        same_world = saved["world_size"] == dist.get_world_size()
-        rng = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_world)
+        same_layout = saved["layout"] == dataclasses.asdict(layout)
+        rng = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
         state = TrainerState.from_dict(saved["state"])
         notes += [f"skipped {s}" for s in start.skipped]
         notes.append(f"resuming from {start.path} (step {state.step})")
-        if saved["layout"] != dataclasses.asdict(layout):
-            rng_note = "" if same_world else (
-                "; RNG states are per rank and do not carry to another world size: they are reseeded from trainer.seed"
-            )  # fmt: skip
+        if not same_layout:
             notes.append(
                 f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
-                "schedulers reshard exactly; floating-point results differ from an uninterrupted run in the last "
-                "bits (another reduction order)" + rng_note
+                "schedulers reshard exactly; the RNG states are per rank and do not carry to another layout (reseeded "
+                "from trainer.seed); floating-point results differ from an uninterrupted run in the last bits "
+                "(another reduction order)"
             )
         if rank == 0:
             write_metrics(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
