@@ -155,3 +155,24 @@ def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
     verify = subprocess.run([sys.executable, "checkpoints_tools/verify.py", "--hf-dir", hf, "--ckpt", ckpt],
                             capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip
     assert verify.returncode == 0 and verify.stdout.startswith("PASS"), verify.stdout + verify.stderr[-3000:]
+
+
+RESHARD = {  # resume the uninterrupted run's step-4 checkpoint at another layout
+    "grpo_tp2": ["actor.parallel.tp=1", "actor.parallel.dp=2"],
+    "ppo_dp2_distopt": ["actor.parallel.tp=2", "actor.parallel.dp=1"],
+}
+
+
+def test_resume_at_another_layout_reshards_and_says_so(chain, tiny_llama_dir):
+    recipe, extra = LAYOUTS[chain["name"]]
+    out = chain["tmp"] / "resharded"
+    source = chain["ref"] / "checkpoints" / "iter_0000004"
+    cmd = _cmd(recipe, tiny_llama_dir, out, [*extra, *RESHARD[chain["name"]], f"trainer.resume={source}"])
+    rc, log = _run(cmd)
+    assert rc == 0, log[-4000:]
+    assert "reshard exactly; the RNG states are per rank and do not carry to another layout" in log
+    ref, new = _metrics(chain["ref"]), _metrics(out)
+    assert [r["step"] for r in new] == list(range(1, STEPS + 1)) and new[:4] == ref[:4]
+    for a, b in zip(ref[4:], new[4:]):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
