@@ -192,13 +192,23 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
     return {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
 
 
-def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng: bool = True) -> dict | None:
+@dataclass
+class Loaded:
+    rng: dict | None
+    """This rank's saved RNG states (apply with ``set_rng_states`` once nothing else will reseed), if asked for."""
+    verify_seconds: float
+    seconds: float
+    """Verification and load together."""
+
+
+def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng: bool = True) -> Loaded:
     """Collective: verify ``path``'s manifest, then load weights, optimizers and schedulers into ``models`` at
-    whatever layout they were built with. Returns this rank's saved RNG states (``restore_rng``; apply them with
-    ``set_rng_states`` when nothing else will reseed), else None."""
+    whatever layout they were built with."""
     from megatron.core import dist_checkpointing
 
+    t0 = time.perf_counter()
     verify_manifest(path, hashes=verify_hashes)
+    t_verify = time.perf_counter() - t0
     with megatron_mode():
         state = dist_checkpointing.load(_sharded_state(models, loading=True, rng=restore_rng), path)
         for name in ("actor", "critic"):
@@ -215,4 +225,5 @@ def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng:
             optim.load_state_dict(state[f"{name}_optim"])
             unshare_optimizer_steps(optim)
             getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])
-    return state["rng"] if restore_rng else None
+    dist.barrier()
+    return Loaded(state["rng"] if restore_rng else None, t_verify, time.perf_counter() - t0)

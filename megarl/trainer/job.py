@@ -152,10 +152,14 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if start is not None:
         saved = read_trainer_state(start.path)
         same_layout = saved["layout"] == dataclasses.asdict(layout)
-        rng = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
+        loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
+        rng = loaded.rng
         state = TrainerState.from_dict(saved["state"])
         notes += [f"skipped {s}" for s in start.skipped]
-        notes.append(f"resuming from {start.path} (step {state.step})")
+        notes.append(
+            f"resuming from {start.path} (step {state.step}; verified in {loaded.verify_seconds:.2f}s, loaded in "
+            f"{loaded.seconds:.2f}s)"
+        )
         if not same_layout:
             notes.append(
                 f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
