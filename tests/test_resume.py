@@ -145,6 +145,7 @@ def test_resumed_weights_and_optimizer_equal_the_uninterrupted_run(chain):
     assert [k for k in ref if not torch.equal(ref[k], cut[k])] == []
 
 
+@pytest.mark.parametrize("chain", ["grpo_tp2"], indirect=True)
 def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
     """`megarl convert megatron-to-hf` reads a training checkpoint's actor; the verify tool then finds the HF
     model's logits equal to the Megatron actor's."""
@@ -158,11 +159,11 @@ def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
 
 
 RESHARD = {  # resume the uninterrupted run's step-4 checkpoint at another layout
-    "grpo_tp2": ["actor.parallel.tp=1", "actor.parallel.dp=2"],
-    "ppo_dp2_distopt": ["actor.parallel.tp=2", "actor.parallel.dp=1"],
+    "ppo_dp2_distopt": ["actor.parallel.tp=2", "actor.parallel.dp=1"],  # DP-sharded Adam states -> TP shards
 }
 
 
+@pytest.mark.parametrize("chain", list(RESHARD), indirect=True)
 def test_resume_at_another_layout_reshards_and_says_so(chain, tiny_llama_dir):
     recipe, extra = LAYOUTS[chain["name"]]
     out = chain["tmp"] / "resharded"
