@@ -106,7 +106,9 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     log["generate@5"] = _run(cmd, "generate@5")  # resumes from step 2; SIGKILL during step 5's generation
     log["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
     # resumes from 5; SIGKILLed at a random moment of its life (start, load, step 6 or its save: ~30 s here)
-    rc, log["random"] = _run(cmd, kill_after_s=random.Random(len(name)).uniform(2.0, 30.0))
+    delay = random.uniform(2.0, 30.0)  # a different moment every time (printed if a check fails)
+    rc, out = _run(cmd, kill_after_s=delay)
+    log["random"] = (rc, f"[killed after {delay:.1f} s: {rc is None}]\n{out}")
     killed = rc is None
     log["last"] = _run(cmd) if killed and not (cut / "checkpoints" / f"iter_{STEPS:07d}").exists() else (0, "")
     return {"name": name, "ref": ref, "cut": cut, "log": log, "killed": killed, "tmp": tmp}
