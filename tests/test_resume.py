@@ -101,7 +101,7 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     log = {}
     rc, log["uninterrupted"] = _run(_cmd(recipe, tiny_llama_dir, ref, extra))
     assert rc == 0, log["uninterrupted"][-4000:]
-    cmd = _cmd(recipe, tiny_llama_dir, cut, extra)
+    cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
     log["save@4"] = _run(cmd, "save@4")  # SIGKILL after step 4's shards, before its manifest
     log["generate@5"] = _run(cmd, "generate@5")  # resumes from step 2; SIGKILL during step 5's generation
     log["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
@@ -125,6 +125,8 @@ def test_each_interruption_stopped_and_resumed_where_expected(chain):
     assert "iter_0000004 (step 4;" in out and "stopped by SIGTERM after step 5; saved" in out
     assert (chain["cut"] / "checkpoints" / "iter_0000005" / "manifest.json").exists()
     assert log["last"][0] == 0, log["last"][1][-4000:]
+    kept = sorted(p.name for p in (chain["cut"] / "checkpoints").glob("iter_*"))
+    assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
 
 
 def test_resumed_metrics_equal_the_uninterrupted_run(chain):
