@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.reshard.layout import SideLayout, hf_layout, megatron_layout, vllm_layout
-from megarl.reshard.plan import plan, theoretical_minimum
+from megarl.reshard.plan import flows_of_plan, plan, summarize, theoretical_minimum
 from megarl.reshard.sync import run_sync, split_by_layer
 
 
@@ -76,14 +76,6 @@ def _chain_broadcast(flows, group: list[int], root: int, nbytes: int) -> None:
         flows[(a, b)] += nbytes
 
 
-def flows_of_plan(p) -> dict:
-    flows = defaultdict(int)
-    for t in p.transfers:
-        if t.src_rank != t.dst_rank:
-            flows[(t.src_rank, t.dst_rank)] += t.numel
-    return flows
-
-
 def flows_gather_everything(layout: ParallelLayout, src: SideLayout) -> dict:
     flows = defaultdict(int)
     held = {r: _shard_numel(src, r) for r in src.ranks}
@@ -105,34 +97,6 @@ def flows_gather_within_tp(layout: ParallelLayout, src: SideLayout) -> dict:
         for root in group:
             _chain_broadcast(flows, group, root, sum(held[x] for x in layout.tp_group(root)))
     return flows
-
-
-def summarize(flows: dict, bpe: int, gpn: int, ib_gbs: float, nvlink_gbs: float) -> dict:
-    sent, recv = defaultdict(lambda: [0, 0]), defaultdict(lambda: [0, 0])  # [same node, cross node]
-    node_sent, node_recv = defaultdict(int), defaultdict(int)
-    total = cross = 0
-    for (a, b), numel in flows.items():
-        n = numel * bpe
-        far = int(a // gpn != b // gpn)
-        total += n
-        cross += n * far
-        sent[a][far] += n
-        recv[b][far] += n
-        if far:
-            node_sent[a // gpn] += n
-            node_recv[b // gpn] += n
-    ranks = set(sent) | set(recv)
-    nv, ib = nvlink_gbs * 1e9, ib_gbs * 1e9
-    est = max((max(sent[r][0], recv[r][0]) / nv + max(sent[r][1], recv[r][1]) / ib for r in ranks), default=0.0)
-    return {
-        "moved": total,
-        "cross": cross,
-        "rank_send": max((sum(v) for v in sent.values()), default=0),
-        "rank_recv": max((sum(v) for v in recv.values()), default=0),
-        "node_send": max(node_sent.values(), default=0),
-        "node_recv": max(node_recv.values(), default=0),
-        "est_s": est,
-    }
 
 
 def _gb(n: int) -> str:

@@ -1,4 +1,4 @@
-"""The `megarl` command: train, plot, convert and tiny-model (plan and launch arrive with their issues)."""
+"""The `megarl` command: train, plan, launch, plot, convert and tiny-model."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def _cmd_train(args) -> int:
             f"are valid; {cfg.algorithm.adv_estimator} at TP={par.tp} PP={par.pp} DP={par.dp} (world {world}) would "
             f"write to {cfg.trainer.output_dir}"
         )
+        from megarl.plan import PlanError, verdict_line
+
+        try:
+            print(f"[megarl] {verdict_line(_plan_for(cfg, spec, sync=False))}")
+        except PlanError as e:
+            print(f"[megarl] memory plan: {e}")
         return 0
     stopped = os.path.join(cfg.trainer.output_dir, STOPPED_FILE)
     if launched is None and world > 1:
@@ -84,6 +90,36 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     return child.wait()
 
 
+def _plan_for(cfg, spec, args=None, sync: bool = True):
+    from megarl.plan import default_hardware, make_plan
+
+    par = cfg.actor.parallel
+    hw = default_hardware(
+        par.tp * par.pp * par.dp,
+        getattr(args, "nodes", None),
+        getattr(args, "gpus_per_node", None),
+        gpu_mem_gb=getattr(args, "gpu_mem_gb", None),
+        ib_gbps=getattr(args, "ib_gbps", None),
+        nvlink_gbps=getattr(args, "nvlink_gbps", None),
+    )
+    return make_plan(cfg, spec, hw, sync=sync)
+
+
+def _cmd_plan(args) -> int:
+    from megarl.config import ConfigError, load_config, validate
+    from megarl.plan import PlanError, format_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        spec = validate(cfg)
+        job = _plan_for(cfg, spec, args)
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"megarl: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(job))
+    return 0 if job.fits else 1
+
+
 def _cmd_tiny_model(args) -> int:
     from megarl.models.tiny import make_tiny_hf_model
 
@@ -112,6 +148,12 @@ def _cmd_convert(args) -> int:
     return COMMANDS[args.tool](args.tool_args)
 
 
+def _cmd_launch(args) -> int:
+    from megarl.launch.cli import main as launch_main
+
+    return launch_main(args.launcher, args.launch_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training on megatron-core + vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="check config, model config, data and reward; start no process"
     )
     train.set_defaults(func=_cmd_train)
+
+    plan = sub.add_parser("plan", help="will the job fit? per-rank GPU memory per phase, verdict, weight-sync plan")
+    plan.add_argument("config", help="YAML recipe")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.pp=8")
+    plan.add_argument("--nodes", type=int, default=None, help="nodes (default: world / gpus-per-node)")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default 8, or the world)")
+    plan.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per GPU in GB (default 80)")
+    plan.add_argument("--ib-gbps", type=float, default=None, help="InfiniBand Gbit/s per GPU (default 200)")
+    plan.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink Gbit/s per GPU (default 2400)")
+    plan.set_defaults(func=_cmd_plan)
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")
     tiny.add_argument("--out", required=True, help="output directory")
@@ -141,13 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("tool", choices=["hf-to-megatron", "megatron-to-hf", "verify"])
     convert.add_argument("tool_args", nargs=argparse.REMAINDER, help="the tool's own arguments (--help for them)")
     convert.set_defaults(func=_cmd_convert)
+    launch = sub.add_parser(
+        "launch", help="multi-node: torchrun on each node, or an sbatch script (preemption -> requeue)", add_help=False
+    )
+    launch.add_argument("launcher", choices=["torchrun", "slurm"])
+    launch.add_argument("launch_args", nargs=argparse.REMAINDER, help="RECIPE, options and overrides (--help)")
+    launch.set_defaults(func=_cmd_launch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # overrides after an option (`train RECIPE --dry-run a.b=1`)
         args.overrides += extra

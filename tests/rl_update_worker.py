@@ -130,7 +130,85 @@ def tp_attribute_bug(hf_dir: str) -> dict:
             "builder": flags(build_model_chunk(spec, layout, init_weights=False))}  # fmt: skip
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _adam_state(optimizer) -> list[torch.Tensor]:
+    """Adam's moment tensors (not the host-side step counters) of a Megatron optimizer, chained or not."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [v for o in opts for st in o.optimizer.state.values() for k, v in st.items() if k != "step"]
+
+
+def memory_overrides(hf_dir: str, layout: ParallelLayout, distopt: bool) -> list[str]:
+    """PPO with Adam for actor and critic, a KL loss (so a reference), offload on: the planner reads the same."""
+    return [f"model.path={hf_dir}", f"actor.parallel.tp={layout.tp}", f"actor.parallel.pp={layout.pp}",
+            f"actor.parallel.dp={layout.dp}", "actor.optim.optimizer=adam", "actor.optim.lr=0.01",
+            f"actor.optim.use_distributed_optimizer={distopt}", "rollout.sampling.n=2",
+            "data.train_batch_size=4", "offload.enable=true", *ALGOS["ppo"], *SPLITS["pack"],
+            "critic.optim.optimizer=adam", "critic.optim.lr=0.01",
+            f"critic.optim.use_distributed_optimizer={distopt}"]  # fmt: skip
+
+
+def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
+    """PPO (actor, critic, reference; Adam) after one real update: the bytes each consumer the planner names has
+    allocated; then an offload -> reload round trip (what it freed, whether everything came back bitwise) and the
+    next update compared with a second model set that was never offloaded, and one built with recompute."""
+    from megarl.training.offload import Offloader, grad_buffers, optimizer_tensors
+
+    overrides = memory_overrides(hf_dir, layout, distopt)
+    cfg = load_config(None, overrides)
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    init_distributed(layout, seed=1)
+    kl = kl_controller("fixed", 0.0, 0.1, 1000)
+
+    def build(c=cfg):
+        return build_rl_models(c, spec, layout, model_source(hf_dir), dist.get_rank())
+
+    def step(models):
+        learned = learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl, skip_old_logprob=False,
+                        timer=PhaseTimer())  # fmt: skip
+        return {"actor": learned.actor, "critic": learned.critic}
+
+    a = build()
+    step(a)
+    main_grads = lambda m: [p.main_grad for p in m.parameters()]  # noqa: E731
+    measured = {
+        "actor params": _storage_bytes(a.actor.parameters()),
+        "actor grads": _storage_bytes(main_grads(a.actor)),
+        "actor optimizer": _storage_bytes(_adam_state(a.actor_optim)),
+        "critic params+grads+optimizer": _storage_bytes(a.critic.parameters())
+        + _storage_bytes(main_grads(a.critic))
+        + _storage_bytes(_adam_state(a.critic_optim)),
+        "reference params": _storage_bytes(a.reference.parameters()),
+    }
+    everything = lambda m: [*m.actor.parameters(), *grad_buffers(m.actor), *optimizer_tensors(m.actor_optim),  # noqa: E731
+                            *m.critic.parameters(), *grad_buffers(m.critic), *optimizer_tensors(m.critic_optim),
+                            *m.reference.parameters()]  # fmt: skip
+    before = [t.detach().clone() for t in everything(a)]
+    offloader = Offloader(a, cfg.offload, on_gpu=False)
+    freed = offloader.offload()
+    moved = [t for group in offloader.moved.values() for t in group.storages]
+    emptied = all(s.nbytes() == 0 for s in moved)
+    actor_params_stay = all(p.untyped_storage().nbytes() > 0 for p in a.actor.parameters())
+    offloader.reload()
+    bitwise = all(torch.equal(x, y) for x, y in zip(before, everything(a)))
+    after_round_trip = step(a)
+    b = build()
+    step(b)
+    never_offloaded = step(b)
+    c = build(load_config(None, [*overrides, "model.recompute=true"]))
+    step(c)
+    recomputed = step(c)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"measured": measured, "freed": freed})
+    return {"per_rank": per_rank, "emptied": emptied, "actor_params_stay": actor_params_stay,
+            "bitwise": bitwise, "after_round_trip": after_round_trip, "never_offloaded": never_offloaded,
+            "recomputed": recomputed}  # fmt: skip
+
+
 def run_cases(hf_dir: str, cases: list[tuple[str, dict]]) -> dict:
-    out = {name: run_case(hf_dir, **kwargs) for name, kwargs in cases}
+    out = {name: (memory_case if "distopt" in kwargs else run_case)(hf_dir, **kwargs) for name, kwargs in cases}
     out["tp_attribute_bug"] = tp_attribute_bug(hf_dir)
     return out

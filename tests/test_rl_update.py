@@ -11,7 +11,7 @@ import pytest
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
-from tests.rl_update_worker import run_cases
+from tests.rl_update_worker import memory_overrides, run_cases
 
 RTOL = 1e-5
 ATOL_WEIGHTS = 1e-5
@@ -28,6 +28,11 @@ WORLD2 += [
 ]
 WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
 WORLD4 += [(f"tp2pp2_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1")) for a in ALGOS]  # fmt: skip
+# the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
+MEMORY = {"mem_tp2": ("world2", L(tp=2), False), "mem_pp2": ("world2", L(pp=2), False),
+          "mem_tp2dp2_distopt": ("world4", L(tp=2, dp=2), True)}  # fmt: skip
+WORLD2 += [(n, dict(layout=lay, distopt=d)) for n, (w, lay, d) in MEMORY.items() if w == "world2"]
+WORLD4 += [(n, dict(layout=lay, distopt=d)) for n, (w, lay, d) in MEMORY.items() if w == "world4"]
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +100,44 @@ def test_megatron_016_tp_attribute_bug_is_worked_around(world2):
     bug = world2["tp_attribute_bug"]
     assert not any(bug["before"].values()) and bug["restored"] == len(bug["before"])
     assert all(bug["after"].values()) and all(bug["builder"].values())
+
+
+def _memory_case(request, hf_dir, name):
+    from megarl.config.loader import load_config
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.plan.memory import rank_memory
+
+    world, layout, distopt = MEMORY[name]
+    cfg = load_config(None, memory_overrides(hf_dir, layout, distopt))
+    planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), layout, gpus_per_node=layout.world_size)
+    return request.getfixturevalue(world)[name], planned
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_planner_bytes_equal_what_a_real_run_allocates(request, hf_dir, name):
+    """Parameters, gradient buffers and optimizer state of actor, critic and reference, per rank, after one real
+    update: the planner's numbers are the allocated bytes, exactly (DDP padding and distopt shards included)."""
+    case, planned = _memory_case(request, hf_dir, name)
+    for rank, real in enumerate(case["per_rank"]):
+        plan = planned[rank].consumers
+        assert {k: plan[k] for k in real["measured"]} == real["measured"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_offload_round_trip_is_bitwise_and_frees_what_the_planner_says(request, hf_dir, name):
+    case, planned = _memory_case(request, hf_dir, name)
+    for rank, real in enumerate(case["per_rank"]):
+        assert real["freed"] == planned[rank].offloaded, f"rank {rank}"
+        assert set(real["freed"]) == {"actor grads", "actor optimizer", "critic params+grads+optimizer",
+                                      "reference params"}  # fmt: skip
+    assert case["emptied"] and case["actor_params_stay"]
+    assert case["bitwise"]
+    assert case["after_round_trip"] == case["never_offloaded"]  # the next update: equal losses, exactly
+
+
+@pytest.mark.parametrize("name", ["mem_tp2", "mem_pp2"])
+def test_recompute_gives_the_same_update(request, hf_dir, name):
+    case, _ = _memory_case(request, hf_dir, name)
+    for group in ("actor", "critic"):
+        for k, v in case["never_offloaded"][group].items():
+            assert _close(case["recomputed"][group][k], v), (group, k)

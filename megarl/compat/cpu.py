@@ -10,6 +10,7 @@ Process-wide (module attributes, so they hold in every thread):
   * ``torch.cuda.{get,set}_rng_state``, ``manual_seed``, ``manual_seed_all`` (and ``torch.cuda.random.*``) -> the CPU
     default generator. ``manual_seed`` must call ``torch.default_generator.manual_seed``; ``torch.manual_seed`` would
     call back into ``torch.cuda.manual_seed_all`` and recurse.
+  * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below.
   * ``megatron.core.tensor_parallel.random._{get,set}_cuda_rng_state`` -> CPU generator state, so the model-parallel
     RNG tracker (``fork()``) works.
   * ``torch.cuda.is_available`` is deliberately NOT stubbed: vLLM and HF must keep seeing a CPU machine.
@@ -91,8 +92,21 @@ def install() -> None:
 
     mc_random._get_cuda_rng_state = _cpu_get_rng_state
     mc_random._set_cuda_rng_state = _cpu_set_rng_state
+    _recompute_in_megatron_mode(mc_random.CheckpointFunction)
     os.environ[ENV_VAR] = "1"
     _state["installed"] = True
+
+
+def _recompute_in_megatron_mode(function_cls) -> None:
+    """Activation recompute re-runs layers inside autograd's backward, where the scoped mode entered around the
+    forward is not active (seen: ``get_default_causal_mask`` asking for ``device="cuda"``); run it in the mode."""
+    original = function_cls.backward
+
+    def backward(ctx, *grads):
+        with megatron_mode():
+            return original(ctx, *grads)
+
+    function_cls.backward = staticmethod(backward)
 
 
 def _is_cuda(device) -> bool:

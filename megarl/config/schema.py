@@ -53,6 +53,9 @@ class ModelConfig:
     """Megatron layer implementation: 'local' (torch, runs on CPU) or 'transformer_engine' (GPU, needs TE)."""
     vocab_pad_multiple: int = 128
     """The vocabulary is padded to a multiple of this; must be divisible by every TP size you use."""
+    recompute: bool = False
+    """Recompute every transformer layer in the backward pass (Megatron full, uniform recompute) for the actor and
+    critic: activations shrink to one layer input per layer, at the cost of a second forward."""
 
     def __post_init__(self):
         _require(bool(self.path), "path", "is required (a HuggingFace model directory)")
@@ -459,6 +462,28 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
+class OffloadConfig:
+    """What leaves the GPU while vLLM generates (to host memory, and back before it is needed). The actor's
+    parameters stay: the weight sync reads them. ``megarl plan`` models exactly these flags."""
+
+    enable: str = "auto"
+    """'auto' (on with CUDA, off on CPU where host and device are the same memory), 'true' or 'false'."""
+    actor_grads: bool = True
+    """The actor's gradient buffers."""
+    actor_optimizer: bool = True
+    """The actor's optimizer state (Adam moments, fp32 main parameters)."""
+    critic: bool = True
+    """The critic's parameters, gradient buffers and optimizer state."""
+    reference: bool = True
+    """The reference model's parameters."""
+
+    def __post_init__(self):
+        self.enable = str(self.enable).lower()  # YAML true/false arrive as 'True'/'False'
+        allowed = ("auto", "true", "false")
+        _require(self.enable in allowed, "enable", f"must be one of {allowed}, got {self.enable!r}")
+
+
+@dataclass(kw_only=True)
 class MegarlConfig:
     """A whole megarl job."""
 
@@ -480,3 +505,5 @@ class MegarlConfig:
     """The reward function."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics sinks."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host offloading of training state during generation (GPU)."""

@@ -31,10 +31,12 @@ def transformer_config(
     dtype: str = "float32",
     transformer_impl: str = "local",
     init_weights: bool = True,
+    recompute: bool = False,
 ):
     """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off.
 
-    ``init_weights=False`` skips random initialisation (the weights are about to be loaded).
+    ``init_weights=False`` skips random initialisation (the weights are about to be loaded). ``recompute``: full
+    activation recompute of every layer in the backward pass.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -72,6 +74,7 @@ def transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         transformer_impl=transformer_impl,
         perform_initialization=init_weights,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
 
 
@@ -97,12 +100,15 @@ def build_model_chunk(
     dtype: str = "float32",
     transformer_impl: str = "local",
     init_weights: bool = True,
+    recompute: bool = False,
 ):
     """This rank's GPTModel chunk (its pipeline stage and TP shard). ``value_head=True`` builds a critic."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights)
+    config = transformer_config(
+        spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute
+    )
     with megatron_mode():
         model = GPTModel(
             config=config,

@@ -209,3 +209,43 @@ def theoretical_minimum(src: SideLayout, dst: SideLayout, bytes_per_element: int
                 held_nodes = {r // gpn for r in held}
                 node_min += numel * len({r // gpn for r in needed} - held_nodes)
     return {"rank_min": rank_min * bytes_per_element, "node_min": node_min * bytes_per_element}
+
+
+def flows_of_plan(p: Plan) -> dict[tuple[int, int], int]:
+    """Elements sent from rank a to rank b (a != b), over all transfers of the plan."""
+    flows = defaultdict(int)
+    for t in p.transfers:
+        if t.src_rank != t.dst_rank:
+            flows[(t.src_rank, t.dst_rank)] += t.numel
+    return flows
+
+
+def summarize(flows: dict, bpe: int, gpn: int, ib_gbs: float, nvlink_gbs: float) -> dict:
+    """Bytes of a set of rank-to-rank flows by link class, the busiest rank and node, and an estimated time: the
+    slowest rank's max(sent, received) over NVLink plus over InfiniBand, at the given GB/s per GPU (links in
+    parallel across ranks, no overlap of the two classes; latency ignored)."""
+    sent, recv = defaultdict(lambda: [0, 0]), defaultdict(lambda: [0, 0])  # [same node, cross node]
+    node_sent, node_recv = defaultdict(int), defaultdict(int)
+    total = cross = 0
+    for (a, b), numel in flows.items():
+        n = numel * bpe
+        far = int(a // gpn != b // gpn)
+        total += n
+        cross += n * far
+        sent[a][far] += n
+        recv[b][far] += n
+        if far:
+            node_sent[a // gpn] += n
+            node_recv[b // gpn] += n
+    ranks = set(sent) | set(recv)
+    nv, ib = nvlink_gbs * 1e9, ib_gbs * 1e9
+    est = max((max(sent[r][0], recv[r][0]) / nv + max(sent[r][1], recv[r][1]) / ib for r in ranks), default=0.0)
+    return {
+        "moved": total,
+        "cross": cross,
+        "rank_send": max((sum(v) for v in sent.values()), default=0),
+        "rank_recv": max((sum(v) for v in recv.values()), default=0),
+        "node_send": max(node_sent.values(), default=0),
+        "node_recv": max(node_recv.values(), default=0),
+        "est_s": est,
+    }

@@ -13,6 +13,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megarl.algos import kl_controller
@@ -35,6 +36,7 @@ from megarl.trainer.models import RLModels, build_rl_models
 from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, clear_previous_run, plan_start
 from megarl.trainer.state import TrainerState
 from megarl.training.init_weights import ModelSource
+from megarl.training.offload import Offloader
 
 log = logging.getLogger("megarl.trainer")
 
@@ -58,6 +60,8 @@ class Job:
     kl_ctrl: object
     skip_old_logprob: bool
     """One mini-batch and one epoch: the policy before the update is the current one, so no separate forward."""
+    offloader: Offloader
+    """Moves training state to host memory while the engine generates (``offload.*``)."""
     said_reward_error: bool = False
     """The first reward-function traceback is printed once per run."""
     stopped_by: str | None = None
@@ -214,6 +218,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         tracker=tracker,
         kl_ctrl=kl_ctrl,
         skip_old_logprob=skips_old_logprob(cfg),
+        offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available()),
     )
     built = ["actor"] + [n for n in ("critic", "reference") if getattr(models, n) is not None]
     job.say(

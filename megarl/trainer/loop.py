@@ -38,6 +38,7 @@ def train(cfg, spec, source, engine=None) -> Job:
     A SIGTERM/SIGUSR1 stops it at the next step boundary, after a save; ``job.stopped_by`` then names the signal."""
     job, state = build_job(cfg, spec, source, engine=engine)
     t = cfg.trainer
+    job.offloader.offload()  # the engine is awake: generation comes first
     with job.tracker, StopRequests() as stop:
         for step in range(state.step + 1, t.total_steps + 1):
             metrics = rl_step(job, state, step)
@@ -58,6 +59,7 @@ def train(cfg, spec, source, engine=None) -> Job:
                 break
         else:
             job.tracker.finish(summary_lines(state.history))
+    job.offloader.reload()  # the models are whole again for whoever holds the job
     return job
 
 
@@ -66,6 +68,8 @@ def save(job: Job, state: TrainerState) -> dict:
     root = checkpoints_root(job.cfg.trainer.output_dir)
     if job.rank == 0:
         describe_checkpoint_root(job, root)
+    if job.offloader.enabled:  # the optimizer state is on the host: bring it back, with the engine asleep
+        switch_to(job, TRAIN)
     report = save_training(
         root,
         state.step,
@@ -74,6 +78,11 @@ def save(job: Job, state: TrainerState) -> dict:
         keep_last=job.cfg.trainer.keep_last,
         before_manifest=lambda: faults.fire("save", state.step),
     )
+    if job.offloader.enabled:
+        switch_to(job, SYNC)
+        if job.engine.weight_version != state.step:  # it freed its weights to make room
+            job.engine.update_weights(actor_tensors(job.models.actor), state.step)
+        switch_to(job, ROLLOUT)
     job.say(
         f"saved step {state.step}: {report['path']} ({report['bytes'] / 1e6:.1f} MB, {report['seconds']:.2f}s, "
         f"hashing {report['hash_seconds']:.2f}s)"
@@ -81,17 +90,23 @@ def save(job: Job, state: TrainerState) -> dict:
     return report
 
 
-ROLLOUT, TRAIN = "rollout", "train"
+ROLLOUT, TRAIN, SYNC = "rollout", "train", "sync"
 
 
 def switch_to(job: Job, phase: str) -> None:
-    """The one place that moves memory between generation and training: the engine sleeps while Megatron trains
-    (CUDA: vLLM frees its weights and KV cache; HF: its model is freed; vLLM on CPU: a logged no-op) and wakes for
-    generation. A step starts and ends in the rollout phase (the weight sync rewrites the engine's weights)."""
+    """The one place that moves memory between the phases (``megarl plan`` models each one).
+
+    TRAIN: the engine sleeps (CUDA: vLLM frees its weights and KV cache; HF: its model is freed; vLLM on CPU: a
+    logged no-op) and the offloaded training state comes back. SYNC: the training state the ``offload.*`` flags
+    name goes to host memory (the sync itself wakes the engine's weights). ROLLOUT: the same, and the engine wakes
+    for generation. A step starts and ends in the rollout phase."""
     if phase == TRAIN:
         job.engine.sleep()
+        job.offloader.reload()
     else:
-        job.engine.wake()
+        job.offloader.offload()
+        if phase == ROLLOUT:
+            job.engine.wake()
 
 
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
@@ -118,6 +133,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
             poison_loss=faults.at("nan_loss", step),
         )
         with timer("sync"):
+            switch_to(job, SYNC)
             report = job.engine.update_weights(actor_tensors(job.models.actor), step)
             switch_to(job, ROLLOUT)
     state.step = step

@@ -43,7 +43,7 @@ def build_rl_models(
     """Collective: every model this job needs, initialised from ``source``. ``load_weights=False`` (resuming: a
     checkpoint fills actor and critic next) loads only the reference, which is always the initial weights."""
 
-    def chunk(value_head: bool = False, load: bool = True):
+    def chunk(value_head: bool = False, load: bool = True, trained: bool = True):
         model = build_model_chunk(
             spec,
             layout,
@@ -51,6 +51,7 @@ def build_rl_models(
             dtype=cfg.model.dtype,
             transformer_impl=cfg.model.transformer_impl,
             init_weights=False,
+            recompute=cfg.model.recompute and trained,
         )
         if load:
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
@@ -64,5 +65,5 @@ def build_rl_models(
         )
         models.critic_sched = make_scheduler(models.critic_optim, cfg.critic.optim)
     if needs_reference(cfg):
-        models.reference = chunk().eval().requires_grad_(False)
+        models.reference = chunk(trained=False).eval().requires_grad_(False)
     return models

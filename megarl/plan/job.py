@@ -1,0 +1,287 @@
+"""`megarl plan`: will this job fit, before a GPU is touched? Placement, per-rank memory per phase, a verdict with
+the settings that would make it fit, and the weight-sync plan with its estimated time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.schema import MegarlConfig
+from megarl.models.spec import ModelSpec
+from megarl.parallel.layout import ParallelLayout
+from megarl.plan.memory import DTYPE_BYTES, RankMemory, micro_batch_tokens, rank_memory
+
+
+class PlanError(ValueError):
+    """The layout cannot be placed on the hardware (names the option and the fix)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster the job is planned for."""
+
+    nodes: int
+    """Number of nodes."""
+    gpus_per_node: int
+    """GPUs (ranks) per node."""
+    gpu_mem_gb: float = 80.0
+    """Memory per GPU in GB (10^9 bytes, as GPUs are sold: an A100-80GB has 80 GB)."""
+    ib_gbps: float = 200.0
+    """InfiniBand bandwidth per GPU in Gbit/s (HDR: 200)."""
+    nvlink_gbps: float = 2400.0
+    """NVLink bandwidth per GPU and direction in Gbit/s (A100: 300 GB/s = 2400)."""
+
+
+def default_hardware(world: int, nodes: int | None, gpus_per_node: int | None, **links) -> Hardware:
+    """Fill in the node count or GPUs per node that were not given (8 GPUs per node when the world allows)."""
+    if gpus_per_node is None:
+        gpus_per_node = world // nodes if nodes else (8 if world % 8 == 0 else world)
+    if nodes is None:
+        nodes = -(-world // gpus_per_node)
+    return Hardware(nodes, gpus_per_node, **{k: v for k, v in links.items() if v is not None})
+
+
+@dataclass
+class JobPlan:
+    cfg: MegarlConfig
+    spec: ModelSpec
+    layout: ParallelLayout
+    hw: Hardware
+    ranks: list[RankMemory]
+    sync: dict
+    """Weight-sync statistics of the resharding engine's plan (bytes by link, busiest rank/node, est_s)."""
+
+    @property
+    def capacity(self) -> int:
+        return int(self.hw.gpu_mem_gb * 1e9)
+
+    def worst(self) -> tuple[RankMemory, str, int]:
+        """The rank and phase with the highest peak."""
+        m = max(self.ranks, key=lambda r: (r.peak()[1], -r.rank))
+        phase, peak = m.peak()
+        return m, phase, peak
+
+    @property
+    def fits(self) -> bool:
+        return self.worst()[2] <= self.capacity
+
+
+def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = True) -> JobPlan:
+    """Collective-free and GPU-free: everything is computed from shapes. ``sync=False`` skips the weight-sync
+    plan (memory only)."""
+    from megarl.config.validate import rollout_tp
+    from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.reshard.plan import flows_of_plan, plan, summarize
+
+    par = cfg.actor.parallel
+    layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=hw.gpus_per_node)
+    if hw.nodes * hw.gpus_per_node != layout.world_size:
+        raise PlanError(
+            f"{hw.nodes} nodes x {hw.gpus_per_node} GPUs = {hw.nodes * hw.gpus_per_node} ranks, but actor.parallel "
+            f"tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}; change --nodes/--gpus-per-node "
+            "or the layout so they agree"
+        )
+    if not layout.tp_groups_within_nodes():
+        raise PlanError(
+            f"actor.parallel.tp={par.tp}: a tensor-parallel group would span nodes ({hw.gpus_per_node} GPUs per "
+            f"node), putting every layer's all-reduce on InfiniBand; use a tp that divides {hw.gpus_per_node}"
+        )
+    gpn = hw.gpus_per_node
+    stats = {}
+    if sync:
+        src = megatron_layout(spec, layout, gpn)
+        if cfg.rollout.backend == "vllm":
+            dst = vllm_layout(spec, rollout_tp(cfg), layout.world_size, gpn)
+        else:
+            dst = hf_layout(spec, list(range(layout.world_size)), gpn)
+        flows = flows_of_plan(plan(src, dst))
+        stats = summarize(flows, DTYPE_BYTES[cfg.model.dtype], gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
+    return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats)
+
+
+# --- what would make it fit ----------------------------------------------------------------------------------------
+def candidate_changes(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware) -> list[tuple[str, list[str]]]:
+    """Settings that lower a peak, each as (description, overrides), in the order they are usually tried."""
+    from megarl.config.validate import rollout_tp
+
+    out = []
+    par = cfg.actor.parallel
+    opt_off = [m for m in ("actor", "critic") if not getattr(cfg, m).optim.use_distributed_optimizer]
+    if par.dp > 1 and opt_off:
+        out.append(("distributed optimizer", [f"{m}.optim.use_distributed_optimizer=true" for m in opt_off]))
+    if cfg.offload.enable == "false":
+        out.append(("offload during generation", ["offload.enable=true"]))
+    tp = rollout_tp(cfg)
+    bigger = [d for d in _vllm_tps(spec, par.tp * par.pp * par.dp) if tp < d <= hw.gpus_per_node]
+    if cfg.rollout.backend == "vllm" and bigger:
+        out.append((f"rollout TP {bigger[0]}", [f"rollout.tp={bigger[0]}"]))
+    if not cfg.model.recompute:
+        out.append(("activation recompute", ["model.recompute=true"]))
+    tokens = micro_batch_tokens(cfg)
+    if tokens >= 2 * cfg.actor.seq_length:
+        out.append((f"micro-batch of {tokens // 2} tokens", [f"actor.max_tokens_per_micro_batch={tokens // 2}"]))
+    return out
+
+
+def _vllm_tps(spec: ModelSpec, world: int) -> list[int]:
+    kv = spec.num_kv_heads
+    return [
+        d
+        for d in range(1, world + 1)
+        if world % d == 0
+        and spec.num_heads % d == 0
+        and (kv % d == 0 if d <= kv else d % kv == 0)
+        and spec.ffn_hidden_size % d == 0
+    ]
+
+
+def apply(cfg: MegarlConfig, overrides: list[str]) -> MegarlConfig:
+    """A copy of ``cfg`` with dotted overrides (values as YAML scalars)."""
+    import copy
+
+    import yaml
+
+    cfg = copy.deepcopy(cfg)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        *path, last = key.split(".")
+        node = cfg
+        for p in path:
+            node = getattr(node, p)
+        setattr(node, last, yaml.safe_load(value))
+        if hasattr(node, "__post_init__"):
+            node.__post_init__()
+    return cfg
+
+
+def suggestions(job: JobPlan) -> list[tuple[str, list[str], int, bool]]:
+    """Each candidate change alone, then the candidates added one by one until the job fits (if it then does):
+    (description, overrides, new peak, fits)."""
+    out, together, names = [], [], []
+    for desc, overrides in candidate_changes(job.cfg, job.spec, job.hw):
+        new = make_plan(apply(job.cfg, overrides), job.spec, job.hw, sync=False)
+        out.append((desc, overrides, new.worst()[2], new.fits))
+    if any(fits for *_, fits in out):
+        return out
+    for desc, overrides, *_ in out:
+        together, names = together + overrides, names + [desc]
+        new = make_plan(apply(job.cfg, together), job.spec, job.hw, sync=False)
+        if len(names) > 1 and (new.fits or len(names) == len(out)):
+            out.append((" + ".join(names), together, new.worst()[2], new.fits))
+            break
+    return out
+
+
+# --- report --------------------------------------------------------------------------------------------------------
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def placement_lines(layout: ParallelLayout) -> list[str]:
+    """Rank -> node map with (tp, pp, dp) coordinates, one line per node."""
+    lines = [f"rank = tp + {layout.tp} * (dp + {layout.dp} * pp)   (TP innermost: a TP group is consecutive ranks)"]
+    for node in range(layout.num_nodes):
+        ranks = layout.node_ranks(node)
+        coords = [layout.coords(r) for r in ranks]
+        span = {a: _ranges(sorted({getattr(c, a) for c in coords})) for a in ("tp", "pp", "dp")}
+        lines.append(f"node {node}: ranks {_ranges(ranks)}  tp {span['tp']}  pp {span['pp']}  dp {span['dp']}")
+    return lines
+
+
+def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
+    hw, layout, cfg = job.hw, job.layout, job.cfg
+    lines = [
+        f"megarl plan: {job.spec.family} {job.spec.num_layers}x{job.spec.hidden_size} ({cfg.model.dtype}), "
+        f"{cfg.algorithm.adv_estimator}, actor {layout}, rollout {cfg.rollout.backend} TP={_rollout_tp(cfg)}",
+        f"hardware: {hw.nodes} nodes x {hw.gpus_per_node} GPUs x {hw.gpu_mem_gb:g} GB, IB {hw.ib_gbps:g} Gb/s, "
+        f"NVLink {hw.nvlink_gbps:g} Gb/s per GPU",
+        "",
+        "## Placement",
+        *placement_lines(layout),
+        "",
+        f"## Memory per rank (GB; offload {'on' if job.ranks[0].offloaded else 'off'})",
+    ]
+    lines += _memory_table(job)
+    lines += ["", "## Verdict"]
+    m, phase, peak = job.worst()
+    if job.fits:
+        lines.append(
+            f"FITS: peak {_gb(peak)} GB of {hw.gpu_mem_gb:g} GB on rank {m.rank} during {phase} "
+            f"({_gb(job.capacity - peak)} GB to spare)"
+        )
+    else:
+        top = sorted(m.phases[phase], key=lambda c: -m.consumers[c])[:3]
+        lines.append(
+            f"DOES NOT FIT: rank {m.rank} needs {_gb(peak)} GB during {phase}, {_gb(peak - job.capacity)} GB over "
+            f"{hw.gpu_mem_gb:g} GB; largest: " + ", ".join(f"{c} {_gb(m.consumers[c])}" for c in top)
+        )
+        if with_suggestions:
+            for desc, overrides, new_peak, fits in suggestions(job):
+                lines.append(
+                    f"  {'would fit' if fits else 'still over'} with {desc} ({' '.join(overrides)}): peak "
+                    f"{_gb(new_peak)} GB"
+                )
+    per_node = [sum(sum(job.ranks[r].offloaded.values()) for r in layout.node_ranks(n)) for n in range(hw.nodes)]
+    if max(per_node):
+        lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
+    s = job.sync
+    lines += [
+        "",
+        f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={_rollout_tp(cfg)})",
+        f"moved {_gb(s['moved'])} GB ({_gb(s['moved'] - s['cross'])} same node, {_gb(s['cross'])} across nodes); "
+        f"busiest rank sends {_gb(s['rank_send'])} / receives {_gb(s['rank_recv'])} GB; busiest node sends "
+        f"{_gb(s['node_send'])} / receives {_gb(s['node_recv'])} GB across nodes",
+        f"estimated sync time {s['est_s']:.2f} s (NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per "
+        "GPU, no latency or verification)",
+        "",
+        "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Estimates: activations "
+        f"(megarl/plan/memory.py activation_bytes; {micro_batch_tokens(cfg)} tokens per micro-batch), the configured "
+        "KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
+    ]
+    return "\n".join(lines)
+
+
+def _rollout_tp(cfg) -> int:
+    from megarl.config.validate import rollout_tp
+
+    return rollout_tp(cfg)
+
+
+def _memory_table(job: JobPlan) -> list[str]:
+    """One column per distinct memory profile (ranks with identical numbers are merged), one row per consumer."""
+    profiles: dict[tuple, list[int]] = {}
+    for m in job.ranks:
+        key = tuple(sorted(m.consumers.items())) + tuple(sorted(m.offloaded))
+        profiles.setdefault(key, []).append(m.rank)
+    reps = [job.ranks[ranks[0]] for ranks in profiles.values()]
+    heads = [f"ranks {_ranges(r)}" for r in profiles.values()]
+    width = max(12, *(len(h) for h in heads)) + 1
+    name_w = max(len(c) for c in reps[0].consumers) + 14
+    rows = [f"{'':{name_w}}" + "".join(f"{h:>{width}}" for h in heads)]
+    for c in reps[0].consumers:
+        label = c + (" [offloaded]" if c in reps[0].offloaded else "")
+        rows.append(f"{label:{name_w}}" + "".join(f"{_gb(m.consumers[c]):>{width}}" for m in reps))
+    for phase in reps[0].phases:
+        label = f"= {phase} peak"
+        rows.append(f"{label:{name_w}}" + "".join(f"{_gb(m.phase_bytes(phase)):>{width}}" for m in reps))
+    return rows
+
+
+def verdict_line(job: JobPlan) -> str:
+    m, phase, peak = job.worst()
+    word = "fits" if job.fits else "DOES NOT FIT"
+    return (
+        f"memory plan: {word} on {job.hw.nodes}x{job.hw.gpus_per_node} GPUs of {job.hw.gpu_mem_gb:g} GB (peak "
+        f"{_gb(peak)} GB on rank {m.rank} during {phase}); details: megarl plan"
+    )
+

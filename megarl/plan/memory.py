@@ -1,0 +1,278 @@
+"""GPU memory of every rank of an RL job, per phase, computed from shapes before anything is launched.
+
+Exact parts (equal, byte for byte, to what a run allocates; ``tests/test_plan.py`` compares them with real models):
+parameter counts per rank come from the resharding engine's shape-only layout descriptions
+(``megarl.reshard.layout``), and Megatron's DDP gradient buffer and distributed-optimizer shards are laid out by the
+same rules as ``megatron/core/distributed/param_and_grad_buffer.py`` (megatron-core 0.16): one buffer per model chunk
+(``overlap_grad_reduce`` is off, so no bucket size), with the distributed optimizer every parameter starts at a
+multiple of 64 elements, a tied embedding gets a bucket of its own, and every bucket is padded to a multiple of
+lcm(DP, 128) and split evenly over the DP ranks. Gradients are reduced in fp32 (megarl's DDP setting).
+Adam's per-parameter ``step`` counters live on the host (torch Adam without ``capturable``) and are not counted.
+
+Estimates (labelled as such wherever they are printed): activations (``activation_bytes``), the KV cache (the
+configured ``rollout.kv_cache_mb``) and a fixed per-GPU reserve for the CUDA context, NCCL and allocator slack.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from megarl.config.schema import MegarlConfig
+from megarl.models.spec import ModelSpec
+from megarl.parallel import megatron_shards as ms
+from megarl.parallel.layout import ParallelLayout
+from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+
+GiB = 1024**3
+MiB = 1024**2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRAD_BYTES = 4  # megarl's DDP reduces gradients in fp32 (grad_reduce_in_fp32=True)
+RESERVE_BYTES = 2 * GiB
+"""Estimate: CUDA context, NCCL communicators and caching-allocator slack per GPU."""
+_ENGINE_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # vLLM / HF names
+_EMBED, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+_LAYER_ORDER = (
+    "input_layernorm.weight",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron parameter on one rank."""
+
+    name: str
+    numel: int
+    shared_embedding: bool = False
+    """Megatron's ``shared_embedding`` flag (tied embeddings with PP > 1): a DDP bucket of its own."""
+
+
+def _module_order(name: str) -> tuple:
+    """Position in GPTModel.named_parameters() (local spec), which fixes where each parameter sits in the buffer."""
+    if name == _EMBED:
+        return (0,)
+    m = ms._LAYER.match(name)
+    if m:
+        return (1, int(m.group(1)), _LAYER_ORDER.index(m.group(2)))
+    if name == "decoder.final_layernorm.weight":
+        return (2,)
+    return (3, name.endswith(".bias"))
+
+
+def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = False) -> dict[int, list[Param]]:
+    """Every rank's Megatron parameters, in module order. ``value_head``: the critic (its output layer is a
+    replicated hidden -> 1 head with a bias, and it never ties embeddings)."""
+    side = megatron_layout(spec, layout, gpus_per_node=layout.world_size)
+    tied_pp = spec.tie_word_embeddings and layout.pp > 1 and not value_head
+    out = {}
+    for rank, shards in side.ranks.items():
+        params = [
+            Param(s.name, math.prod(s.shape), tied_pp and s.name in (_EMBED, _OUTPUT))
+            for s in shards
+            if not (value_head and s.name == _OUTPUT)
+        ]
+        if value_head and layout.coords(rank).pp == layout.pp - 1:
+            params += [Param(_OUTPUT, spec.hidden_size), Param("output_layer.bias", 1)]
+        out[rank] = sorted(params, key=lambda p: _module_order(p.name))
+    return out
+
+
+@dataclass
+class GradBuffer:
+    """Megatron DDP's contiguous gradient (and, with the distributed optimizer, parameter) buffer of one rank."""
+
+    numel: int
+    """Elements including padding."""
+    ranges: dict[str, tuple[int, int]]
+    """Each parameter's [start, end) in the buffer."""
+    buckets: list[tuple[int, int]]
+    """[start, end) of each bucket (padded)."""
+
+    def shard_numel(self, dp_rank: int, dp: int) -> int:
+        """Parameter elements (padding excluded) of this DP rank's distributed-optimizer shard."""
+        total = 0
+        for b0, b1 in self.buckets:
+            per = (b1 - b0) // dp
+            lo, hi = b0 + dp_rank * per, b0 + (dp_rank + 1) * per
+            total += sum(max(0, min(hi, e) - max(lo, s)) for s, e in self.ranges.values())
+        return total
+
+
+def grad_buffer(params: list[Param], dp: int, distributed_optimizer: bool) -> GradBuffer:
+    """The buffer Megatron builds for ``params`` (module order; it fills the buffer in reverse)."""
+
+    def pad(n: int, to: int) -> int:
+        return -(-n // to) * to
+
+    ranges, buckets = {}, []
+    start = bucket_start = 0
+    in_bucket = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        end = pad(end, math.lcm(dp, 128)) if distributed_optimizer else end
+        buckets.append((bucket_start, end))
+        bucket_start, in_bucket = end, 0
+        return end
+
+    end = 0
+    for p in reversed(params):
+        if distributed_optimizer:
+            start = pad(start, 64)
+        own_bucket = p.shared_embedding and distributed_optimizer
+        if own_bucket and in_bucket:
+            start = close(start)
+        end = start + p.numel
+        ranges[p.name] = (start, end)
+        in_bucket += 1
+        start = close(end) if own_bucket else end
+    if in_bucket:
+        close(end)
+    return GradBuffer(buckets[-1][1] if buckets else 0, ranges, buckets)
+
+
+@dataclass
+class ModelBytes:
+    """One Megatron model on one rank."""
+
+    params: int
+    grads: int = 0
+    optimizer: int = 0
+    """Adam moments (or SGD momentum) and fp32 main parameters of a bf16/fp16 model."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp: int) -> ModelBytes:
+    """Parameters, gradient buffer and optimizer state of a model trained with ``optim`` (an OptimConfig)."""
+    distopt = optim.use_distributed_optimizer
+    buf = grad_buffer(params, dp, distopt)
+    # with the distributed optimizer the parameters are re-homed into a padded buffer of their dtype
+    param_numel = buf.numel if distopt else sum(p.numel for p in params)
+    state_numel = buf.shard_numel(dp_rank, dp) if distopt else sum(p.numel for p in params)
+    moments = {"adam": 2, "sgd": 1 if optim.sgd_momentum else 0}[optim.optimizer]
+    main = 1 if DTYPE_BYTES[dtype] < 4 else 0  # fp32 models: the optimizer steps the parameters themselves
+    return ModelBytes(param_numel * DTYPE_BYTES[dtype], buf.numel * GRAD_BYTES, 4 * (moments + main) * state_numel)
+
+
+def activation_bytes(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> int:
+    """Estimate of the activations one pipeline stage keeps for the backward pass of the actor update.
+
+    Per token and layer, in the model dtype (b bytes), with t = TP, a = heads, g = KV heads, d = head_dim,
+    f = ffn size: b * (4h + (a + 2g)d/t + ad/t + 4f/t) for the saved norm inputs, QKV, attention output and SwiGLU
+    tensors; the local (non-flash) attention also keeps scores and probabilities, b * 2(a/t) * T per token. With
+    ``model.recompute`` only each layer's input (b * h) is kept, plus one layer's full set while it is recomputed.
+    A stage holds up to (PP - stage) micro-batches in flight (1F1B), T = the micro-batch token budget. The last
+    stage adds fp32 logits, log-softmax and their gradient: 3 * 4 * T * vocab/t.
+    """
+    b, h, t = DTYPE_BYTES[cfg.model.dtype], spec.hidden_size, layout.tp
+    a, g, d, f = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size
+    tokens = micro_batch_tokens(cfg)
+    per_token = b * (4 * h + (a + 2 * g) * d // t + a * d // t + 4 * f // t)
+    if cfg.model.transformer_impl == "local":
+        per_token += b * 2 * (a // t) * tokens
+    layers = spec.num_layers // layout.pp
+    in_flight = layout.pp - pp_rank
+    if cfg.model.recompute:
+        stage = in_flight * tokens * layers * b * h + tokens * per_token
+    else:
+        stage = in_flight * tokens * layers * per_token
+    if pp_rank == layout.pp - 1:
+        stage += 3 * 4 * tokens * spec.padded_vocab_size // t
+    return stage
+
+
+def micro_batch_tokens(cfg: MegarlConfig) -> int:
+    """Tokens in one training micro-batch: the token budget, or micro_batch_size sequences of seq_length."""
+    a = cfg.actor
+    return a.max_tokens_per_micro_batch or a.micro_batch_size * a.seq_length
+
+
+@dataclass
+class RankMemory:
+    """Bytes on one rank, by consumer; ``phases`` say which consumers are resident in each phase."""
+
+    rank: int
+    consumers: dict[str, int] = field(default_factory=dict)
+    offloaded: dict[str, int] = field(default_factory=dict)
+    """Consumers moved to host memory while vLLM generates (and what that frees)."""
+    phases: dict[str, list[str]] = field(default_factory=dict)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(self.consumers[c] for c in self.phases[phase])
+
+    def peak(self) -> tuple[str, int]:
+        return max(((p, self.phase_bytes(p)) for p in self.phases), key=lambda x: x[1])
+
+
+GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
+
+
+def offload_enabled(cfg: MegarlConfig, on_gpu: bool = True) -> bool:
+    return cfg.offload.enable == "true" or (cfg.offload.enable == "auto" and on_gpu)
+
+
+def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
+    """Every rank's consumers and phases (GPU: vLLM sleeps at level 2 while Megatron trains, freeing all of it)."""
+    from megarl.config.validate import rollout_tp
+    from megarl.trainer.models import needs_critic, needs_reference
+
+    dtype, world = cfg.model.dtype, layout.world_size
+    actor_params = model_params(spec, layout)
+    critic_params = model_params(spec, layout, value_head=True) if needs_critic(cfg) else None
+    if cfg.rollout.backend == "vllm":
+        engine = vllm_layout(spec, rollout_tp(cfg), world, gpus_per_node)
+    else:
+        engine = hf_layout(spec, list(range(world)), gpus_per_node)
+    off = cfg.offload if offload_enabled(cfg) else None
+    out = []
+    for rank in range(world):
+        c = layout.coords(rank)
+        actor = trained_model_bytes(actor_params[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
+        m = RankMemory(rank)
+        m.consumers["actor params"] = actor.params
+        m.consumers["actor grads"] = actor.grads
+        m.consumers["actor optimizer"] = actor.optimizer
+        if critic_params is not None:
+            critic = trained_model_bytes(critic_params[rank], dtype, cfg.critic.optim, c.dp, layout.dp)
+            m.consumers["critic params+grads+optimizer"] = critic.total
+        if needs_reference(cfg):
+            m.consumers["reference params"] = sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
+        m.consumers["vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"] = sum(
+            math.prod(s.shape) for s in engine.ranks[rank]
+        ) * DTYPE_BYTES[dtype]
+        m.consumers["KV cache (configured)"] = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" else 0
+        m.consumers["reshard buffers"] = 2 * cfg.rollout.bucket_mb * MiB + _largest_layer_bytes(engine, rank, dtype)
+        m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, layout, c.pp)
+        m.consumers["reserve (estimate)"] = RESERVE_BYTES
+        training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
+        if off is not None:
+            flags = {"actor grads": off.actor_grads, "actor optimizer": off.actor_optimizer,
+                     "critic params+grads+optimizer": off.critic, "reference params": off.reference}  # fmt: skip
+            m.offloaded = {k: m.consumers[k] for k, on in flags.items() if on and k in m.consumers}
+        resident = [k for k in training_state if k not in m.offloaded]
+        weights = [k for k in m.consumers if k.endswith("engine weights") or k == "vLLM weights"]
+        m.phases[GENERATION] = resident + weights + ["KV cache (configured)", "reserve (estimate)"]
+        m.phases[SYNC] = resident + weights + ["reshard buffers", "reserve (estimate)"]
+        m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
+        out.append(m)
+    return out
+
+
+def _largest_layer_bytes(engine, rank: int, dtype: str) -> int:
+    """The sync stages one layer's destination tensors at a time (megarl.reshard.sync)."""
+    per_layer: dict[str, int] = {}
+    for s in engine.ranks[rank]:
+        m = _ENGINE_LAYER.match(s.name)
+        key = m.group(1) if m else s.name
+        per_layer[key] = per_layer.get(key, 0) + math.prod(s.shape)
+    return max(per_layer.values(), default=0) * DTYPE_BYTES[dtype]

@@ -1,0 +1,117 @@
+"""Training state to host memory while vLLM generates, and back before Megatron needs it (colocated GPU jobs).
+
+What moves is a set of tensor *storages*: the DDP gradient buffer (every ``main_grad`` and bucket is a view of it),
+the distributed optimizer's parameter buffer, optimizer state, a frozen model's parameters. Offloading copies each
+storage to a host buffer (pinned on CUDA, kept for the next round) and resizes the storage to zero bytes, which frees
+it; reloading grows it back in place and copies the bytes back. Every view (``param.data``, ``param.main_grad``,
+the optimizer's references) stays valid, so nothing has to be re-wired, and the round trip is bitwise.
+
+The groups are named like the planner's consumers (``megarl.plan.memory``), which models exactly these flags.
+Adam's ``step`` counters stay put (torch keeps them on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import OffloadConfig
+
+ACTOR_GRADS, ACTOR_OPTIMIZER = "actor grads", "actor optimizer"
+CRITIC, REFERENCE = "critic params+grads+optimizer", "reference params"
+
+
+def grad_buffers(ddp) -> list[torch.Tensor]:
+    """The contiguous gradient buffers of a Megatron DDP model."""
+    return [b.grad_data for b in (*ddp.buffers, *ddp.expert_parallel_buffers)]
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Optimizer state of a Megatron optimizer (chained or not): Adam moments / momentum, and the fp32 main
+    parameters of a bf16/fp16 model (plain or distributed optimizer); not the host-side ``step`` counters."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            out += [v for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            out += [p for group in getattr(opt, name, []) for p in group]
+    return out
+
+
+def state_groups(models, flags: OffloadConfig) -> dict[str, list[torch.Tensor]]:
+    """What the flags move, by planner name (``models``: a trainer RLModels)."""
+    groups = {}
+    if flags.actor_grads:
+        groups[ACTOR_GRADS] = grad_buffers(models.actor)
+    if flags.actor_optimizer:
+        groups[ACTOR_OPTIMIZER] = optimizer_tensors(models.actor_optim)
+    if flags.critic and models.critic is not None:
+        critic = list(models.critic.parameters()) + grad_buffers(models.critic)
+        groups[CRITIC] = critic + optimizer_tensors(models.critic_optim)
+    if flags.reference and models.reference is not None:
+        groups[REFERENCE] = list(models.reference.parameters())
+    return groups
+
+
+def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostCopies:
+    """The storages of some tensors, each with a host buffer of its size."""
+
+    def __init__(self, tensors: list[torch.Tensor], previous: HostCopies | None = None):
+        seen = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes():
+                seen.setdefault(s.data_ptr(), s)
+        self.storages = list(seen.values())
+        sizes = [s.nbytes() for s in self.storages]
+        if previous is not None and [h.numel() for h in previous.host] == sizes:
+            self.host = previous.host  # the last round's buffers (pinned allocations are slow)
+        else:
+            pin = torch.cuda.is_available() and any(s.device.type == "cuda" for s in self.storages)
+            self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.numel() for h in self.host)
+
+    def offload(self) -> None:
+        for s, h in zip(self.storages, self.host):
+            h.copy_(_whole(s))  # blocking: the device storage is freed right after
+            s.resize_(0)
+
+    def reload(self) -> None:
+        for s, h in zip(self.storages, self.host):
+            s.resize_(h.numel())
+            _whole(s).copy_(h)
+
+
+class Offloader:
+    """Moves the flagged training state out (``offload``) and back (``reload``); a no-op when disabled."""
+
+    def __init__(self, models, flags: OffloadConfig, on_gpu: bool):
+        self.models, self.flags = models, flags
+        self.enabled = flags.enable == "true" or (flags.enable == "auto" and on_gpu)
+        self.moved: dict[str, HostCopies] = {}
+        self._last: dict[str, HostCopies] = {}
+
+    def offload(self) -> dict[str, int]:
+        """Free the flagged state on the device; returns the bytes freed per group (empty if already out)."""
+        if not self.enabled or self.moved:
+            return {}
+        claimed: set[int] = set()
+        for name, tensors in state_groups(self.models, self.flags).items():
+            fresh = [t for t in tensors if t.untyped_storage().data_ptr() not in claimed]
+            claimed |= {t.untyped_storage().data_ptr() for t in fresh}
+            self.moved[name] = HostCopies(fresh, self._last.get(name))
+        for copies in self.moved.values():
+            copies.offload()
+        return {name: copies.nbytes for name, copies in self.moved.items()}
+
+    def reload(self) -> None:
+        for copies in self.moved.values():
+            copies.reload()
+        self._last, self.moved = self.moved, {}

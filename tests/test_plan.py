@@ -1,0 +1,95 @@
+"""The memory planner without a GPU: exact parameter counts for Llama-2-70B at TP4/PP8/DP2, Megatron's buffer
+padding rules on hand-computed cases, refusals, and `megarl plan` / `megarl train --dry-run` on the shipped 70B
+recipe. (The planner against the bytes a real run allocates: tests/test_rl_update.py.)"""
+
+import math
+
+import pytest
+
+from megarl.cli import main
+from megarl.config import load_config, validate
+from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.megatron_shards import REPLICATED, tp_split
+from megarl.plan import Hardware, PlanError, make_plan
+from megarl.plan.memory import Param, grad_buffer, model_params
+from megarl.reshard.layout import megatron_layout
+
+RECIPE = "configs/llama2_70b_ppo_tp4pp8dp2.yaml"
+LLAMA2_70B_PARAMS = 68_976_648_192  # embed + lm_head 2 x 32000 x 8192, 80 layers x 855,654,400, final norm 8192
+
+
+@pytest.fixture(scope="module")
+def seeds_job():
+    cfg = load_config(RECIPE, [])
+    return cfg, validate(cfg)
+
+
+def test_llama2_70b_parameter_counts_per_rank_and_total(seeds_job):
+    cfg, spec = seeds_job
+    assert spec.padded_vocab_size == spec.vocab_size == 32000
+    layout = ParallelLayout(tp=4, pp=8, dp=2, gpus_per_node=8)
+    actor = model_params(spec, layout)
+    side = megatron_layout(spec, layout, 8)
+    for rank in range(64):  # the planner's counts are the layout description's
+        assert sum(p.numel for p in actor[rank]) == sum(math.prod(s.shape) for s in side.ranks[rank])
+    replica = [layout.rank(tp, pp, 0) for pp in range(8) for tp in range(4)]
+    # a replica holds the model once, except that every TP rank holds the (replicated) norm weights
+    once = lambda r, p: tp_split(p.name) != REPLICATED or layout.coords(r).tp == 0  # noqa: E731
+    assert sum(p.numel for r in replica for p in actor[r] if once(r, p)) == LLAMA2_70B_PARAMS
+    middle = sum(p.numel for p in actor[layout.rank(0, 3, 0)])  # 10 layers, a quarter of each matrix
+    assert middle == 10 * (855_654_400 - 2 * 8192) // 4 + 10 * 2 * 8192
+    critic = model_params(spec, layout, value_head=True)
+    last = layout.rank(0, 7, 0)
+    assert sum(p.numel for p in critic[last]) == sum(p.numel for p in actor[last]) - 8000 * 8192 + 8192 + 1
+
+
+def test_grad_buffer_follows_megatrons_padding_rules():
+    params = [Param("a", 100), Param("b", 1)]  # module order; the buffer is filled in reverse
+    plain = grad_buffer(params, dp=2, distributed_optimizer=False)
+    assert plain.numel == 101 and plain.ranges == {"b": (0, 1), "a": (1, 101)}
+    dist = grad_buffer(params, dp=2, distributed_optimizer=True)
+    assert dist.ranges == {"b": (0, 1), "a": (64, 164)}  # each parameter starts at a multiple of 64
+    assert dist.buckets == [(0, 256)] and dist.numel == 256  # padded to lcm(dp, 128)
+    assert (dist.shard_numel(0, 2), dist.shard_numel(1, 2)) == (1 + 64, 36)
+    tied = [Param("embedding.word_embeddings.weight", 200, True), Param("x", 10)]  # own bucket with distopt
+    buf = grad_buffer(tied, dp=3, distributed_optimizer=True)
+    assert buf.buckets == [(0, 384), (384, 768)] and buf.ranges["embedding.word_embeddings.weight"] == (384, 584)
+
+
+def test_seeds_job_fits_with_offload_and_says_why(seeds_job, capsys):
+    assert main(["plan", RECIPE]) == 0
+    out = capsys.readouterr().out
+    assert "node 7: ranks 56-63  tp 0-3  pp 7  dp 0-1" in out
+    assert "FITS: peak" in out and "training" in out
+    assert "actor optimizer [offloaded]" in out and "estimated sync time" in out
+    cfg, spec = seeds_job
+    job = make_plan(cfg, spec, Hardware(8, 8), sync=False)
+    m, phase, peak = job.worst()
+    assert job.fits and peak < 80e9
+    gen = m.phase_bytes("generation")
+    assert gen == sum(m.consumers[c] for c in m.consumers if c not in m.offloaded and c in m.phases["generation"])
+
+
+def test_without_megarls_memory_settings_it_does_not_fit_and_the_plan_says_what_would(capsys):
+    off = ["offload.enable=false", "actor.optim.use_distributed_optimizer=false",
+           "critic.optim.use_distributed_optimizer=false", "model.recompute=false"]  # fmt: skip
+    assert main(["plan", RECIPE, *off]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: rank 0 needs 129.2 GB during training" in out and "largest: activations (estimate)" in out
+    assert "still over with distributed optimizer" in out  # alone: the generation phase still holds everything
+    assert "would fit with distributed optimizer + offload during generation + activation recompute" in out
+
+
+def test_a_tp_group_across_nodes_and_a_wrong_world_are_refused(seeds_job, capsys):
+    cfg, spec = seeds_job
+    with pytest.raises(PlanError, match="tensor-parallel group would span nodes"):
+        make_plan(cfg, spec, Hardware(nodes=32, gpus_per_node=2))
+    with pytest.raises(PlanError, match="4 nodes x 8 GPUs = 32 ranks"):
+        make_plan(cfg, spec, Hardware(nodes=4, gpus_per_node=8))
+    assert main(["plan", RECIPE, "--nodes", "32", "--gpus-per-node", "2"]) == 2
+    assert "use a tp that divides 2" in capsys.readouterr().err
+
+
+def test_train_dry_run_prints_the_same_verdict(tiny_llama_dir, capsys):
+    assert main(["train", "configs/tiny_ppo.yaml", f"model.path={tiny_llama_dir}", "--dry-run"]) == 0
+    assert "memory plan: fits on 1x2 GPUs of 80 GB" in capsys.readouterr().out
