@@ -34,6 +34,9 @@ JOBS = {
     "grpo": ("configs/tiny_grpo.yaml", ["logging.wandb.mode=offline", "trainer.val_every=2", "data.val_batch_size=4"]),
     # PPO starts from a megarl checkpoint of the model (actor, critic body and reference loaded from it)
     "ppo": ("configs/tiny_ppo.yaml", ["data.train_batch_size=8", "actor.global_batch_size=16", "model.path={ckpt}"]),
+    # the same PPO job with the training state offloaded while the engine generates (and a save in between)
+    "ppo_offload": ("configs/tiny_ppo.yaml", ["data.train_batch_size=8", "actor.global_batch_size=16",
+                                              "model.path={ckpt}", "offload.enable=true", "trainer.save_every=2"]),
     "rloo": ("configs/tiny_rloo.yaml", []),
     "reinforce_pp": ("configs/tiny_reinforce_pp.yaml", []),
     "reinforce_pp_baseline": ("configs/tiny_reinforce_pp_baseline.yaml", []),
@@ -55,6 +58,7 @@ CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "cr
 EXPECTED = {
     "grpo": BASE_KEYS + ["val/reward/mean"],
     "ppo": BASE_KEYS + KL_KEYS + CRITIC_KEYS + ["actor/kl_loss"],
+    "ppo_offload": BASE_KEYS + KL_KEYS + CRITIC_KEYS + ["actor/kl_loss"],
     "rloo": BASE_KEYS,
     "reinforce_pp": BASE_KEYS + KL_KEYS,
     "reinforce_pp_baseline": BASE_KEYS + KL_KEYS + ["actor/kl_loss"],
@@ -145,6 +149,18 @@ def test_ppo_from_a_megarl_checkpoint_starts_from_the_same_policy(runs):
     first = runs["rows"]["ppo"][0]
     assert first["kl/ref_mean"] == pytest.approx(0.0, abs=1e-6)
     assert first["critic/values_mean"] == 0.0  # the value head starts at zero
+
+
+def test_offloading_during_generation_changes_nothing_the_algorithm_sees(runs):
+    """Actor grads and optimizer state, critic and reference went to host memory and back every step (and around
+    the step-2 save): every algorithmic metric equals the PPO job that never offloaded, exactly."""
+    timing = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s")
+    plain, offloaded = runs["rows"]["ppo"], runs["rows"]["ppo_offload"]
+    for a, b in zip(plain, offloaded):
+        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
+            k: v for k, v in b.items() if not k.startswith(timing)
+        }
+    assert (runs["out"] / "ppo_offload" / "checkpoints" / "iter_0000002" / "manifest.json").is_file()
 
 
 def test_wandb_disabled_writes_nothing(runs):
