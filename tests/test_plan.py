@@ -10,7 +10,8 @@ from megarl.cli import main
 from megarl.config import load_config, validate
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.megatron_shards import REPLICATED, tp_split
-from megarl.plan import Hardware, PlanError, make_plan
+from megarl.plan import Hardware, PlanError, format_plan, make_plan
+from megarl.plan.job import apply
 from megarl.plan.memory import Param, grad_buffer, model_params
 from megarl.reshard.layout import megatron_layout
 
@@ -70,11 +71,13 @@ def test_seeds_job_fits_with_offload_and_says_why(seeds_job, capsys):
     assert gen == sum(m.consumers[c] for c in m.consumers if c not in m.offloaded and c in m.phases["generation"])
 
 
-def test_without_megarls_memory_settings_it_does_not_fit_and_the_plan_says_what_would(capsys):
+def test_without_megarls_memory_settings_it_does_not_fit_and_the_plan_says_what_would(seeds_job):
     off = ["offload.enable=false", "actor.optim.use_distributed_optimizer=false",
            "critic.optim.use_distributed_optimizer=false", "model.recompute=false"]  # fmt: skip
-    assert main(["plan", RECIPE, *off]) == 1
-    out = capsys.readouterr().out
+    cfg, spec = seeds_job
+    job = make_plan(apply(cfg, off), spec, Hardware(8, 8), sync=False)  # the sync plan: the test above
+    assert not job.fits
+    out = format_plan(job)
     assert "DOES NOT FIT: rank 0 needs 129.2 GB during training" in out and "largest: activations (estimate)" in out
     assert "still over with distributed optimizer" in out  # alone: the generation phase still holds everything
     assert "would fit with distributed optimizer + offload during generation + activation recompute" in out

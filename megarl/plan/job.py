@@ -235,7 +235,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     if max(per_node):
         lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
     s = job.sync
-    lines += [
+    lines += [] if not s else [
         "",
         f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={_rollout_tp(cfg)})",
         f"moved {_gb(s['moved'])} GB ({_gb(s['moved'] - s['cross'])} same node, {_gb(s['cross'])} across nodes); "
@@ -243,6 +243,8 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         f"{_gb(s['node_send'])} / receives {_gb(s['node_recv'])} GB across nodes",
         f"estimated sync time {s['est_s']:.2f} s (NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per "
         "GPU, no latency or verification)",
+    ]
+    lines += [
         "",
         "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Estimates: activations "
         f"(megarl/plan/memory.py activation_bytes; {micro_batch_tokens(cfg)} tokens per micro-batch), the configured "
