@@ -9,9 +9,21 @@ GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.megarl-installed$(if $(GPU),-gpu,-cpu)
 PINS := setup.py requirements.txt requirements-dev.txt requirements-cpu.txt requirements-gpu.txt constraints-cpu.txt
 
-.PHONY: install test demo lint clean
+.PHONY: install slurm test demo lint clean
 
-install: $(STAMP)
+install: $(STAMP) slurm
+
+# A real SLURM (client and daemons) for tests/test_launch.py, which brings up a 2-node cluster on this machine.
+# Nothing to do when sbatch is there; otherwise Debian packages, as root only.
+slurm:
+	@if command -v sbatch >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "[make] installing slurm-wlm and munge (apt-get; for the SLURM launcher test)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; } >/dev/null \
+	    || echo "[make] note: apt-get could not install slurm-wlm munge; tests/test_launch.py's SLURM tests will fail"; \
+	else \
+	  echo "[make] note: no sbatch here and not root with apt-get: tests/test_launch.py's SLURM tests need slurm-wlm and munge"; \
+	fi
 
 $(STAMP): $(PINS)
 	@echo "[make] creating virtualenv $(VENV) with $$($(PYTHON) --version)"

@@ -1,0 +1,1 @@
+"""Templates filled by `megarl launch` (sbatch.sh.tmpl, node.sh, clusters/*.env); the logic is in megarl/launch/."""

@@ -1,0 +1,228 @@
+"""``megarl launch slurm``: an sbatch script (``launch/sbatch.sh.tmpl``) for N nodes with one task per node, each
+running torchrun through ``launch/node.sh``; printed, or written and submitted. The NCCL/InfiniBand environment comes
+from defaults, then a per-cluster env file (``launch/clusters/*.env``), then flags. The preemption and requeue flow is
+described at the top of the template."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import launch as templates
+from megarl.config import MegarlConfig, load_config
+from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
+from megarl.trainer.resume import STOPPED_FILE
+
+DEFAULT_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron overlaps TP communication with compute only in issue order
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the ranks instead of hanging the job
+    "NCCL_DEBUG": "WARN",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",  # the per-node logs follow the run
+}
+CLUSTER_KEYS = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX")
+"""Cluster-specific: written as a comment when neither the env file nor a flag sets them (NCCL picks)."""
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLACEHOLDER = re.compile(r"{{(\w+)}}")
+
+
+@dataclass(kw_only=True)
+class NetworkEnv:
+    """NCCL / InfiniBand settings given on the command line; they override the env file."""
+
+    nccl_ib_hca: str | None = None
+    """NCCL_IB_HCA: the InfiniBand adapters NCCL may use, e.g. ``mlx5`` (every mlx5 port) or ``mlx5_0:1,mlx5_1:1``."""
+    nccl_socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME: the interface of NCCL's bootstrap and socket transport, e.g. ``ib0`` or ``^lo,docker0``."""
+    nccl_ib_gid_index: int | None = None
+    """NCCL_IB_GID_INDEX: the RoCE GID index (3 on most RoCE v2 fabrics)."""
+    nccl_debug: str | None = None
+    """NCCL_DEBUG: WARN by default; INFO shows the transports NCCL chose."""
+    extra: list[str] = field(default_factory=list)
+    """Any other ``KEY=VALUE`` to set on every node (``--env``, repeatable)."""
+
+    def as_env(self) -> dict[str, str]:
+        named = {"NCCL_IB_HCA": self.nccl_ib_hca, "NCCL_SOCKET_IFNAME": self.nccl_socket_ifname,
+                 "NCCL_IB_GID_INDEX": self.nccl_ib_gid_index, "NCCL_DEBUG": self.nccl_debug}  # fmt: skip
+        env = {k: str(v) for k, v in named.items() if v is not None}
+        for item in self.extra:
+            env.update([parse_assignment(item, "--env")])
+        return env
+
+
+@dataclass(kw_only=True)
+class SlurmOptions:
+    """One sbatch job: ``nodes`` nodes, one task per node, ``gpus_per_node`` ranks per node."""
+
+    recipe: str
+    """YAML recipe every rank trains."""
+    overrides: list[str] = field(default_factory=list)
+    """``key.sub=value`` overrides passed to every rank (``trainer.resume=auto`` is added)."""
+    nodes: int
+    """Number of nodes (``#SBATCH --nodes``)."""
+    gpus_per_node: int
+    """Ranks per node, one per GPU (``#SBATCH --gpus-per-node``, torchrun's ``--nproc-per-node``)."""
+    cpu: bool = False
+    """Request no GPUs: the ``gpus_per_node`` ranks of a node run on CPU with gloo (test clusters)."""
+    cpus_per_node: int | None = None
+    """CPUs of the node task; None: whole nodes (``--exclusive``, all their CPUs and memory)."""
+    partition: str | None = None
+    """``#SBATCH --partition``; None: the cluster's default."""
+    account: str | None = None
+    """``#SBATCH --account``; None: the user's default."""
+    time: str | None = None
+    """Time limit (``#SBATCH --time``, e.g. ``04:00:00``); None: the partition's."""
+    log_dir: str | None = None
+    """Folder of the logs (the batch shell's and one per node) and, with ``submit``, of the script;
+    None: ``<trainer.output_dir>/slurm``."""
+    env_file: str | None = None
+    """Per-cluster ``KEY=VALUE`` lines exported on every node (``launch/clusters/example.env``)."""
+    network: NetworkEnv = field(default_factory=NetworkEnv)
+    """NCCL settings from flags (override the env file)."""
+    job_name: str | None = None
+    """``#SBATCH --job-name``; None: ``megarl-<recipe name>``."""
+    rdzv_port: int = 29500
+    """TCP port of torchrun's c10d rendezvous on the first node."""
+    signal_secs: int = 300
+    """SLURM sends SIGUSR1 this many seconds before the time limit: enough for the current step and a save."""
+    submit: bool = False
+    """Write the script to ``log_dir`` and submit it with ``sbatch`` instead of printing it."""
+
+    def __post_init__(self):
+        positive(self.nodes, "--nodes")
+        positive(self.gpus_per_node, "--gpus-per-node")
+        positive(self.signal_secs, "--signal-secs")
+        if self.cpus_per_node is not None:
+            positive(self.cpus_per_node, "--cpus-per-node")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise LaunchError(f"--rdzv-port {self.rdzv_port} is not a TCP port (1..65535)")
+        if self.job_name is not None and not re.fullmatch(r"[\w.+-]+", self.job_name):
+            raise LaunchError(f"--job-name {self.job_name!r}: use letters, digits and . _ + - only")
+
+    def name(self) -> str:
+        stem = os.path.splitext(os.path.basename(self.recipe))[0]
+        return self.job_name or "megarl-" + re.sub(r"[^\w.+-]", "_", stem)
+
+
+def parse_assignment(text: str, where: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (an optional ``export`` and quotes around the value allowed)."""
+    key, sep, value = text.strip().removeprefix("export ").partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not _KEY.fullmatch(key):
+        raise LaunchError(f"{where}: expected KEY=VALUE, got {text.strip()!r}")
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    return key, value
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines; blank lines and ``#`` comments are skipped."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise LaunchError(f"--env-file {path}: {e.strerror or e}") from None
+    pairs = [parse_assignment(line, f"--env-file {path}:{n}") for n, line in enumerate(lines, 1)
+             if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
+    return dict(pairs)
+
+
+def job_env(opts: SlurmOptions) -> dict[str, str]:
+    """Defaults < env file < flags."""
+    from_file = read_env_file(opts.env_file) if opts.env_file else {}
+    return {**DEFAULT_ENV, **from_file, **opts.network.as_env()}
+
+
+def env_block(env: dict[str, str]) -> str:
+    unset = [f"# {k}: not set (NCCL's choice; set it in the env file or with --{k.lower().replace('_', '-')})"
+             for k in CLUSTER_KEYS if k not in env]  # fmt: skip
+    return "\n".join([*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), *unset])
+
+
+def sbatch_resources(opts: SlurmOptions) -> str:
+    lines = [f"--partition={opts.partition}" if opts.partition else None,
+             f"--account={opts.account}" if opts.account else None,
+             f"--time={opts.time}" if opts.time else None,
+             None if opts.cpu else f"--gpus-per-node={opts.gpus_per_node}",
+             f"--cpus-per-task={opts.cpus_per_node}" if opts.cpus_per_node else "--exclusive",
+             None if opts.cpus_per_node else "--mem=0"]  # fmt: skip
+    return "\n".join(f"#SBATCH {line}" for line in lines if line)
+
+
+def check_resume(cfg: MegarlConfig) -> None:
+    if cfg.trainer.resume != "auto":
+        raise LaunchError(
+            f"trainer.resume={cfg.trainer.resume}: a requeued job must continue its own checkpoints; launch with "
+            "trainer.resume=auto (the default; an empty trainer.output_dir starts fresh)"
+        )
+
+
+def log_folder(opts: SlurmOptions, cfg: MegarlConfig) -> str:
+    return os.path.abspath(opts.log_dir or os.path.join(cfg.trainer.output_dir, "slurm"))
+
+
+def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) -> str:
+    """The sbatch script, after refusing a layout the nodes cannot hold or a resume setting requeues would break."""
+    check_nodes(cfg, opts.nodes, opts.gpus_per_node, "--nodes", "--gpus-per-node")
+    check_resume(cfg)
+    folder = os.path.dirname(os.path.abspath(templates.__file__))
+    values = {
+        "RECIPE": opts.recipe,
+        "JOB_NAME": opts.name(),
+        "NODES": str(opts.nodes),
+        "SBATCH_RESOURCES": sbatch_resources(opts),
+        "LOG_DIR": log_folder(opts, cfg),
+        "WORKDIR": os.getcwd(),
+        "SIGNAL_SECS": str(opts.signal_secs),
+        "ENV": env_block(job_env(opts)),
+        "STOPPED": shlex.quote(os.path.join(os.path.abspath(cfg.trainer.output_dir), STOPPED_FILE)),
+        "RDZV_PORT": str(opts.rdzv_port),
+        "CPUS_PER_TASK": str(opts.cpus_per_node) if opts.cpus_per_node else '"$SLURM_CPUS_ON_NODE"',
+        "NODE_SH": shlex.quote(os.path.join(folder, "node.sh")),
+        "PYTHON": shlex.quote(python),
+        "RANKS_PER_NODE": str(opts.gpus_per_node),
+        "TRAIN_ARGS": shlex.join(train_args(opts.recipe, [*opts.overrides, "trainer.resume=auto"])),
+    }
+    with open(os.path.join(folder, "sbatch.sh.tmpl")) as f:
+        return fill(f.read(), values)
+
+
+def fill(template: str, values: dict[str, str]) -> str:
+    """Replace every ``{{NAME}}``; the template and ``values`` must name the same placeholders."""
+    names = set(_PLACEHOLDER.findall(template))
+    if names != set(values):
+        raise ValueError(f"template placeholders {sorted(names)} differ from the values {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def submit(script: str, path: str) -> str:
+    """Write ``script`` to ``path`` and submit it; the job id."""
+    with open(path, "w") as f:
+        f.write(script)
+    try:
+        out = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise LaunchError("--submit: sbatch is not on PATH (run on a SLURM login node, or print the script)") from None
+    if out.returncode:
+        raise LaunchError(f"--submit: sbatch refused {path}: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def launch(opts: SlurmOptions) -> int:
+    """Print the script, or submit it and print the job id."""
+    cfg = load_config(opts.recipe, opts.overrides)
+    script = render(opts, cfg)
+    logs = log_folder(opts, cfg)
+    os.makedirs(logs, exist_ok=True)  # SLURM does not create the folder of --output
+    if not opts.submit:
+        print(script, end="")
+        return 0
+    path = os.path.join(logs, f"{opts.name()}.sbatch")
+    job_id = submit(script, path)
+    print(f"[megarl] submitted {path}; logs: {logs}/{opts.name()}-{job_id}-node<N>.log", file=sys.stderr)
+    print(job_id)
+    return 0

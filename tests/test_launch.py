@@ -1,0 +1,388 @@
+"""Multi-node launchers. `megarl launch torchrun`: the command of each node and the refusals (pure). `megarl launch
+slurm`: the sbatch script's content (pure), then the script itself on a real SLURM cluster brought up on this machine
+(slurmctld + 2 slurmd, tests/slurm/bringup.sh): 2 nodes x 1 CPU rank train GRPO on a tiny model, get SIGUSR1 from
+`scancel --signal=USR1 --batch` mid-run, save, write STOPPED, requeue themselves, resume and finish."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from megarl.cli import main as megarl_main
+from megarl.config import load_config
+from megarl.launch import torchrun as torchrun_launcher
+from megarl.launch.slurm import NetworkEnv, SlurmOptions, render
+from megarl.launch.topology import LaunchError
+from megarl.launch.torchrun import TorchrunOptions, run_forwarding_stops, torchrun_command
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO, "configs", "tiny_grpo.yaml")
+TP2_DP2 = ["actor.parallel.tp=2", "actor.parallel.dp=2"]
+
+
+def _launch(capsys, *argv):
+    rc = megarl_main(["launch", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --- torchrun: one command per node -------------------------------------------------------------------------------
+def test_torchrun_command_for_node_1_of_2():
+    opts = TorchrunOptions(recipe=RECIPE, overrides=TP2_DP2, nnodes=2, node_rank=1, master_addr="node0",
+                           master_port=29400)  # fmt: skip
+    cmd = torchrun_command(opts, load_config(RECIPE, TP2_DP2), python="/venv/bin/python")
+    assert cmd == [
+        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--nproc-per-node=2",
+        "--master-addr=node0", "--master-port=29400", "-m", "megarl.cli", "train", RECIPE, *TP2_DP2,
+    ]  # fmt: skip
+
+
+def test_torchrun_dry_run_prints_the_command(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # a relative recipe reaches the ranks as an absolute path
+    argv = ["configs/tiny_grpo.yaml", "--nnodes", "2", "--node-rank", "0", "actor.parallel.tp=2", "--master-addr",
+            "10.0.0.1", "actor.parallel.dp=2", "--dry-run"]  # fmt: skip
+    rc, out, err = _launch(capsys, "torchrun", *argv)
+    assert rc == 0, err
+    argv = shlex.split(out)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in argv and "--node-rank=0" in argv and "--master-addr=10.0.0.1" in argv
+    assert argv[-4:] == ["train", RECIPE, *TP2_DP2]  # overrides after options reach the ranks
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nnodes", "2", "--nproc-per-node", "4", *TP2_DP2],
+            "--nnodes 2 x --nproc-per-node 4 = 8 ranks, but the recipe's actor.parallel tp=2 x pp=1 x dp=2 needs 4",
+        ),
+        (["--nnodes", "3", *TP2_DP2], "--nnodes 3 does not divide the 4 ranks"),
+        (
+            ["--nnodes", "2", "--nproc-per-node", "2", "actor.parallel.tp=4", "actor.parallel.dp=1"],
+            "actor.parallel.tp=4 with --nproc-per-node 2: the TP group of ranks [0, 1, 2, 3] would span nodes [0, 1]",
+        ),
+        (
+            ["--nnodes", "4", "actor.parallel.tp=2", "actor.parallel.dp=2"],
+            "actor.parallel.tp=2 with --nproc-per-node 1: the TP group of ranks [0, 1] would span nodes [0, 1]",
+        ),
+        (["--nnodes", "2", "--node-rank", "2", *TP2_DP2], "--node-rank 2 is outside 0..1 (--nnodes 2)"),
+        (["--nnodes", "2", "--node-rank", "-1", *TP2_DP2], "--node-rank -1 is outside 0..1"),
+        (["--nnodes", "0", *TP2_DP2], "--nnodes must be >= 1, got 0"),
+        (["--nnodes", "2", "--master-port", "70000", *TP2_DP2], "--master-port 70000 is not a TCP port"),
+        (["--nnodes", "2", "actor.paralel.tp=2"], "config error: actor.paralel: unknown key"),
+    ],
+)
+def test_torchrun_refuses_before_starting_anything(capsys, args, message):
+    if "--node-rank" not in args:
+        args = [*args, "--node-rank", "0"]
+    rc, out, err = _launch(capsys, "torchrun", RECIPE, "--master-addr", "node0", *args)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl launch torchrun: "), err
+    assert message in err, err
+
+
+RANK = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+open(sys.argv[1], "w").write("ready")
+while not got:
+    time.sleep(0.05)
+open(sys.argv[1], "w").write("stopped")
+"""
+AGENT = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], sys.argv[2]]))"
+
+
+def test_stop_signals_reach_the_ranks_and_spare_the_agent(tmp_path):
+    """A stand-in for torchrun (agent -> rank): SIGUSR1 to the launcher and to the agent itself (as srun delivers it
+    to every process of a step) stops the rank, and the agent lives on to report the rank's exit status."""
+    import psutil
+
+    state = tmp_path / "rank"
+
+    def signal_when_ready():
+        deadline = time.time() + 30
+        while time.time() < deadline and not (state.exists() and state.read_text() == "ready"):
+            time.sleep(0.05)
+        for agent in psutil.Process().children():
+            if AGENT in agent.cmdline():
+                agent.send_signal(signal.SIGUSR1)  # torchrun would die of this without the SIG_IGN it starts with
+        os.kill(os.getpid(), signal.SIGUSR1)  # the launcher forwards it to the rank
+
+    threading.Thread(target=signal_when_ready, daemon=True).start()
+    rc = run_forwarding_stops([sys.executable, "-c", AGENT, RANK, str(state)])
+    assert rc == 0 and state.read_text() == "stopped"
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the launcher's handlers are undone
+
+
+def test_torchrun_launch_exits_75_after_a_stop(capsys, monkeypatch, tmp_path):
+    """The ranks stopped after a save (STOPPED in trainer.output_dir, torchrun exit 0): status 75, requeue me."""
+    ran = []
+
+    def ranks_stop(cmd):
+        ran.append(cmd)
+        (tmp_path / "STOPPED").write_text("step 3: stopped by SIGUSR1\n")
+        return 0
+
+    monkeypatch.setattr(torchrun_launcher, "run_forwarding_stops", ranks_stop)
+    args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", *TP2_DP2, f"trainer.output_dir={tmp_path}"]
+    rc, out, err = _launch(capsys, "torchrun", RECIPE, *args)
+    assert rc == 75 and len(ran) == 1 and ran[0][-1] == f"trainer.output_dir={tmp_path}", err
+    assert out.startswith("[megarl] node 1/2: ") and "--node-rank=1" in out
+
+
+# --- slurm: the sbatch script ------------------------------------------------------------------------------------
+def _script(**kw) -> str:
+    opts = SlurmOptions(recipe=RECIPE, overrides=kw.pop("overrides", TP2_DP2), **kw)
+    return render(opts, load_config(RECIPE, opts.overrides), python="/venv/bin/python")
+
+
+def test_sbatch_script_content(tmp_path):
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text("# cluster A\nNCCL_IB_HCA=mlx5_0,mlx5_1\n\nexport NCCL_SOCKET_IFNAME='ib0'\n"
+                        "NCCL_IB_GID_INDEX=3\nNCCL_DEBUG=INFO\n")  # fmt: skip
+    script = _script(
+        nodes=2, gpus_per_node=2, partition="gpu", account="rl", time="04:00:00", signal_secs=120,
+        log_dir=str(tmp_path / "logs"), env_file=str(env_file), job_name="grpo-8b", rdzv_port=29411,
+        network=NetworkEnv(nccl_ib_hca="mlx5_4", nccl_debug="WARN", extra=["NCCL_IB_TIMEOUT=22"]),
+    )  # fmt: skip
+    lines = script.splitlines()
+    sbatch = [line for line in lines if line.startswith("#SBATCH")]
+    for want in ["--job-name=grpo-8b", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2", "--partition=gpu",
+                 "--account=rl", "--time=04:00:00", "--signal=B:USR1@120", "--requeue", f"--chdir={os.getcwd()}",
+                 f"--output={tmp_path}/logs/%x-%j.log"]:  # fmt: skip
+        assert f"#SBATCH {want}" in sbatch, want
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
+    assert exports == {
+        "NCCL_IB_HCA": "mlx5_4",  # the flag over the file
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "NCCL_IB_GID_INDEX": "3",
+        "NCCL_DEBUG": "WARN",  # the flag over the file over the default
+        "NCCL_IB_TIMEOUT": "22",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
+    srun = script[script.index("srun ") : script.index("&\n")].replace("\\\n", " ")
+    assert f"--output={tmp_path}/logs/%x-%j-node%n.log" in srun  # one log per node
+    assert f"bash {REPO}/launch/node.sh /venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2" in srun
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$head_node:29411" --rdzv-id="$SLURM_JOB_ID"' in srun
+    assert srun.split()[-5:] == ["train", RECIPE, *TP2_DP2, "trainer.resume=auto"]
+    assert "trap 'stop_ranks USR1' USR1" in lines and "trap 'stop_ranks TERM' TERM" in lines
+    assert 'kill -USR1 "$srun_pid"' in script
+    stopped = os.path.join(os.path.abspath(load_config(RECIPE).trainer.output_dir), "STOPPED")
+    assert f"stopped={stopped}" in lines and '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_sbatch_script_cpu_nodes_request_no_gpus():
+    script = _script(nodes=2, gpus_per_node=1, cpu=True, cpus_per_node=4,
+                     overrides=["actor.parallel.tp=1", "actor.parallel.dp=2"])  # fmt: skip
+    assert "--gpus-per-node" not in script and "#SBATCH --exclusive" not in script
+    assert "#SBATCH --cpus-per-task=4" in script and "srun --kill-on-bad-exit=1 --cpus-per-task=4 " in script
+    assert "# NCCL_IB_HCA: not set" in script and "export NCCL_IB_HCA" not in script
+    whole_nodes = _script(nodes=1, gpus_per_node=4)
+    assert "#SBATCH --exclusive" in whole_nodes and '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in whole_nodes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "2", "--gpus-per-node", "8", *TP2_DP2], "--nodes 2 x --gpus-per-node 8 = 16 ranks"),
+        (["--nodes", "4", "--gpus-per-node", "1", *TP2_DP2], "the TP group of ranks [0, 1] would span nodes [0, 1]"),
+        (
+            ["--nodes", "2", "--gpus-per-node", "2", *TP2_DP2, "trainer.resume=never"],
+            "trainer.resume=never: a requeued job must continue its own checkpoints",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "2", *TP2_DP2, "--env", "NCCL DEBUG=INFO"],
+            "--env: expected KEY=VALUE, got 'NCCL DEBUG=INFO'",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "2", *TP2_DP2, "--env-file", "/nonexistent.env"],
+            "--env-file /nonexistent.env: No such file or directory",
+        ),
+        (["--nodes", "2", "--gpus-per-node", "0", *TP2_DP2], "--gpus-per-node must be >= 1, got 0"),
+    ],
+)
+def test_slurm_refuses_bad_input(capsys, tmp_path, args, message):
+    rc, out, err = _launch(capsys, "slurm", RECIPE, *args, "--output", str(tmp_path))
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl launch slurm: "), err
+    assert message in err, err
+
+
+def test_env_file_line_errors_name_the_line(tmp_path):
+    env_file = tmp_path / "bad.env"
+    env_file.write_text("NCCL_DEBUG=WARN\nnot an assignment\n")
+    with pytest.raises(LaunchError, match=rf"--env-file {env_file}:2: expected KEY=VALUE"):
+        _script(nodes=2, gpus_per_node=2, env_file=str(env_file))
+
+
+# --- slurm: the generated script on a real cluster ---------------------------------------------------------------
+SLURM_DIR = os.environ.get("SLURM_TEST_DIR", "/tmp/megarl-slurm")
+STEPS = 30  # ~0.15 s each here: the stop request lands mid-run
+
+
+def _slurm_env() -> dict:
+    env = {**os.environ, "SLURM_CONF": os.path.join(SLURM_DIR, "slurm.conf"), "SLURM_TEST_DIR": SLURM_DIR,
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    for key in ("WORLD_SIZE", "MEGARL_FAULT"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """slurmctld + 2 slurmd on this machine (installs slurm-wlm and munge if missing); torn down at the end if this
+    fixture started it."""
+    env = _slurm_env()
+    was_up = _controller_running()
+    up = subprocess.run(["bash", os.path.join(REPO, "tests", "slurm", "bringup.sh")], env=env, capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    if up.returncode:
+        pytest.fail(
+            "could not bring up the local SLURM cluster for the launcher test (needs root and the Debian packages "
+            f"slurm-wlm + munge: `apt-get install -y slurm-wlm munge`, or `make install` as root):\n"
+            f"{up.stdout}{up.stderr}"
+        )
+    yield env
+    if not was_up:
+        subprocess.run(["bash", os.path.join(REPO, "tests", "slurm", "teardown.sh")], env=env, capture_output=True)
+
+
+def _controller_running() -> bool:
+    """Whether bringup.sh's slurmctld already runs (by its pid file, as bringup.sh checks)."""
+    try:
+        with open(os.path.join(SLURM_DIR, "slurmctld.pid")) as f:
+            os.kill(int(f.read()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(job_id: str, env: dict) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _logs(log_dir) -> str:
+    return "".join(f"==> {p.name}\n{p.read_text()}" for p in sorted(log_dir.glob("*.log")))
+
+
+def _nodes_idle(env: dict) -> bool:
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True).stdout.split()
+    return len(states) == 2 and all(s == "idle" for s in states)
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def _until(what: str, check, timeout_s: float, log_dir, job_id: str, env: dict):
+    """Poll ``check`` until it returns something true; fail with the job's state and logs on a timeout or when the
+    job ended first."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        found = check()
+        if found:
+            return found
+        if _job(job_id, env).get("JobState") in ENDED:
+            break
+        time.sleep(0.2)
+    pytest.fail(f"SLURM job {job_id}: no {what} after {timeout_s:.0f} s ({_job(job_id, env)})\n{_logs(log_dir)}")
+
+
+@pytest.fixture(scope="module")
+def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
+    """Submit the generated script (2 nodes x 1 CPU rank), SIGUSR1 its batch shell once step 1 is logged, wait for
+    the requeue, start the requeued job at once (SLURM would hold it a minute) and wait for its end."""
+    env, t0 = slurm_cluster, time.time()
+    out_dir = tmp_path_factory.mktemp("slurm") / "run"
+    log_dir = out_dir / "slurm"
+    submit = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "launch", "slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "1",
+         "--cpu", "--rdzv-port", str(_free_port()), "--submit", f"model.path={tiny_llama_dir}",
+         f"trainer.output_dir={out_dir}", "actor.parallel.tp=1", "actor.parallel.dp=2", "rollout.backend=hf",
+         f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
+         "logging.progress_bar=false", "data.train_batch_size=2", "actor.global_batch_size=16",
+         "rollout.sampling.max_new_tokens=4"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert submit.returncode == 0 and submit.stdout.strip().isdigit(), submit.stderr
+    job_id = submit.stdout.strip()
+    try:
+        metrics = out_dir / "metrics.jsonl"
+        _until("step 1", lambda: metrics.exists() and metrics.read_text().strip(), 150, log_dir, job_id, env)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+        _until("requeue", lambda: _job(job_id, env).get("Restarts") == "1", 90, log_dir, job_id, env)
+        stopped = out_dir / "STOPPED"
+        at_requeue = {
+            "stopped": stopped.read_text() if stopped.exists() else None,
+            "checkpoints": sorted(p.name for p in (out_dir / "checkpoints").glob("iter_*")),
+            "metrics_steps": [json.loads(line)["step"] for line in metrics.read_text().splitlines()],
+            "job": _job(job_id, env),
+        }
+        _until("idle nodes", lambda: _nodes_idle(env), 60, log_dir, job_id, env)
+        # slurmd refuses a credential issued in the second it revoked the job's last one ("Job credential revoked"):
+        # SLURM holds requeued jobs for that reason; two seconds are enough here (the update also starts it at once)
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+        _until("end", lambda: _job(job_id, env).get("JobState") in ENDED, 150, log_dir, job_id, env)
+        print(f"[test_launch] SLURM preemption + requeue + resume: {time.time() - t0:.1f} s")
+        return {"out": out_dir, "logs": log_dir, "job_id": job_id, "at_requeue": at_requeue, "end": _job(job_id, env)}
+    finally:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True)
+
+
+def test_slurm_job_stops_on_usr1_saves_and_requeues(preempted_job):
+    at = preempted_job["at_requeue"]
+    logs = _logs(preempted_job["logs"])
+    assert at["stopped"] and re.fullmatch(r"step \d+: stopped by SIGUSR1\n", at["stopped"]), logs
+    stop_step = int(at["stopped"].split()[1].rstrip(":"))
+    assert 1 <= stop_step < STEPS and at["metrics_steps"] == list(range(1, stop_step + 1))
+    assert at["checkpoints"] == [f"iter_{stop_step:07d}"]
+    assert (preempted_job["out"] / "checkpoints" / f"iter_{stop_step:07d}" / "manifest.json").exists()
+    assert at["job"]["JobState"] == "PENDING" and at["job"]["Restarts"] == "1"
+    assert "SIGUSR1: stopping the ranks after the current step" in logs
+    assert f"requeueing job {preempted_job['job_id']} to resume" in logs
+    assert f"stopped by SIGUSR1 after step {stop_step}; saved" in logs
+
+
+def test_requeued_slurm_job_resumes_and_finishes(preempted_job):
+    end, out = preempted_job["end"], preempted_job["out"]
+    logs = _logs(preempted_job["logs"])
+    assert end["JobState"] == "COMPLETED" and end["ExitCode"] == "0:0", logs
+    stop_step = int(preempted_job["at_requeue"]["stopped"].split()[1].rstrip(":"))
+    assert f"resuming from {out}/checkpoints/iter_{stop_step:07d} (step {stop_step};" in logs
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))  # continued, never duplicated
+    assert not (out / "STOPPED").exists()
+    assert "(restart 1) on n[1-2]" in logs and "ranks exited with status 0" in logs
+
+
+def test_slurm_job_writes_one_log_per_node(preempted_job):
+    job_id, name = preempted_job["job_id"], "megarl-tiny_grpo"
+    logs = {p.name: p.read_text() for p in preempted_job["logs"].glob("*.log")}
+    assert set(logs) == {f"{name}-{job_id}.log", f"{name}-{job_id}-node0.log", f"{name}-{job_id}-node1.log"}
+    for node in (0, 1):  # each node's wrapper passed the stop on to its own rank
+        assert f"[megarl] node {node} (" in logs[f"{name}-{job_id}-node{node}.log"]
+    ranks_0 = [n for n, text in logs.items() if re.search(r"\[megarl\] \d+ steps in", text)]
+    assert len(ranks_0) == 1 and ranks_0[0].endswith(("-node0.log", "-node1.log"))  # rank 0's lines: one node's log
+    assert (preempted_job["logs"] / f"{name}.sbatch").read_text().startswith("#!/bin/bash\n# megarl on SLURM")
