@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 
@@ -62,8 +61,8 @@ def _cmd_train(args) -> int:
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use launch/."""
-    import subprocess
+    """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use ``megarl launch``."""
+    from megarl.launch.torchrun import run_forwarding_stops
 
     cmd = [
         sys.executable,
@@ -76,18 +75,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
         *argv,
     ]
     print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    child = subprocess.Popen(cmd, env=env)
-
-    def forward(signum, frame):  # to the ranks themselves: they stop at the step boundary after a save
-        import psutil
-
-        for rank in psutil.Process(child.pid).children():
-            rank.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
-    return child.wait()
+    return run_forwarding_stops(cmd)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
 
 
 def _plan_for(cfg, spec, args=None, sync: bool = True):

@@ -85,12 +85,12 @@ def test_without_megarls_memory_settings_it_does_not_fit_and_the_plan_says_what_
 
 def test_a_tp_group_across_nodes_and_a_wrong_world_are_refused(seeds_job, capsys):
     cfg, spec = seeds_job
-    with pytest.raises(PlanError, match="tensor-parallel group would span nodes"):
+    with pytest.raises(PlanError, match=r"the TP group of ranks \[0, 1, 2, 3\] would span nodes \[0, 1\]"):
         make_plan(cfg, spec, Hardware(nodes=32, gpus_per_node=2))
-    with pytest.raises(PlanError, match="4 nodes x 8 GPUs = 32 ranks"):
+    with pytest.raises(PlanError, match="--nodes 4 x --gpus-per-node 8 = 32 ranks"):
         make_plan(cfg, spec, Hardware(nodes=4, gpus_per_node=8))
     assert main(["plan", RECIPE, "--nodes", "32", "--gpus-per-node", "2"]) == 2
-    assert "use a tp that divides 2" in capsys.readouterr().err
+    assert "use a tp that divides --gpus-per-node ([1, 2])" in capsys.readouterr().err
 
 
 def test_train_dry_run_prints_the_same_verdict(tiny_llama_dir, capsys):

@@ -482,6 +482,10 @@ class OffloadConfig:
         allowed = ("auto", "true", "false")
         _require(self.enable in allowed, "enable", f"must be one of {allowed}, got {self.enable!r}")
 
+    def active(self, on_gpu: bool) -> bool:
+        """Whether training state moves to the host: ``enable`` with 'auto' resolved (on exactly with CUDA)."""
+        return self.enable == "true" or (self.enable == "auto" and on_gpu)
+
 
 @dataclass(kw_only=True)
 class MegarlConfig:

@@ -57,7 +57,7 @@ def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parall
         ("pp", pp, spec.num_layers, "layers"),
     ]
     return [
-        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in {_divisors(count)}"
+        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in {divisors(count)}"
         for name, degree, count, what in divisibility
         if count % degree
     ]
@@ -89,18 +89,25 @@ def _vllm_is_cpu_build() -> bool:
         return False
 
 
+def vllm_tp_fits(spec: ModelSpec, tp: int) -> bool:
+    """vLLM can split the model at TP=``tp``: heads, KV heads (split or replicated), ffn and the vocabulary padded
+    to 64 all divide."""
+    kv = spec.num_kv_heads
+    kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
+    vocab64 = -(-spec.vocab_size // 64) * 64
+    return spec.num_heads % tp == 0 and kv_ok and spec.ffn_hidden_size % tp == 0 and vocab64 % tp == 0
+
+
 def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list[str]:
     """What vLLM would only report deep inside its startup, said before any engine starts."""
     ro, tp, errors = cfg.rollout, rollout_tp(cfg), []
     name = "rollout.tp" if cfg.rollout.tp else "rollout.tp (0: the actor's tp)"
     if ro.backend == "vllm" and world_size % tp:
-        errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {_divisors(world_size)}")
+        errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {divisors(world_size)}")
     kv = spec.num_kv_heads
-    kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
     vocab64 = -(-spec.vocab_size // 64) * 64
-    if ro.backend == "vllm" and (spec.num_heads % tp or not kv_ok or spec.ffn_hidden_size % tp or vocab64 % tp):
-        fits = [d for d in _divisors(spec.num_heads) if (kv % d == 0 if d <= kv else d % kv == 0)]
-        fits = [d for d in fits if spec.ffn_hidden_size % d == 0 and vocab64 % d == 0]
+    if ro.backend == "vllm" and not vllm_tp_fits(spec, tp):
+        fits = [d for d in divisors(spec.num_heads) if vllm_tp_fits(spec, d)]
         errors.append(
             f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads / "
             f"ffn size {spec.ffn_hidden_size} / vocabulary {vocab64} (padded to 64); use a rollout tp in {fits}"
@@ -194,5 +201,5 @@ def check_inputs(cfg: MegarlConfig) -> None:
         raise ConfigError(f"data: {e}") from None
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

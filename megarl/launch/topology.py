@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from megarl.config import MegarlConfig
+from megarl.config.validate import divisors
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -36,7 +37,7 @@ def check_nodes(cfg: MegarlConfig, nnodes: int, ranks_per_node: int, nodes_opt: 
         raise LaunchError(
             f"actor.parallel.tp={layout.tp} with {ranks_opt} {ranks_per_node}: the TP group of ranks {spanning} would "
             f"span nodes {sorted({layout.node(r) for r in spanning})}; use a tp that divides {ranks_opt} "
-            f"({_divisors(ranks_per_node)}) and raise dp or pp instead"
+            f"({divisors(ranks_per_node)}) and raise dp or pp instead"
         )
 
 
@@ -49,6 +50,3 @@ def train_args(recipe: str, overrides: list[str]) -> list[str]:
     """``python -m megarl.cli`` arguments of one rank: the recipe by absolute path (ranks may start elsewhere)."""
     return ["-m", "megarl.cli", "train", os.path.abspath(recipe), *overrides]
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
+from megarl.config.validate import divisors, rollout_tp, vllm_tp_fits
+from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.plan.memory import DTYPE_BYTES, RankMemory, micro_batch_tokens, rank_memory
@@ -68,23 +70,15 @@ class JobPlan:
 def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = True) -> JobPlan:
     """Collective-free and GPU-free: everything is computed from shapes. ``sync=False`` skips the weight-sync
     plan (memory only)."""
-    from megarl.config.validate import rollout_tp
     from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
     from megarl.reshard.plan import flows_of_plan, plan, summarize
 
+    try:  # the launchers' own check: the job is planned on the nodes it will be launched on
+        check_nodes(cfg, hw.nodes, hw.gpus_per_node, "--nodes", "--gpus-per-node")
+    except LaunchError as e:
+        raise PlanError(str(e)) from None
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=hw.gpus_per_node)
-    if hw.nodes * hw.gpus_per_node != layout.world_size:
-        raise PlanError(
-            f"{hw.nodes} nodes x {hw.gpus_per_node} GPUs = {hw.nodes * hw.gpus_per_node} ranks, but actor.parallel "
-            f"tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}; change --nodes/--gpus-per-node "
-            "or the layout so they agree"
-        )
-    if not layout.tp_groups_within_nodes():
-        raise PlanError(
-            f"actor.parallel.tp={par.tp}: a tensor-parallel group would span nodes ({hw.gpus_per_node} GPUs per "
-            f"node), putting every layer's all-reduce on InfiniBand; use a tp that divides {hw.gpus_per_node}"
-        )
     gpn = hw.gpus_per_node
     stats = {}
     if sync:
@@ -101,8 +95,6 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
 # --- what would make it fit ----------------------------------------------------------------------------------------
 def candidate_changes(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware) -> list[tuple[str, list[str]]]:
     """Settings that lower a peak, each as (description, overrides), in the order they are usually tried."""
-    from megarl.config.validate import rollout_tp
-
     out = []
     par = cfg.actor.parallel
     opt_off = [m for m in ("actor", "critic") if not getattr(cfg, m).optim.use_distributed_optimizer]
@@ -111,7 +103,8 @@ def candidate_changes(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware) -> list[
     if cfg.offload.enable == "false":
         out.append(("offload during generation", ["offload.enable=true"]))
     tp = rollout_tp(cfg)
-    bigger = [d for d in _vllm_tps(spec, par.tp * par.pp * par.dp) if tp < d <= hw.gpus_per_node]
+    world = par.tp * par.pp * par.dp
+    bigger = [d for d in divisors(world) if tp < d <= hw.gpus_per_node and vllm_tp_fits(spec, d)]
     if cfg.rollout.backend == "vllm" and bigger:
         out.append((f"rollout TP {bigger[0]}", [f"rollout.tp={bigger[0]}"]))
     if not cfg.model.recompute:
@@ -120,18 +113,6 @@ def candidate_changes(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware) -> list[
     if tokens >= 2 * cfg.actor.seq_length:
         out.append((f"micro-batch of {tokens // 2} tokens", [f"actor.max_tokens_per_micro_batch={tokens // 2}"]))
     return out
-
-
-def _vllm_tps(spec: ModelSpec, world: int) -> list[int]:
-    kv = spec.num_kv_heads
-    return [
-        d
-        for d in range(1, world + 1)
-        if world % d == 0
-        and spec.num_heads % d == 0
-        and (kv % d == 0 if d <= kv else d % kv == 0)
-        and spec.ffn_hidden_size % d == 0
-    ]
 
 
 def apply(cfg: MegarlConfig, overrides: list[str]) -> MegarlConfig:
@@ -202,7 +183,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     hw, layout, cfg = job.hw, job.layout, job.cfg
     lines = [
         f"megarl plan: {job.spec.family} {job.spec.num_layers}x{job.spec.hidden_size} ({cfg.model.dtype}), "
-        f"{cfg.algorithm.adv_estimator}, actor {layout}, rollout {cfg.rollout.backend} TP={_rollout_tp(cfg)}",
+        f"{cfg.algorithm.adv_estimator}, actor {layout}, rollout {cfg.rollout.backend} TP={rollout_tp(cfg)}",
         f"hardware: {hw.nodes} nodes x {hw.gpus_per_node} GPUs x {hw.gpu_mem_gb:g} GB, IB {hw.ib_gbps:g} Gb/s, "
         f"NVLink {hw.nvlink_gbps:g} Gb/s per GPU",
         "",
@@ -237,7 +218,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     s = job.sync
     lines += [] if not s else [
         "",
-        f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={_rollout_tp(cfg)})",
+        f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})",
         f"moved {_gb(s['moved'])} GB ({_gb(s['moved'] - s['cross'])} same node, {_gb(s['cross'])} across nodes); "
         f"busiest rank sends {_gb(s['rank_send'])} / receives {_gb(s['rank_recv'])} GB; busiest node sends "
         f"{_gb(s['node_send'])} / receives {_gb(s['node_recv'])} GB across nodes",
@@ -251,12 +232,6 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         "KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
-
-
-def _rollout_tp(cfg) -> int:
-    from megarl.config.validate import rollout_tp
-
-    return rollout_tp(cfg)
 
 
 def _memory_table(job: JobPlan) -> list[str]:

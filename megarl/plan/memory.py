@@ -217,14 +217,11 @@ class RankMemory:
 GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
 
 
-def offload_enabled(cfg: MegarlConfig, on_gpu: bool = True) -> bool:
-    return cfg.offload.enable == "true" or (cfg.offload.enable == "auto" and on_gpu)
-
-
 def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
     """Every rank's consumers and phases (GPU: vLLM sleeps at level 2 while Megatron trains, freeing all of it)."""
     from megarl.config.validate import rollout_tp
     from megarl.trainer.models import needs_critic, needs_reference
+    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, flagged_groups
 
     dtype, world = cfg.model.dtype, layout.world_size
     actor_params = model_params(spec, layout)
@@ -233,20 +230,20 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
         engine = vllm_layout(spec, rollout_tp(cfg), world, gpus_per_node)
     else:
         engine = hf_layout(spec, list(range(world)), gpus_per_node)
-    off = cfg.offload if offload_enabled(cfg) else None
+    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) else []  # planned for GPUs
     out = []
     for rank in range(world):
         c = layout.coords(rank)
         actor = trained_model_bytes(actor_params[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
         m = RankMemory(rank)
         m.consumers["actor params"] = actor.params
-        m.consumers["actor grads"] = actor.grads
-        m.consumers["actor optimizer"] = actor.optimizer
+        m.consumers[ACTOR_GRADS] = actor.grads
+        m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
         if critic_params is not None:
             critic = trained_model_bytes(critic_params[rank], dtype, cfg.critic.optim, c.dp, layout.dp)
-            m.consumers["critic params+grads+optimizer"] = critic.total
+            m.consumers[CRITIC] = critic.total
         if needs_reference(cfg):
-            m.consumers["reference params"] = sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
+            m.consumers[REFERENCE] = sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
         m.consumers["vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"] = sum(
             math.prod(s.shape) for s in engine.ranks[rank]
         ) * DTYPE_BYTES[dtype]
@@ -255,10 +252,7 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
         m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, layout, c.pp)
         m.consumers["reserve (estimate)"] = RESERVE_BYTES
         training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
-        if off is not None:
-            flags = {"actor grads": off.actor_grads, "actor optimizer": off.actor_optimizer,
-                     "critic params+grads+optimizer": off.critic, "reference params": off.reference}  # fmt: skip
-            m.offloaded = {k: m.consumers[k] for k, on in flags.items() if on and k in m.consumers}
+        m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
         resident = [k for k in training_state if k not in m.offloaded]
         weights = [k for k in m.consumers if k.endswith("engine weights") or k == "vLLM weights"]
         m.phases[GENERATION] = resident + weights + ["KV cache (configured)", "reserve (estimate)"]

@@ -79,10 +79,7 @@ def save(job: Job, state: TrainerState) -> dict:
         before_manifest=lambda: faults.fire("save", state.step),
     )
     if job.offloader.enabled:
-        switch_to(job, SYNC)
-        if job.engine.weight_version != state.step:  # it freed its weights to make room
-            job.engine.update_weights(actor_tensors(job.models.actor), state.step)
-        switch_to(job, ROLLOUT)
+        back_to_rollout(job, state.step)  # re-syncs only if the engine freed its weights to make room
     job.say(
         f"saved step {state.step}: {report['path']} ({report['bytes'] / 1e6:.1f} MB, {report['seconds']:.2f}s, "
         f"hashing {report['hash_seconds']:.2f}s)"
@@ -109,6 +106,17 @@ def switch_to(job: Job, phase: str) -> None:
             job.engine.wake()
 
 
+def back_to_rollout(job: Job, version: int):
+    """From training to generation: offload, load the actor's weights as ``version`` into the engine unless it
+    already holds them (the sync report, else None), wake the engine."""
+    switch_to(job, SYNC)
+    report = None
+    if job.engine.weight_version != version:
+        report = job.engine.update_weights(actor_tensors(job.models.actor), version)
+    switch_to(job, ROLLOUT)
+    return report
+
+
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     """One RL step; afterwards the engine holds weight version ``step``."""
     timer = PhaseTimer()
@@ -133,9 +141,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
             poison_loss=faults.at("nan_loss", step),
         )
         with timer("sync"):
-            switch_to(job, SYNC)
-            report = job.engine.update_weights(actor_tensors(job.models.actor), step)
-            switch_to(job, ROLLOUT)
+            report = back_to_rollout(job, step)  # the engine holds step - 1: always a sync
     state.step = step
     state.data = job.sampler.state_dict()
     state.kl_ctrl = job.kl_ctrl.state_dict()

@@ -18,6 +18,13 @@ from megarl.config.schema import OffloadConfig
 
 ACTOR_GRADS, ACTOR_OPTIMIZER = "actor grads", "actor optimizer"
 CRITIC, REFERENCE = "critic params+grads+optimizer", "reference params"
+GROUP_FLAGS = {ACTOR_GRADS: "actor_grads", ACTOR_OPTIMIZER: "actor_optimizer", CRITIC: "critic", REFERENCE: "reference"}
+"""Each group (named as the planner's consumer) and the ``offload.*`` flag that moves it."""
+
+
+def flagged_groups(flags: OffloadConfig) -> list[str]:
+    """The groups the flags move (whether offloading is active at all is ``flags.active``)."""
+    return [name for name, flag in GROUP_FLAGS.items() if getattr(flags, flag)]
 
 
 def grad_buffers(ddp) -> list[torch.Tensor]:
@@ -39,15 +46,16 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 def state_groups(models, flags: OffloadConfig) -> dict[str, list[torch.Tensor]]:
     """What the flags move, by planner name (``models``: a trainer RLModels)."""
+    on = flagged_groups(flags)
     groups = {}
-    if flags.actor_grads:
+    if ACTOR_GRADS in on:
         groups[ACTOR_GRADS] = grad_buffers(models.actor)
-    if flags.actor_optimizer:
+    if ACTOR_OPTIMIZER in on:
         groups[ACTOR_OPTIMIZER] = optimizer_tensors(models.actor_optim)
-    if flags.critic and models.critic is not None:
+    if CRITIC in on and models.critic is not None:
         critic = list(models.critic.parameters()) + grad_buffers(models.critic)
         groups[CRITIC] = critic + optimizer_tensors(models.critic_optim)
-    if flags.reference and models.reference is not None:
+    if REFERENCE in on and models.reference is not None:
         groups[REFERENCE] = list(models.reference.parameters())
     return groups
 
@@ -94,7 +102,7 @@ class Offloader:
 
     def __init__(self, models, flags: OffloadConfig, on_gpu: bool):
         self.models, self.flags = models, flags
-        self.enabled = flags.enable == "true" or (flags.enable == "auto" and on_gpu)
+        self.enabled = flags.active(on_gpu)
         self.moved: dict[str, HostCopies] = {}
         self._last: dict[str, HostCopies] = {}
 
