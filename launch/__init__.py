@@ -1,1 +1,1 @@
-"""Templates filled by `megarl launch` (sbatch.sh.tmpl, node.sh, clusters/*.env); the logic is in megarl/launch/."""
+"""Templates filled by `megarl launch` (sbatch.sh.tmpl, clusters/*.env); the logic is in megarl/launch/."""

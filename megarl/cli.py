@@ -13,9 +13,13 @@ def _cmd_train(args) -> int:
     from megarl.trainer import faults
     from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, plan_start
 
+    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if launched is not None:  # a rank under torchrun: first of all, die with the launcher
+        from megarl.launch import lifetime
+
+        lifetime.start_rank(int(os.environ.get("RANK", "0")))
     try:
         cfg = load_config(args.config, args.overrides)
-        launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
         spec = validate(cfg, world_size=launched)
         if launched is None:  # once, before any process starts (not again on every launched rank)
             check_inputs(cfg)
@@ -54,15 +58,32 @@ def _cmd_train(args) -> int:
 
     source = model_source(cfg.model.path)
     if launched is not None:
-        train(cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
-        return 0
+        return _rank(train, cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
     run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
 
 
+def _rank(train, *args) -> int:
+    """One torchrun rank's run: 0 after a clean end (also a stop after a save), 1 with one line when a collective
+    timed out (a peer died or hangs); any other error propagates (its traceback is the report)."""
+    from megarl.launch import lifetime
+    from megarl.parallel.init import describe_collective_timeout
+
+    try:
+        train(*args)
+    except RuntimeError as e:
+        line = describe_collective_timeout(e)
+        if line is None:
+            raise
+        print(f"megarl: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
+        return 1
+    lifetime.finish_rank()
+    return 0
+
+
 def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use ``megarl launch``."""
-    from megarl.launch.torchrun import run_forwarding_stops
+    from megarl.launch.lifetime import supervise
 
     cmd = [
         sys.executable,
@@ -75,7 +96,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
         *argv,
     ]
     print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
-    return run_forwarding_stops(cmd)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
+    return supervise(cmd)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
 
 
 def _plan_for(cfg, spec, args=None, sync: bool = True):

@@ -197,6 +197,9 @@ class CriticConfig:
         _require(self.cliprange_value > 0, "cliprange_value", "must be > 0")
 
 
+MIN_COLLECTIVE_TIMEOUT_S = 300
+"""Floor of ``trainer.collective_timeout_s``: ranks start vLLM (import and engine build, minutes on a loaded host,
+more with CUDA graphs) between two collectives, and do not finish it at the same moment."""
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 ROLLOUT_IS_MODES = ("off", "token_truncate", "seq_mask")
 
@@ -383,9 +386,20 @@ class TrainerConfig:
     """Check every checkpoint file's SHA-256 before loading (sizes are always checked)."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many RL steps in a row whose loss or gradients were not finite."""
+    collective_timeout_s: int = 600
+    """Seconds a rank waits in any collective (the default group, Megatron's and vLLM's groups) before it exits with
+    one line naming the group and the call. It must cover the longest gap between two ranks reaching the same
+    collective: engine start-up, a checkpoint save, rank 0's validation or logging. (A rank that dies is noticed at
+    once by the launcher, which kills the rest of the run; this bounds hangs and deaths on other nodes.)"""
 
     def __post_init__(self):
         _require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        _require(
+            self.collective_timeout_s >= MIN_COLLECTIVE_TIMEOUT_S,
+            "collective_timeout_s",
+            f"must be >= {MIN_COLLECTIVE_TIMEOUT_S} s (vLLM's start-up on a loaded host happens between two "
+            f"collectives), got {self.collective_timeout_s}",
+        )
         _require(self.log_every >= 1, "log_every", "must be >= 1")
         _require(bool(self.output_dir), "output_dir", "is required")
         _require(self.val_every >= 0, "val_every", "must be >= 0 (0 = never)")

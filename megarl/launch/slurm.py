@@ -1,7 +1,7 @@
 """``megarl launch slurm``: an sbatch script (``launch/sbatch.sh.tmpl``) for N nodes with one task per node, each
-running torchrun through ``launch/node.sh``; printed, or written and submitted. The NCCL/InfiniBand environment comes
-from defaults, then a per-cluster env file (``launch/clusters/*.env``), then flags. The preemption and requeue flow is
-described at the top of the template."""
+running torchrun under ``python -m megarl.launch.node`` (which owns the node's processes: ``lifetime.supervise``);
+printed, or written and submitted. The NCCL/InfiniBand environment comes from defaults, then a per-cluster env file
+(``launch/clusters/*.env``), then flags. The preemption and requeue flow is described at the top of the template."""
 
 from __future__ import annotations
 
@@ -182,7 +182,6 @@ def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) 
         "STOPPED": shlex.quote(os.path.join(os.path.abspath(cfg.trainer.output_dir), STOPPED_FILE)),
         "RDZV_PORT": str(opts.rdzv_port),
         "CPUS_PER_TASK": str(opts.cpus_per_node) if opts.cpus_per_node else '"$SLURM_CPUS_ON_NODE"',
-        "NODE_SH": shlex.quote(os.path.join(folder, "node.sh")),
         "PYTHON": shlex.quote(python),
         "RANKS_PER_NODE": str(opts.gpus_per_node),
         "TRAIN_ARGS": shlex.join(train_args(opts.recipe, [*opts.overrides, "trainer.resume=auto"])),

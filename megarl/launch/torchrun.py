@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from megarl.config import MegarlConfig, load_config
+from megarl.launch import lifetime
 from megarl.launch.topology import LaunchError, check_nodes, positive, recipe_layout, train_args
 from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass(kw_only=True)
@@ -78,33 +75,6 @@ def torchrun_command(opts: TorchrunOptions, cfg: MegarlConfig, python: str = sys
     ]  # fmt: skip
 
 
-def run_forwarding_stops(cmd: list[str]) -> int:
-    """Run torchrun; a SIGTERM/SIGUSR1 to this process goes to the ranks (torchrun's children), never to torchrun's
-    agent: it dies of SIGUSR1 and on SIGTERM gives its workers a short grace period, too short for a save."""
-    import psutil
-
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    # started with SIGUSR1 ignored (SIG_IGN survives exec; torchrun installs no handler for it), so a signal to the
-    # whole process group or job step (srun) does not kill the agent; the ranks install their own handler
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    agent = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-
-    def forward(signum, frame):
-        try:
-            for rank in psutil.Process(agent.pid).children():
-                rank.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
-
-    for s in STOP_SIGNALS:
-        signal.signal(s, forward)
-    try:
-        return agent.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def launch(opts: TorchrunOptions) -> int:
     """Check, then run (or print) this node's torchrun; ``EXIT_PREEMPTED`` when the ranks stopped after a save."""
     cfg = load_config(opts.recipe, opts.overrides)
@@ -113,6 +83,6 @@ def launch(opts: TorchrunOptions) -> int:
         print(shlex.join(cmd))
         return 0
     print(f"[megarl] node {opts.node_rank}/{opts.nnodes}: {shlex.join(cmd)}", flush=True)
-    rc = run_forwarding_stops(cmd)
+    rc = lifetime.supervise(cmd, label=f"node {opts.node_rank}")
     stopped = os.path.isfile(os.path.join(cfg.trainer.output_dir, STOPPED_FILE))
     return EXIT_PREEMPTED if rc == 0 and stopped else rc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -20,7 +21,8 @@ def default_backend() -> str:
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> None:
-    """Join the torchrun world (env://) and build Megatron's TP/PP/DP groups for ``layout``.
+    """Join the torchrun world (env://) and build Megatron's TP/PP/DP groups for ``layout``; a collective on any of
+    them waits at most ``timeout_s`` (``trainer.collective_timeout_s``; Megatron's groups in whole minutes).
 
     Installs the CPU shim when CUDA is absent, checks that the launched world matches the layout, checks that
     Megatron's groups equal the layout's (so no other code needs to compute ranks), and seeds Megatron's RNG tracker.
@@ -42,7 +44,11 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float 
         )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        distributed_timeout_minutes=math.ceil(timeout_s / 60),
+    )
     rank = dist.get_rank()
     got = {
         "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
@@ -64,3 +70,55 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def describe_collective_timeout(exc: BaseException) -> str | None:
+    """One line for a collective that timed out (gloo: ``Timed out waiting ...``, ``Application timeout ...``; NCCL's
+    watchdog: ``... collective operation timeout``): the call, its group and its caller, read from the traceback;
+    None for any other error."""
+    if not any(w in str(exc).lower() for w in _TIMEOUT_WORDS):
+        return None
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    at = next((i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(_C10D)), None)
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if at is None:
+        return f"a collective timed out ({detail}); a peer rank died, hangs, or is slower than the timeout"
+    call = frames[at]
+    group = call.f_locals.get("group")
+    torch_dist = os.path.join("torch", "distributed") + os.sep
+    caller = next((f for f in reversed(frames[:at]) if torch_dist not in f.f_code.co_filename), None)
+    where = ""
+    if caller is not None:
+        where = f", called from {_short(caller.f_code.co_filename)}:{caller.f_lineno} ({caller.f_code.co_name})"
+    return (
+        f"{call.f_code.co_name} on {describe_group(group)} timed out{where}: {detail}; a peer rank died, hangs, or is "
+        "slower than trainer.collective_timeout_s"
+    )
+
+
+def describe_group(group) -> str:
+    """``TENSOR_MODEL_PARALLEL_GROUP (ranks [0, 1])``, ``the default group (ranks [0, 1])``, ``a group (ranks ..)``."""
+    try:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    except Exception:  # the group may be gone with the failure
+        ranks = "?"
+    if group is None or group is dist.group.WORLD:
+        return f"the default group (ranks {ranks})"
+    desc = getattr(group, "group_desc", "") or ""
+    return f"{desc if desc and desc != 'undefined' else 'a group'} (ranks {ranks})"
+
+
+def _short(path: str) -> str:
+    """A source path from its package folder on (``megarl/...``, ``megatron/...``, ``vllm/...``)."""
+    parts = path.split(os.sep)
+    for i, p in enumerate(parts):
+        if p in ("megarl", "megatron", "vllm", "torch", "tests"):
+            return "/".join(parts[i:])
+    return path

@@ -2,17 +2,22 @@
 
 Used by the single-node tools (conversion, verify) and the multi-process tests. Each rank gets the env:// variables
 torchrun would set, and OMP_NUM_THREADS=1 (ranks share the host's cores). Entry scripts need a __main__ guard.
+The ranks are one run (``megarl.launch.lifetime``): they die with this process, a rank that dies takes the others
+with it at once (no 30 s SIGTERM grace: a peer stuck in a collective never handles it), and the run's shared memory
+is removed when it ends.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import socket
 import tempfile
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from megarl.launch import lifetime
 
 
 def _free_port() -> int:
@@ -21,7 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, result_path: str, fn, args):
+def _entry(rank: int, world: int, port: int, result_path: str, run_env: dict, parent: int, fn, args):
+    os.environ.update(run_env)
+    lifetime.start_rank(rank, parent_pid=parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,6 +47,7 @@ def _entry(rank: int, world: int, port: int, result_path: str, fn, args):
         raise
     if rank == 0:
         torch.save(result, result_path)
+    lifetime.finish_rank()
 
 
 def run_on_ranks(fn, world: int, *args):
@@ -56,14 +64,25 @@ def run_on_ranks(fn, world: int, *args):
             WORLD_SIZE="1",
             LOCAL_WORLD_SIZE="1",
         )
+        lifetime.join_run()
         return fn(*args)
-    with tempfile.TemporaryDirectory() as tmp:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, lifetime.Supervisor(subreaper=False) as run:
         path = os.path.join(tmp, "result.pt")
-        try:
-            mp.start_processes(
-                _entry, args=(world, _free_port(), path, fn, args), nprocs=world, join=True, start_method="spawn"
-            )
-        except Exception as e:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_entry, args=(rank, world, port, path, run.env(), os.getpid(), fn, args))
+            for rank in range(world)
+        ]
+        for p in procs:
+            p.start()
+            run.owned.add(p.pid)
+        run.watch(lambda: all(p.exitcode is not None for p in procs))
+        for p in procs:
+            p.join()
+        failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
             errors = [open(os.path.join(tmp, n)).read() for n in sorted(os.listdir(tmp)) if ".err" in n]
-            raise RuntimeError("a rank failed:\n" + "\n".join(errors)) from e
+            codes = ", ".join(f"rank {r}: exit status {c}" for r, c in failed)
+            raise RuntimeError(f"a rank failed ({codes}; {run.failure or 'no rank died'}):\n" + "\n".join(errors))
         return torch.load(path, weights_only=False)

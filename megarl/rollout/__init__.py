@@ -33,4 +33,7 @@ def build_engine(cfg: MegarlConfig, spec: ModelSpec, src_layout: SideLayout, eng
         return HFEngine(cfg.rollout, engine_dir, spec, src_layout, dtype=cfg.model.dtype)
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed)
+    return VLLMEngine(
+        cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed,
+        collective_timeout_s=cfg.trainer.collective_timeout_s,
+    )  # fmt: skip

@@ -10,7 +10,11 @@ The wrapper owns vLLM's side effects on the trainer's process (facts/vllm-cpu-co
 - the prefix cache is reset after every weight update (a stale cache silently mixes old weights' KV into prompts
   longer than one block);
 - every request carries an explicit seed, identical on the ranks of one engine (the caller derives it with
-  ``protocol.request_seed``), since every TP rank samples on its own.
+  ``protocol.request_seed``), since every TP rank samples on its own;
+- its shared-memory segments (the CPU communicator's, the message queues) are named after the process's run
+  (``compat.vllm_shm``), so they never collide with another run's and are removed with the run
+  (``launch.lifetime``), also after a SIGKILL;
+- its groups wait at most ``collective_timeout_s`` in a collective (``trainer.collective_timeout_s``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.compat import vllm_shm
 from megarl.config.schema import RolloutConfig, SamplingConfig
+from megarl.launch import lifetime
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout
@@ -89,10 +95,14 @@ class VLLMEngine:
         tp: int,
         dtype: str = "float32",
         seed: int = 0,
+        collective_timeout_s: int = 600,
     ):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        lifetime.join_run()  # the engine's shared memory belongs to this process's run: named after it, removed with it
+        vllm_shm.install(lifetime.shm_prefix())
 
         self.cfg, self.spec, self.tp = cfg, spec, tp
         self.dtype = DTYPES[dtype]
@@ -119,6 +129,8 @@ class VLLMEngine:
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.sleep_mode,
+                distributed_timeout_seconds=collective_timeout_s,
+                cpu_distributed_timeout_seconds=collective_timeout_s,
                 **_gpu_memory_args(),
             )
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}

@@ -134,7 +134,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
-    init_distributed(layout, seed=cfg.trainer.seed)
+    init_distributed(layout, seed=cfg.trainer.seed, timeout_s=cfg.trainer.collective_timeout_s)
     rank = dist.get_rank()
     out_dir = cfg.trainer.output_dir
 

@@ -1,0 +1,451 @@
+"""Process lifetime: a run owns every process and every shared-memory segment it creates, and leaves none behind when
+it ends, fails or is killed.
+
+Identity. Every run (one per node: the segments are node-local) has a 12-hex-digit id, ``MEGARL_RUN_ID`` in the
+environment of its processes. Everything the run puts in ``/dev/shm`` is named ``megarl-<id>...``: vLLM's CPU
+communicator segments and its message queues (``megarl.compat.vllm_shm`` names them), the run's lock and one file per
+rank.
+
+Liveness, held by the kernel (so a SIGKILL releases it):
+- ``megarl-<id>.lock``: every process of the run (the supervising parent, every rank, and the helpers a rank forks,
+  which inherit the descriptor) holds a shared ``flock`` on it for its whole life. Whoever gets it exclusively knows
+  the run is gone and removes its ``megarl-<id>*`` entries: the last member out, or the next run's sweep. A live run's
+  entries are never touched;
+- ``megarl-<id>.rank<N>``: rank N holds it exclusively while it runs and unlinks it when it finishes cleanly. A rank
+  file that can be locked belongs to a rank that died without finishing: its supervisor kills the rest of the run.
+
+Processes. The supervisor (``megarl train``'s local relaunch, ``megarl launch torchrun``, the SLURM node task,
+``run_on_ranks``) starts its children from the main thread with ``PR_SET_PDEATHSIG=SIGKILL`` set in the child, is a
+child subreaper (orphaned descendants stay in its tree), forwards SIGTERM/SIGUSR1 to the ranks (a graceful stop at the
+next step boundary) and SIGKILLs every process of the run at once when one rank dies: a TP peer of a dead rank spins
+in vLLM's shared-memory all-reduce, where no Python signal handler runs. Ranks also die with their parent (the torchrun
+agent), and every process a rank forks dies with the rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import psutil
+
+RUN_ENV = "MEGARL_RUN_ID"
+"""The run's id, set by the supervisor for every process it starts."""
+SUPERVISOR_ENV = "MEGARL_SUPERVISOR"
+"""``<pid>:<start time>`` of the supervising parent: a rank started after it died exits at once."""
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+PREFIX = "megarl-"
+_ID = re.compile(r"megarl-([0-9a-f]{12})")
+_RANK_FILE = re.compile(r"\.rank(\d+)$")
+POLL_S = 0.2
+EXIT_GRACE_S = 2.0
+"""After a clean end, how long the run's last processes get to exit on their own before they are killed."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_process = {"lease": None, "rank_file": None, "forks_die": False}  # this process's membership; not a cache
+
+
+# --- kernel-level parent death -----------------------------------------------------------------------------------
+def _prctl(option: int, value: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return  # no prctl: the supervisor's kill on failure still applies
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """In a child: SIGKILL this process when the thread that started it ends. ``parent_pid``: exit now if that
+    parent is already gone (it may have died before this call)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _pdeathsig_in_forked_child() -> None:
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def forks_die_with_this_process() -> None:
+    """Every process this one forks from now on (megatron's checkpoint writers, multiprocessing helpers) gets SIGKILL
+    when the forking thread ends. (``subprocess`` children are exec'ed without fork hooks: start them with
+    ``preexec_fn=child_dies_with_parent(...)``.)"""
+    if not _process["forks_die"]:
+        os.register_at_fork(after_in_child=_pdeathsig_in_forked_child)
+        _process["forks_die"] = True
+
+
+def child_dies_with_parent():
+    """A ``preexec_fn`` for ``subprocess.Popen`` (called from the main thread): the child dies with this process."""
+    parent = os.getpid()
+    return lambda: die_with_parent(parent)
+
+
+def process_token(pid: int) -> str:
+    return f"{pid}:{psutil.Process(pid).create_time():.2f}"
+
+
+def token_alive(token: str) -> bool:
+    pid, _, started = token.partition(":")
+    try:
+        return f"{psutil.Process(int(pid)).create_time():.2f}" == started
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+# --- run identity and shared-memory entries ------------------------------------------------------------------------
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def run_id() -> str:
+    """This process's run: ``MEGARL_RUN_ID``, else (ranks started by a plain torchrun) one derived from the torchrun
+    agent, the parent of every local rank, else this process."""
+    if os.environ.get(RUN_ENV):
+        return os.environ[RUN_ENV]
+    owner = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    return hashlib.sha1(process_token(owner).encode()).hexdigest()[:12]
+
+
+def shm_prefix(run: str | None = None) -> str:
+    """The prefix of every shared-memory name of run ``run`` (default: this process's run)."""
+    return f"{PREFIX}{run or run_id()}"
+
+
+def _lock_path(run: str) -> str:
+    return os.path.join(SHM_DIR, f"{shm_prefix(run)}.lock")
+
+
+def run_entries(run: str) -> list[str]:
+    """The names in ``SHM_DIR`` that belong to run ``run``."""
+    prefix = shm_prefix(run)
+    return sorted(n for n in _listdir() if n.startswith(prefix))
+
+
+def _listdir() -> list[str]:
+    try:
+        return os.listdir(SHM_DIR)
+    except OSError:
+        return []
+
+
+def _open_locked(path: str, how: int) -> int:
+    """A descriptor of ``path`` (created if missing) holding ``flock(how)``; retried when a cleaner removed the file
+    between our open and our lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, how)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _remove(name: str) -> None:
+    path = os.path.join(SHM_DIR, name)
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except (FileNotFoundError, PermissionError):
+        pass
+
+
+def remove_if_gone(run: str) -> list[str]:
+    """Remove run ``run``'s entries if no process of it is alive (its lock can be taken exclusively, or it has no
+    lock: nothing of a run is created before its lock); the removed names, [] for a live run."""
+    path = _lock_path(run)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    except PermissionError:
+        return []  # another user's run
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return []
+        lock = os.path.basename(path)
+        removed = [n for n in run_entries(run) if n != lock]
+        for name in removed:
+            _remove(name)
+        if fd is not None:
+            _remove(lock)
+            removed.append(lock)
+        return removed
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def sweep(keep: str | None = None) -> list[str]:
+    """Remove what runs that are gone left in ``SHM_DIR`` (a killed run's segments); never a live run's, nor
+    ``keep``'s. The removed names."""
+    runs = {m.group(1) for m in map(_ID.match, _listdir()) if m}
+    return [name for run in sorted(runs - {keep}) for name in remove_if_gone(run)]
+
+
+# --- membership of a run -------------------------------------------------------------------------------------------
+class RunLease:
+    """This process's membership of run ``run`` on this host: a shared lock on the run's lock file, held until
+    ``release``; the last member out removes the run's entries."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self._fd: int | None = _open_locked(_lock_path(run), fcntl.LOCK_SH)
+
+    def release(self) -> list[str]:
+        """Leave the run; remove its entries if no other process of it is alive. The removed names."""
+        if self._fd is None:
+            return []
+        os.close(self._fd)
+        self._fd = None
+        return remove_if_gone(self.run)
+
+
+def join_run() -> RunLease:
+    """Make this process a member of its run (idempotent; released at exit)."""
+    if _process["lease"] is None:
+        run = run_id()
+        sweep(keep=run)
+        _process["lease"] = RunLease(run)
+        atexit.register(leave_run)
+    return _process["lease"]
+
+
+def leave_run() -> None:
+    lease, _process["lease"] = _process["lease"], None
+    if lease is not None:
+        lease.release()
+
+
+def start_rank(rank: int, parent_pid: int | None = None) -> None:
+    """First thing in a rank: die with the parent (and, under a megarl supervisor, exit at once if it is already
+    gone), make forked helpers die with this rank, join the run and hold this rank's liveness file."""
+    die_with_parent(parent_pid)
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor and not token_alive(supervisor):
+        print(f"[megarl] rank {rank}: the launcher ({supervisor}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+    forks_die_with_this_process()
+    join_run()
+    path = os.path.join(SHM_DIR, f"{shm_prefix()}.rank{rank}")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = _open_locked(tmp, fcntl.LOCK_EX)
+    os.write(fd, str(os.getpid()).encode())
+    os.rename(tmp, path)  # visible to the supervisor only once locked
+    _process["rank_file"] = (fd, path)
+
+
+def finish_rank() -> None:
+    """A rank's clean end: its liveness file goes (its supervisor then does not treat its exit as a death)."""
+    held, _process["rank_file"] = _process["rank_file"], None
+    if held is not None:
+        fd, path = held
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def dead_ranks(run: str) -> list[tuple[int, str]]:
+    """(rank, pid) of every rank of run ``run`` on this host that ended without ``finish_rank``."""
+    dead = []
+    for name in run_entries(run):
+        m = _RANK_FILE.search(name)
+        if not m:
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # finished meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            dead.append((int(m.group(1)), os.read(fd, 32).decode() or "?"))
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    return sorted(dead)
+
+
+# --- the supervising parent ----------------------------------------------------------------------------------------
+class Supervisor:
+    """One node's share of a run, from the parent's side: a context manager around starting and watching the ranks.
+
+    On entry: removes what runs that are gone left behind and starts a run (new id, its lease); with ``subreaper``
+    (a process that exists only to run this: the launchers) orphaned descendants are re-parented here. ``env()`` is
+    what every child needs; ``popen`` starts a child that dies with this process; ``watch`` polls until ``done()``
+    and SIGKILLs every process of the run at once when a rank died. On exit: kills what is left of the run (a helper
+    that outlived its rank) and removes the run's shared-memory entries."""
+
+    def __init__(self, *, subreaper: bool = True, say=print):
+        self.run = new_run_id()
+        self.subreaper = subreaper
+        self.say = say
+        self.lease: RunLease | None = None
+        self.owned: set[int] = set()
+        """Children whose exit status a ``Popen``/``multiprocessing`` object collects (never reaped here)."""
+        self.failure: str | None = None
+        """The one-line account of a rank's death, once one died."""
+
+    def __enter__(self) -> Supervisor:
+        if self.subreaper:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        removed = sweep()
+        if removed:
+            self.say(f"[megarl] removed {len(removed)} shared-memory file(s) left in {SHM_DIR} by runs that are gone")
+        self.lease = RunLease(self.run)
+        return self
+
+    def env(self) -> dict[str, str]:
+        """The environment entries every process of the run starts with."""
+        return {RUN_ENV: self.run, SUPERVISOR_ENV: process_token(os.getpid())}
+
+    def popen(self, cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """Start a child (from the main thread) that dies with this process."""
+        proc = subprocess.Popen(
+            cmd, env={**(os.environ if env is None else env), **self.env()}, preexec_fn=child_dies_with_parent(),
+            **kwargs,
+        )  # fmt: skip
+        self.owned.add(proc.pid)
+        return proc
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this run on this host: the children it started, those carrying the run's id in
+        their environment, and (a subreaper) every descendant."""
+        me = os.getpid()
+        procs = {p.pid: p for p in _descendants()} if self.subreaper else {}
+        for pid in self.owned:
+            try:
+                procs.setdefault(pid, psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        for p in psutil.process_iter():
+            if p.pid not in procs and p.pid != me:
+                try:
+                    if p.environ().get(RUN_ENV) == self.run:
+                        procs[p.pid] = p
+                except (psutil.Error, OSError):
+                    pass
+        return [p for p in procs.values() if _running(p)]
+
+    def kill_all(self) -> list[int]:
+        """SIGKILL every process of the run; their pids."""
+        victims = self.processes()
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        return sorted(p.pid for p in victims)
+
+    def watch(self, done, poll_s: float = POLL_S) -> None:
+        """Poll until ``done()``; when a rank died without finishing, SIGKILL the rest of the run at once and set
+        (and say) ``failure``."""
+        while not done():
+            if self.failure is None:
+                dead = dead_ranks(self.run)
+                if dead:
+                    killed = self.kill_all()
+                    who = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+                    self.failure = (
+                        f"{who} died without finishing; killed the {len(killed)} other process(es) of this run at "
+                        f"once (pids {', '.join(map(str, killed)) or 'none'})"
+                    )
+                    self.say(f"[megarl] {self.failure}")
+            self.reap()
+            time.sleep(poll_s)
+
+    def reap(self) -> None:
+        """Collect the exit status of orphaned descendants that ended (a subreaper inherits them)."""
+        for p in psutil.Process().children():
+            try:
+                if p.pid not in self.owned and p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
+
+    def __exit__(self, *exc) -> bool:
+        grace = time.time() + (EXIT_GRACE_S if exc[0] is None and self.failure is None else 0)
+        while self.processes() and time.time() < grace:  # e.g. a rank's resource tracker, ending on its own
+            self.reap()
+            time.sleep(0.05)
+        left = self.kill_all()
+        if left and exc[0] is None and self.failure is None:
+            self.say(f"[megarl] killed {len(left)} process(es) of this run that outlived it (pids {left})")
+        deadline = time.time() + 10
+        while self.processes() and time.time() < deadline:
+            self.reap()
+            time.sleep(0.05)
+        self.reap()
+        self.lease.release()
+        return False
+
+
+def _descendants() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str = "launcher", say=print) -> int:
+    """Run ``cmd`` (torchrun: its agent, whose children are the ranks) as one node's share of a run; its exit
+    status. SIGTERM/SIGUSR1 to this process go to the ranks (a graceful stop at the next step boundary), never to
+    the agent: it dies of SIGUSR1 and on SIGTERM gives its workers a short grace period, too short for a save. The
+    agent starts with SIGUSR1 ignored (SIG_IGN survives exec; torchrun installs no handler for it), so a signal to the
+    whole process group or job step (srun) does not kill it; the ranks install their own handler. ``label`` names
+    this process in what it says."""
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    with Supervisor(say=say) as sup:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        agent = sup.popen(cmd, env={"OMP_NUM_THREADS": "1", **(os.environ if env is None else env)})
+
+        def forward(signum, frame):
+            try:
+                ranks = psutil.Process(agent.pid).children()
+            except psutil.NoSuchProcess:
+                return
+            say(f"[megarl] {label}: {signal.Signals(signum).name} -> the {len(ranks)} rank(s) of torchrun {agent.pid}")
+            for rank in ranks:
+                try:
+                    rank.send_signal(signum)
+                except psutil.NoSuchProcess:
+                    pass
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, forward)
+        try:
+            sup.watch(lambda: agent.poll() is not None)
+            return agent.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)

@@ -1,0 +1,222 @@
+"""Process lifetime (megarl/launch/lifetime.py) with real processes: a dead run's shared memory is swept and a live
+one's never; children die with their parent at kernel level (also helpers a rank forks); the supervisor SIGKILLs the
+rest of a run at once when a rank dies (a peer that ignores SIGTERM included) and removes the run's segments; a
+collective that times out is reported in one line naming the call, the group and the caller. The same mechanisms with
+the real trainer and vLLM at TP=2: tests/test_resume.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from megarl.launch import lifetime
+from megarl.parallel.spawn import run_on_ranks
+
+PY = sys.executable
+
+
+def _wait_gone(pids, timeout_s=10.0):
+    """The pids still alive after ``timeout_s`` (zombies count as gone)."""
+    deadline = time.time() + timeout_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _child(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, **kw)
+
+
+def test_sweep_removes_what_a_dead_run_left_and_never_a_live_runs():
+    member = """
+        import os, sys, time
+        from megarl.launch import lifetime
+        lifetime.join_run()
+        open(os.path.join(lifetime.SHM_DIR, lifetime.shm_prefix() + "-psm_test"), "w").close()
+        print(lifetime.run_id(), flush=True)
+        time.sleep(60)
+    """
+    env = {**os.environ, lifetime.RUN_ENV: lifetime.new_run_id()}
+    proc = _child(member, env=env)
+    run = proc.stdout.readline().strip()
+    try:
+        assert run == env[lifetime.RUN_ENV]
+        entries = lifetime.run_entries(run)
+        assert entries == [f"megarl-{run}-psm_test", f"megarl-{run}.lock"]
+        assert lifetime.sweep() == [] and lifetime.run_entries(run) == entries  # alive: untouched
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(lifetime.sweep()) == entries  # gone (SIGKILL: no cleanup of its own)
+    assert lifetime.run_entries(run) == []
+
+
+def test_the_last_member_out_removes_the_runs_entries():
+    env = {**os.environ, lifetime.RUN_ENV: lifetime.new_run_id()}
+    code = """
+        import os
+        from megarl.launch import lifetime
+        lifetime.join_run()
+        open(os.path.join(lifetime.SHM_DIR, lifetime.shm_prefix() + "-cpushm_0"), "w").close()
+    """
+    assert subprocess.run([PY, "-c", textwrap.dedent(code)], env=env).returncode == 0
+    assert lifetime.run_entries(env[lifetime.RUN_ENV]) == []
+
+
+def test_children_and_forked_helpers_die_with_their_parent():
+    """parent --Popen(preexec: die with parent)--> child --fork (at-fork hook)--> helper: SIGKILL the parent, and
+    the child, then the helper, die (a rank's checkpoint writers die with the rank)."""
+    parent = """
+        import multiprocessing as mp, subprocess, sys, time
+        from megarl.launch import lifetime
+        child = '''
+        import multiprocessing as mp, time
+        from megarl.launch import lifetime
+        lifetime.forks_die_with_this_process()
+        helper = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        helper.start()
+        print(helper.pid, flush=True)
+        time.sleep(60)
+        '''
+        p = subprocess.Popen([sys.executable, "-c", child], preexec_fn=lifetime.child_dies_with_parent(),
+                             stdout=subprocess.PIPE, text=True)
+        print(p.pid, p.stdout.readline().strip(), flush=True)
+        time.sleep(60)
+    """
+    proc = _child(parent)
+    child, helper = map(int, proc.stdout.readline().split())
+    assert _wait_gone([child, helper], timeout_s=0.5) == [child, helper]  # both alive
+    proc.kill()
+    proc.wait()
+    assert _wait_gone([child, helper], timeout_s=5) == []
+
+
+AGENT = """
+import signal, subprocess, sys, time
+rank = '''
+import os, signal, sys, time
+from megarl.launch import lifetime
+r = int(sys.argv[1])
+lifetime.start_rank(r)
+if r == 0:
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a peer stuck where no handler runs
+time.sleep(120)
+'''
+ranks = [subprocess.Popen([sys.executable, "-c", rank, str(r)]) for r in range(2)]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.exit(max(r.wait() for r in ranks))
+"""
+
+
+def test_supervisor_kills_the_rest_of_a_run_at_once_when_a_rank_dies():
+    """A stand-in torchrun agent with two ranks: rank 0 is SIGKILLed, rank 1 ignores SIGTERM (as a TP peer spinning
+    in vLLM's shared-memory all-reduce does). The supervisor kills rank 1 and the agent at once, says so in one
+    line, and the run's /dev/shm files are gone."""
+    said = []
+    t0 = time.time()
+    before = set(os.listdir(lifetime.SHM_DIR))
+    rc = lifetime.supervise([PY, "-c", AGENT], say=said.append)
+    elapsed = time.time() - t0
+    assert rc != 0 and elapsed < 10, (rc, elapsed, said)
+    deaths = [s for s in said if "died without finishing" in s]
+    assert len(deaths) == 1 and deaths[0].startswith("[megarl] rank 0 (pid "), said
+    assert "killed the 2 other process(es) of this run at once" in deaths[0]  # rank 1 and the agent
+    assert not [p for p in psutil.process_iter() if _run_of(p)], "a process of the run is alive"
+    assert not [n for n in set(os.listdir(lifetime.SHM_DIR)) - before if n.startswith("megarl-")]
+
+
+def _run_of(p):
+    try:
+        return p.environ().get(lifetime.RUN_ENV) and lifetime.SUPERVISOR_ENV in p.environ() and p.pid != os.getpid()
+    except psutil.Error:
+        return False
+
+
+def test_a_stop_signal_reaches_the_ranks_and_spares_the_agent(tmp_path):
+    """SIGUSR1 to the supervisor and to the agent itself (srun delivers it to every process of a step): the rank
+    stops gracefully (and finishes cleanly: no death reported), the agent lives on to report its exit status."""
+    rank = f"""
+import signal, sys, time
+from megarl.launch import lifetime
+lifetime.start_rank(0)
+stop = []
+signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+open({str(tmp_path / "ready")!r}, "w").close()
+while not stop:
+    time.sleep(0.02)
+open({str(tmp_path / "stopped")!r}, "w").close()
+lifetime.finish_rank()
+"""
+    agent = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {rank!r}]))"
+
+    def signal_when_ready(signum, frame):
+        for child in psutil.Process().children():
+            child.send_signal(signal.SIGUSR1)  # the agent: it starts with SIGUSR1 ignored
+        os.kill(os.getpid(), signal.SIGUSR1)  # the supervisor forwards it to the rank
+
+    said = []
+    previous = signal.signal(signal.SIGALRM, signal_when_ready)
+    watcher = _child(f"""
+        import os, signal, time
+        while not os.path.exists({str(tmp_path / "ready")!r}):
+            time.sleep(0.02)
+        os.kill({os.getpid()}, signal.SIGALRM)
+    """)
+    try:
+        rc = lifetime.supervise([PY, "-c", agent], say=said.append)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        watcher.wait()
+    assert rc == 0 and (tmp_path / "stopped").exists(), said
+    assert any("SIGUSR1 -> the 1 rank(s) of torchrun" in s for s in said) and not any("died" in s for s in said)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the supervisor's handlers are undone
+
+
+def _timeout_worker():
+    """Rank 0 all-reduces on Megatron's TP group while rank 1 is elsewhere: the timeout, as the trainer reports it."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.cli import _rank
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    init_distributed(ParallelLayout(tp=2, pp=1, dp=1), timeout_s=3)  # Megatron's groups: whole minutes
+    tp = dist.new_group([0, 1], timeout=__import__("datetime").timedelta(seconds=3), group_desc="TEST_TP_GROUP")
+    if dist.get_rank() == 1:
+        time.sleep(6)
+        return None
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = _rank(lambda: dist.all_reduce(torch.ones(1), group=tp))
+    del ps
+    return rc, err.getvalue()
+
+
+def test_a_collective_timeout_is_one_line_naming_the_call_group_and_caller():
+    rc, err = run_on_ranks(_timeout_worker, 2)
+    assert rc == 1 and err.count("\n") == 1, err
+    assert err.startswith("megarl: rank 0: all_reduce on TEST_TP_GROUP (ranks [0, 1]) timed out, called from "), err
+    assert "tests/test_lifetime.py" in err and "Timed out waiting 3000ms" in err, err
+
+
+@pytest.mark.parametrize("timeout_s", [10, 299])
+def test_collective_timeout_below_engine_startup_is_refused(timeout_s):
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"trainer.collective_timeout_s.*must be >= 300 s"):
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_grpo.yaml"),
+                    [f"trainer.collective_timeout_s={timeout_s}"])  # fmt: skip
