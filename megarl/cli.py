@@ -59,6 +59,9 @@ def _cmd_train(args) -> int:
     source = model_source(cfg.model.path)
     if launched is not None:
         return _rank(train, cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
+    from megarl.launch import lifetime
+
+    lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
     run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
 

@@ -16,6 +16,7 @@ import pytest
 
 from megarl.launch import lifetime
 from megarl.parallel.spawn import run_on_ranks
+from tests import leftovers
 
 PY = sys.executable
 
@@ -129,7 +130,7 @@ def test_supervisor_kills_the_rest_of_a_run_at_once_when_a_rank_dies():
     assert rc != 0 and elapsed < 10, (rc, elapsed, said)
     deaths = [s for s in said if "died without finishing" in s]
     assert len(deaths) == 1 and deaths[0].startswith("[megarl] rank 0 (pid "), said
-    assert "killed the 2 other process(es) of this run at once" in deaths[0]  # rank 1 and the agent
+    assert "killed the 1 other process(es) of this run at once" in deaths[0]  # rank 1 (the agent reports, exits)
     assert not [p for p in psutil.process_iter() if _run_of(p)], "a process of the run is alive"
     assert not [n for n in set(os.listdir(lifetime.SHM_DIR)) - before if n.startswith("megarl-")]
 
@@ -220,3 +221,19 @@ def test_collective_timeout_below_engine_startup_is_refused(timeout_s):
     with pytest.raises(ConfigError, match=r"trainer.collective_timeout_s.*must be >= 300 s"):
         load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_grpo.yaml"),
                     [f"trainer.collective_timeout_s={timeout_s}"])  # fmt: skip
+
+
+@pytest.mark.after_all
+def test_the_suite_left_no_megarl_process_or_shared_memory(request):
+    """Last test of the session: `ps` and /dev/shm against the snapshot taken when the session started. Nothing in
+    the suite removes segments or kills processes on the product's behalf."""
+    start = request.config.stash[leftovers.START]
+    deadline = time.time() + 5
+    while True:
+        now = leftovers.snapshot()
+        processes = {pid: cmd for pid, cmd in now["processes"].items() if pid not in start["processes"]}
+        if not processes or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert processes == {}, processes
+    assert sorted(now["shm"] - start["shm"]) == []

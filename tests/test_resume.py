@@ -8,10 +8,13 @@ distributed optimizer.
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -49,33 +52,74 @@ def _env(fault=None):
     return env
 
 
-def _kill_run(tag):
-    """SIGKILL every process of one run: launcher, torchrun, ranks (each in a session of its own) and the helper
-    processes megatron's checkpoint writer starts (they outlive a killed rank)."""
+def _processes(tag):
+    """The live processes of one run (launcher, torchrun, ranks, helpers: all inherit the test's tag)."""
+    procs = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("MEGARL_TEST_RUN") == tag:
-                proc.kill()
+            if proc.environ().get("MEGARL_TEST_RUN") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                procs.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
+    return procs
 
 
-def _run(cmd, fault=None, kill_after_s=None):
-    """Run one `megarl train` (output to a file: processes left by a killed rank would hold a pipe open), then kill
-    whatever of it is left. ``kill_after_s``: SIGKILL all of it then, as a node failure would. Returns (exit status,
-    or None if killed; output)."""
+def _shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def _wait_for(path, text, timeout_s):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if text in open(path).read():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@dataclass
+class Run:
+    """One `megarl train` and what it left behind, looked at right after it ended (before anything else ran)."""
+
+    rc: int | None
+    """Exit status; None when the test SIGKILLed the launcher."""
+    out: str
+    alive_after_10s: list[str]
+    """Processes of the run still alive 10 s after it ended (or after its launcher was killed)."""
+    shm_left: set[str]
+    """Entries the run added to /dev/shm and left there."""
+
+
+def _run(cmd, fault=None, kill_launcher_after=None):
+    """Run one `megarl train` (output to a file: a process left behind would hold a pipe open) and look at `ps` and
+    /dev/shm right after. ``kill_launcher_after=(line, max_delay_s)``: SIGKILL the `megarl train` process itself (not
+    its ranks) a random moment up to ``max_delay_s`` after ``line`` appears in its output."""
     tag = uuid.uuid4().hex
-    with tempfile.TemporaryFile("w+") as log:
+    before = _shm()
+    with tempfile.NamedTemporaryFile("w+") as log:
         env = {**_env(fault), "MEGARL_TEST_RUN": tag}
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        killed = False
+        if kill_launcher_after is not None:
+            line, max_delay_s = kill_launcher_after
+            if _wait_for(log.name, line, 300) and p.poll() is None:
+                time.sleep(random.uniform(0, max_delay_s))  # a different moment every run
+                p.kill()
+                killed = True
         try:
-            rc = p.wait(timeout=kill_after_s or 600)
+            rc = p.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            rc = None
-        _kill_run(tag)
-        p.wait()
+            p.kill()
+            rc = p.wait()
+        deadline = time.time() + 10
+        while _processes(tag) and time.time() < deadline:
+            time.sleep(0.1)
+        alive = [f"{q.pid} {' '.join(q.cmdline()[:6])}" for q in _processes(tag)]
+        shm_left = _shm() - before
+        for q in _processes(tag):  # only after looking: a leftover fails the test, and must not hang the next run
+            q.kill()
         log.seek(0)
-        return rc, log.read()
+        return Run(None if killed else rc, log.read(), alive, shm_left)
 
 
 def _metrics(out_dir):
@@ -93,40 +137,69 @@ def _tensors(iter_dir, tmp):
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def chain(request, tiny_llama_dir, tmp_path_factory):
-    """The uninterrupted run, and one run stopped four times and resumed each time."""
+    """The uninterrupted run, and one run stopped five times and resumed each time; each run is looked at (`ps`,
+    /dev/shm) right after it ended."""
     name = request.param
     recipe, extra = LAYOUTS[name]
     tmp = tmp_path_factory.mktemp(name)
     ref, cut = tmp / "uninterrupted", tmp / "interrupted"
-    log = {}
-    rc, log["uninterrupted"] = _run(_cmd(recipe, tiny_llama_dir, ref, extra))
-    assert rc == 0, log["uninterrupted"][-4000:]
+    runs = {"uninterrupted": _run(_cmd(recipe, tiny_llama_dir, ref, extra))}
+    assert runs["uninterrupted"].rc == 0, runs["uninterrupted"].out[-4000:]
     cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
-    log["save@4"] = _run(cmd, "save@4")  # SIGKILL after step 4's shards, before its manifest
-    log["generate@5"] = _run(cmd, "generate@5")  # resumes from step 2; SIGKILL during step 5's generation
-    log["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
-    # resumes from 5; SIGKILLed at a random moment of its life (start, load, step 6 or its save: ~30 s here)
-    delay = random.uniform(2.0, 30.0)  # a different moment every time (printed if a check fails)
-    rc, out = _run(cmd, kill_after_s=delay)
-    log["random"] = (rc, f"[killed after {delay:.1f} s: {rc is None}]\n{out}")
-    killed = rc is None
-    log["last"] = _run(cmd) if killed and not (cut / "checkpoints" / f"iter_{STEPS:07d}").exists() else (0, "")
-    return {"name": name, "ref": ref, "cut": cut, "log": log, "killed": killed, "tmp": tmp}
+    runs["save@4"] = _run(cmd, "save@4")  # rank 0 SIGKILLed after step 4's shards, before its manifest
+    # resumes from step 2; `megarl train` itself SIGKILLed at a random moment of steps 4-6 (a node failure)
+    runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
+    runs["generate@5"] = _run(cmd, "generate@5")  # resumes from 2 or 4; rank 0 SIGKILLed in step 5's generation
+    runs["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
+    runs["last"] = _run(cmd)  # resumes from 5
+    return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
 
 
 def test_each_interruption_stopped_and_resumed_where_expected(chain):
-    log = chain["log"]
-    assert log["save@4"][0] != 0 and "fault injection: save at step 4" in log["save@4"][1], log["save@4"][1][-3000:]
-    assert "resuming from" in log["generate@5"][1] and "iter_0000002 (step 2;" in log["generate@5"][1]
-    assert "removed an interrupted save" in log["generate@5"][1], log["generate@5"][1][-3000:]
-    assert log["generate@5"][0] != 0 and "fault injection: generate at step 5" in log["generate@5"][1]
-    rc, out = log["sigterm@5"]
-    assert rc == EXIT_PREEMPTED, out[-4000:]
-    assert "iter_0000004 (step 4;" in out and "stopped by SIGTERM after step 5; saved" in out
+    runs = chain["runs"]
+    save, launcher, generate, sigterm = runs["save@4"], runs["launcher"], runs["generate@5"], runs["sigterm@5"]
+    assert save.rc not in (0, None) and "fault injection: save at step 4" in save.out, save.out[-3000:]
+    assert "iter_0000002 (step 2;" in launcher.out and "removed an interrupted save" in launcher.out, launcher.out
+    assert launcher.rc is None, launcher.out[-3000:]  # killed mid-run
+    assert re.search(r"iter_000000[24] \(step [24];", generate.out), generate.out[-3000:]
+    assert generate.rc not in (0, None) and "fault injection: generate at step 5" in generate.out
+    assert sigterm.rc == EXIT_PREEMPTED, sigterm.out[-4000:]
+    assert "iter_0000004 (step 4;" in sigterm.out and "stopped by SIGTERM after step 5; saved" in sigterm.out
     assert (chain["cut"] / "checkpoints" / "iter_0000005" / "manifest.json").exists()
-    assert log["last"][0] == 0, log["last"][1][-4000:]
+    assert runs["last"].rc == 0, runs["last"].out[-4000:]
     kept = sorted(p.name for p in (chain["cut"] / "checkpoints").glob("iter_*"))
     assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
+
+
+def test_a_rank_killed_mid_run_takes_its_run_down_and_leaves_no_shared_memory(chain):
+    """Rank 0 SIGKILLed (mid-generation at TP=2 with vLLM, and mid-save): the launcher kills the other rank at once
+    (it would spin in vLLM's shared-memory all-reduce), says so in one line, and the run's /dev/shm files are gone;
+    the next run on this machine works (`sigterm@5`, then `last`)."""
+    for fault in ("generate@5", "save@4"):
+        run = chain["runs"][fault]
+        assert run.alive_after_10s == [], (fault, run.alive_after_10s, run.out[-3000:])
+        assert run.shm_left == set(), (fault, run.shm_left)
+        deaths = [line for line in run.out.splitlines() if "died without finishing" in line]
+        assert len(deaths) == 1 and deaths[0].startswith("[megarl] rank 0 (pid "), (fault, run.out[-3000:])
+        assert "killed the" in deaths[0] and "other process(es) of this run at once" in deaths[0]
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it_and_the_next_run_sweeps_its_shared_memory(chain):
+    """`megarl train` SIGKILLed mid-run: within 10 s no rank, agent or helper of it is alive (they die with their
+    parent at kernel level); what it left in /dev/shm is removed by the next run, which works."""
+    runs = chain["runs"]
+    assert runs["launcher"].alive_after_10s == [], runs["launcher"].alive_after_10s
+    left = runs["launcher"].shm_left
+    assert left and all(n.startswith("megarl-") for n in left), left  # its lock and rank files, vLLM's segments
+    assert left.isdisjoint(_shm()), left & _shm()
+    assert "left in /dev/shm by runs that are gone" in runs["generate@5"].out, runs["generate@5"].out[-3000:]
+
+
+def test_no_run_leaves_a_process_or_shared_memory_behind(chain):
+    for label, run in chain["runs"].items():
+        assert run.alive_after_10s == [], (label, run.alive_after_10s)
+        if label != "launcher":
+            assert run.shm_left == set(), (label, run.shm_left)
 
 
 def test_resumed_metrics_equal_the_uninterrupted_run(chain):
@@ -173,8 +246,9 @@ def test_resume_at_another_layout_reshards_and_says_so(chain, tiny_llama_dir):
     out = chain["tmp"] / "resharded"
     source = chain["ref"] / "checkpoints" / "iter_0000004"
     cmd = _cmd(recipe, tiny_llama_dir, out, [*extra, *RESHARD[chain["name"]], f"trainer.resume={source}"])
-    rc, log = _run(cmd)
-    assert rc == 0, log[-4000:]
+    run = _run(cmd)
+    assert run.rc == 0 and run.alive_after_10s == [] and run.shm_left == set(), run.out[-4000:]
+    log = run.out
     assert "reshard exactly; the RNG states are per rank and do not carry to another layout" in log
     ref, new = _metrics(chain["ref"]), _metrics(out)
     assert [r["step"] for r in new] == list(range(1, STEPS + 1)) and new[:4] == ref[:4]

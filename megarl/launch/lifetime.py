@@ -299,10 +299,10 @@ class Supervisor:
     and SIGKILLs every process of the run at once when a rank died. On exit: kills what is left of the run (a helper
     that outlived its rank) and removes the run's shared-memory entries."""
 
-    def __init__(self, *, subreaper: bool = True, say=print):
+    def __init__(self, *, subreaper: bool = True, say=None):
         self.run = new_run_id()
         self.subreaper = subreaper
-        self.say = say
+        self.say = say or _say
         self.lease: RunLease | None = None
         self.owned: set[int] = set()
         """Children whose exit status a ``Popen``/``multiprocessing`` object collects (never reaped here)."""
@@ -350,9 +350,9 @@ class Supervisor:
                     pass
         return [p for p in procs.values() if _running(p)]
 
-    def kill_all(self) -> list[int]:
-        """SIGKILL every process of the run; their pids."""
-        victims = self.processes()
+    def kill_all(self, spare: frozenset[int] = frozenset()) -> list[int]:
+        """SIGKILL every process of the run but ``spare``; their pids."""
+        victims = [p for p in self.processes() if p.pid not in spare]
         for p in victims:
             try:
                 p.kill()
@@ -360,14 +360,14 @@ class Supervisor:
                 pass
         return sorted(p.pid for p in victims)
 
-    def watch(self, done, poll_s: float = POLL_S) -> None:
-        """Poll until ``done()``; when a rank died without finishing, SIGKILL the rest of the run at once and set
-        (and say) ``failure``."""
+    def watch(self, done, poll_s: float = POLL_S, spare: frozenset[int] = frozenset()) -> None:
+        """Poll until ``done()``; when a rank died without finishing, SIGKILL the rest of the run but ``spare`` (the
+        torchrun agent: it then reports which rank failed, and exits) at once and set (and say) ``failure``."""
         while not done():
             if self.failure is None:
                 dead = dead_ranks(self.run)
                 if dead:
-                    killed = self.kill_all()
+                    killed = self.kill_all(spare)
                     who = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
                     self.failure = (
                         f"{who} died without finishing; killed the {len(killed)} other process(es) of this run at "
@@ -403,6 +403,10 @@ class Supervisor:
         return False
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def _descendants() -> list[psutil.Process]:
     try:
         return psutil.Process().children(recursive=True)
@@ -417,13 +421,14 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str = "launcher", say=print) -> int:
+def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str = "launcher", say=None) -> int:
     """Run ``cmd`` (torchrun: its agent, whose children are the ranks) as one node's share of a run; its exit
     status. SIGTERM/SIGUSR1 to this process go to the ranks (a graceful stop at the next step boundary), never to
     the agent: it dies of SIGUSR1 and on SIGTERM gives its workers a short grace period, too short for a save. The
     agent starts with SIGUSR1 ignored (SIG_IGN survives exec; torchrun installs no handler for it), so a signal to the
     whole process group or job step (srun) does not kill it; the ranks install their own handler. ``label`` names
     this process in what it says."""
+    say = say or _say
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     with Supervisor(say=say) as sup:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -444,7 +449,7 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str =
         for s in STOP_SIGNALS:
             signal.signal(s, forward)
         try:
-            sup.watch(lambda: agent.poll() is not None)
+            sup.watch(lambda: agent.poll() is not None, spare=frozenset({agent.pid}))
             return agent.wait()
         finally:
             for s, handler in previous.items():

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m megarl.launch.node <torchrun command ...>", file=sys.stderr)
         return 2
     label = f"node {os.environ.get('SLURM_NODEID', '?')} ({socket.gethostname().split('.')[0]})"
-    return supervise(argv, label=label, say=lambda line: print(line, flush=True))
+    return supervise(argv, label=label)
 
 
 if __name__ == "__main__":
