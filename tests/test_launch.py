@@ -7,11 +7,9 @@ import json
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -21,7 +19,7 @@ from megarl.config import load_config
 from megarl.launch import torchrun as torchrun_launcher
 from megarl.launch.slurm import NetworkEnv, SlurmOptions, render
 from megarl.launch.topology import LaunchError
-from megarl.launch.torchrun import TorchrunOptions, run_forwarding_stops, torchrun_command
+from megarl.launch.torchrun import TorchrunOptions, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "tiny_grpo.yaml")
@@ -89,50 +87,16 @@ def test_torchrun_refuses_before_starting_anything(capsys, args, message):
     assert message in err, err
 
 
-RANK = """
-import os, signal, sys, time
-got = []
-signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
-open(sys.argv[1], "w").write("ready")
-while not got:
-    time.sleep(0.05)
-open(sys.argv[1], "w").write("stopped")
-"""
-AGENT = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], sys.argv[2]]))"
-
-
-def test_stop_signals_reach_the_ranks_and_spare_the_agent(tmp_path):
-    """A stand-in for torchrun (agent -> rank): SIGUSR1 to the launcher and to the agent itself (as srun delivers it
-    to every process of a step) stops the rank, and the agent lives on to report the rank's exit status."""
-    import psutil
-
-    state = tmp_path / "rank"
-
-    def signal_when_ready():
-        deadline = time.time() + 30
-        while time.time() < deadline and not (state.exists() and state.read_text() == "ready"):
-            time.sleep(0.05)
-        for agent in psutil.Process().children():
-            if AGENT in agent.cmdline():
-                agent.send_signal(signal.SIGUSR1)  # torchrun would die of this without the SIG_IGN it starts with
-        os.kill(os.getpid(), signal.SIGUSR1)  # the launcher forwards it to the rank
-
-    threading.Thread(target=signal_when_ready, daemon=True).start()
-    rc = run_forwarding_stops([sys.executable, "-c", AGENT, RANK, str(state)])
-    assert rc == 0 and state.read_text() == "stopped"
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the launcher's handlers are undone
-
-
 def test_torchrun_launch_exits_75_after_a_stop(capsys, monkeypatch, tmp_path):
     """The ranks stopped after a save (STOPPED in trainer.output_dir, torchrun exit 0): status 75, requeue me."""
     ran = []
 
-    def ranks_stop(cmd):
+    def ranks_stop(cmd, **kwargs):
         ran.append(cmd)
         (tmp_path / "STOPPED").write_text("step 3: stopped by SIGUSR1\n")
         return 0
 
-    monkeypatch.setattr(torchrun_launcher, "run_forwarding_stops", ranks_stop)
+    monkeypatch.setattr(torchrun_launcher.lifetime, "supervise", ranks_stop)
     args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", *TP2_DP2, f"trainer.output_dir={tmp_path}"]
     rc, out, err = _launch(capsys, "torchrun", RECIPE, *args)
     assert rc == 75 and len(ran) == 1 and ran[0][-1] == f"trainer.output_dir={tmp_path}", err
@@ -175,7 +139,7 @@ def test_sbatch_script_content(tmp_path):
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     srun = script[script.index("srun ") : script.index("&\n")].replace("\\\n", " ")
     assert f"--output={tmp_path}/logs/%x-%j-node%n.log" in srun  # one log per node
-    assert f"bash {REPO}/launch/node.sh /venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=2" in srun
+    assert "/venv/bin/python -m megarl.launch.node /venv/bin/python -m torch.distributed.run --nnodes=2 " in srun
     assert '--rdzv-backend=c10d --rdzv-endpoint="$head_node:29411" --rdzv-id="$SLURM_JOB_ID"' in srun
     assert srun.split()[-5:] == ["train", RECIPE, *TP2_DP2, "trainer.resume=auto"]
     assert "trap 'stop_ranks USR1' USR1" in lines and "trap 'stop_ranks TERM' TERM" in lines
