@@ -59,16 +59,32 @@ def test_sweep_removes_what_a_dead_run_left_and_never_a_live_runs():
     assert lifetime.run_entries(run) == []
 
 
-def test_the_last_member_out_removes_the_runs_entries():
+def test_the_last_member_out_removes_the_runs_entries_even_with_a_forked_helper_alive():
+    """A forked helper (megatron's checkpoint writers, a multiprocessing manager) is not a member: the member's exit
+    cleans up at once, while the helper still runs."""
     env = {**os.environ, lifetime.RUN_ENV: lifetime.new_run_id()}
     code = """
-        import os
+        import os, time
         from megarl.launch import lifetime
         lifetime.join_run()
         open(os.path.join(lifetime.SHM_DIR, lifetime.shm_prefix() + "-cpushm_0"), "w").close()
+        helper = os.fork()
+        if helper == 0:
+            time.sleep(30)
+            os._exit(0)
+        print(helper, flush=True)
     """
-    assert subprocess.run([PY, "-c", textwrap.dedent(code)], env=env).returncode == 0
-    assert lifetime.run_entries(env[lifetime.RUN_ENV]) == []
+    proc = _child(code, env=env)
+    helper = int(proc.stdout.readline())
+    try:
+        deadline = time.time() + 10
+        while lifetime.run_entries(env[lifetime.RUN_ENV]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert lifetime.run_entries(env[lifetime.RUN_ENV]) == []
+        assert psutil.pid_exists(helper)
+    finally:
+        os.kill(helper, signal.SIGKILL)
+        proc.wait()
 
 
 def test_children_and_forked_helpers_die_with_their_parent():

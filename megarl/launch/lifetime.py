@@ -7,19 +7,20 @@ communicator segments and its message queues (``megarl.compat.vllm_shm`` names t
 rank.
 
 Liveness, held by the kernel (so a SIGKILL releases it):
-- ``megarl-<id>.lock``: every process of the run (the supervising parent, every rank, and the helpers a rank forks,
-  which inherit the descriptor) holds a shared ``flock`` on it for its whole life. Whoever gets it exclusively knows
-  the run is gone and removes its ``megarl-<id>*`` entries: the last member out, or the next run's sweep. A live run's
-  entries are never touched;
+- ``megarl-<id>.lock``: every member of the run (the supervising parent and every rank) holds a shared lock on it for
+  its whole life. The locks are POSIX record locks (``lockf``): they belong to the process and are not inherited by
+  a forked child, so a helper a rank forks (a checkpoint writer) never keeps a finished run's files alive. Whoever
+  gets it exclusively knows the run is gone and removes its ``megarl-<id>*`` entries: the last member out, or the
+  next run's sweep. A live run's entries are never touched;
 - ``megarl-<id>.rank<N>``: rank N holds it exclusively while it runs and unlinks it when it finishes cleanly. A rank
   file that can be locked belongs to a rank that died without finishing: its supervisor kills the rest of the run.
 
 Processes. The supervisor (``megarl train``'s local relaunch, ``megarl launch torchrun``, the SLURM node task,
-``run_on_ranks``) starts its children from the main thread with ``PR_SET_PDEATHSIG=SIGKILL`` set in the child, is a
-child subreaper (orphaned descendants stay in its tree), forwards SIGTERM/SIGUSR1 to the ranks (a graceful stop at the
-next step boundary) and SIGKILLs every process of the run at once when one rank dies: a TP peer of a dead rank spins
-in vLLM's shared-memory all-reduce, where no Python signal handler runs. Ranks also die with their parent (the torchrun
-agent), and every process a rank forks dies with the rank.
+``run_on_ranks``) starts its children from the main thread with ``PR_SET_PDEATHSIG=SIGKILL`` set in the child,
+forwards SIGTERM/SIGUSR1 to the ranks (a graceful stop at the next step boundary) and SIGKILLs every process of the run
+(its children and whatever carries the run's id) at once when one rank dies: a TP peer of a dead rank spins in vLLM's
+shared-memory all-reduce, where no Python signal handler runs. Ranks also die with their parent (the torchrun agent),
+and every process a rank forks dies with the rank (and is not a member of the run: it drops the inherited locks).
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ EXIT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-_process = {"lease": None, "rank_file": None, "forks_die": False}  # this process's membership; not a cache
+_process = {"lease": None, "rank_file": None, "forks_die": False, "fork_hook": False}  # this process's membership
 
 
 # --- kernel-level parent death -----------------------------------------------------------------------------------
@@ -76,17 +76,31 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
-def _pdeathsig_in_forked_child() -> None:
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _after_fork_in_child() -> None:
+    """A forked child (a checkpoint writer, a multiprocessing manager) is not a member of the run (record locks are
+    not inherited): it forgets the parent's membership; with ``forks_die`` it dies with the thread that forked it."""
+    lease, rank_file = _process["lease"], _process["rank_file"]
+    _process["lease"] = _process["rank_file"] = None
+    if lease is not None:
+        lease.forget()
+    if rank_file is not None:
+        os.close(rank_file[0])
+    if _process["forks_die"]:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def forks_die_with_this_process() -> None:
     """Every process this one forks from now on (megatron's checkpoint writers, multiprocessing helpers) gets SIGKILL
     when the forking thread ends. (``subprocess`` children are exec'ed without fork hooks: start them with
     ``preexec_fn=child_dies_with_parent(...)``.)"""
-    if not _process["forks_die"]:
-        os.register_at_fork(after_in_child=_pdeathsig_in_forked_child)
-        _process["forks_die"] = True
+    _register_fork_hook()
+    _process["forks_die"] = True
+
+
+def _register_fork_hook() -> None:
+    if not _process["fork_hook"]:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _process["fork_hook"] = True
 
 
 def child_dies_with_parent():
@@ -144,11 +158,11 @@ def _listdir() -> list[str]:
 
 
 def _open_locked(path: str, how: int) -> int:
-    """A descriptor of ``path`` (created if missing) holding ``flock(how)``; retried when a cleaner removed the file
+    """A descriptor of ``path`` (created if missing) holding ``lockf(how)``; retried when a cleaner removed the file
     between our open and our lock."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, how)
+        fcntl.lockf(fd, how)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
@@ -173,7 +187,7 @@ def remove_if_gone(run: str) -> list[str]:
     lock: nothing of a run is created before its lock); the removed names, [] for a live run."""
     path = _lock_path(run)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR)  # an exclusive record lock needs a writable descriptor
     except FileNotFoundError:
         fd = None
     except PermissionError:
@@ -181,8 +195,8 @@ def remove_if_gone(run: str) -> list[str]:
     try:
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # EAGAIN/EACCES: a member holds it
                 return []
         lock = os.path.basename(path)
         removed = [n for n in run_entries(run) if n != lock]
@@ -213,13 +227,22 @@ class RunLease:
         self.run = run
         self._fd: int | None = _open_locked(_lock_path(run), fcntl.LOCK_SH)
 
-    def release(self) -> list[str]:
-        """Leave the run; remove its entries if no other process of it is alive. The removed names."""
-        if self._fd is None:
-            return []
-        os.close(self._fd)
-        self._fd = None
-        return remove_if_gone(self.run)
+    def release(self, wait_s: float = 0.0) -> list[str]:
+        """Leave the run; remove its entries once no other process of it is alive, waiting up to ``wait_s`` for the
+        last ones to go (a killed rank's exit is not instant). The removed names."""
+        self.forget()
+        deadline = time.time() + wait_s
+        removed = remove_if_gone(self.run)
+        while not removed and run_entries(self.run) and time.time() < deadline:
+            time.sleep(0.05)
+            removed = remove_if_gone(self.run)
+        return removed
+
+    def forget(self) -> None:
+        """Close this process's descriptor without cleaning up (a forked child that inherited it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def join_run() -> RunLease:
@@ -227,6 +250,7 @@ def join_run() -> RunLease:
     if _process["lease"] is None:
         run = run_id()
         sweep(keep=run)
+        _register_fork_hook()
         _process["lease"] = RunLease(run)
         atexit.register(leave_run)
     return _process["lease"]
@@ -276,13 +300,13 @@ def dead_ranks(run: str) -> list[tuple[int, str]]:
         if not m:
             continue
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         except FileNotFoundError:
             continue  # finished meanwhile
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             dead.append((int(m.group(1)), os.read(fd, 32).decode() or "?"))
-        except BlockingIOError:
+        except OSError:  # the rank holds it: alive
             pass
         finally:
             os.close(fd)
@@ -293,25 +317,21 @@ def dead_ranks(run: str) -> list[tuple[int, str]]:
 class Supervisor:
     """One node's share of a run, from the parent's side: a context manager around starting and watching the ranks.
 
-    On entry: removes what runs that are gone left behind and starts a run (new id, its lease); with ``subreaper``
-    (a process that exists only to run this: the launchers) orphaned descendants are re-parented here. ``env()`` is
-    what every child needs; ``popen`` starts a child that dies with this process; ``watch`` polls until ``done()``
-    and SIGKILLs every process of the run at once when a rank died. On exit: kills what is left of the run (a helper
-    that outlived its rank) and removes the run's shared-memory entries."""
+    On entry: removes what runs that are gone left behind and starts a run (new id, its lease). ``env()`` is what
+    every child needs; ``popen`` starts a child that dies with this process; ``watch`` polls until ``done()`` and
+    SIGKILLs every process of the run at once when a rank died. On exit: kills what is left of the run (a helper that
+    outlived its rank) and removes the run's shared-memory entries."""
 
-    def __init__(self, *, subreaper: bool = True, say=None):
+    def __init__(self, *, say=None):
         self.run = new_run_id()
-        self.subreaper = subreaper
         self.say = say or _say
         self.lease: RunLease | None = None
         self.owned: set[int] = set()
-        """Children whose exit status a ``Popen``/``multiprocessing`` object collects (never reaped here)."""
+        """The children this process started (the torchrun agent, or the ranks themselves)."""
         self.failure: str | None = None
         """The one-line account of a rank's death, once one died."""
 
     def __enter__(self) -> Supervisor:
-        if self.subreaper:
-            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         removed = sweep()
         if removed:
             self.say(f"[megarl] removed {len(removed)} shared-memory file(s) left in {SHM_DIR} by runs that are gone")
@@ -332,13 +352,12 @@ class Supervisor:
         return proc
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process of this run on this host: the children it started, those carrying the run's id in
-        their environment, and (a subreaper) every descendant."""
-        me = os.getpid()
-        procs = {p.pid: p for p in _descendants()} if self.subreaper else {}
+        """Every live process of this run on this host: the children it started and every process that carries
+        the run's id in its environment (ranks, their helpers and children, wherever they were re-parented)."""
+        me, procs = os.getpid(), {}
         for pid in self.owned:
             try:
-                procs.setdefault(pid, psutil.Process(pid))
+                procs[pid] = psutil.Process(pid)
             except psutil.NoSuchProcess:
                 pass
         for p in psutil.process_iter():
@@ -374,44 +393,21 @@ class Supervisor:
                         f"once (pids {', '.join(map(str, killed)) or 'none'})"
                     )
                     self.say(f"[megarl] {self.failure}")
-            self.reap()
             time.sleep(poll_s)
-
-    def reap(self) -> None:
-        """Collect the exit status of orphaned descendants that ended (a subreaper inherits them)."""
-        for p in psutil.Process().children():
-            try:
-                if p.pid not in self.owned and p.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(p.pid, os.WNOHANG)
-            except (psutil.Error, ChildProcessError):
-                pass
 
     def __exit__(self, *exc) -> bool:
         grace = time.time() + (EXIT_GRACE_S if exc[0] is None and self.failure is None else 0)
         while self.processes() and time.time() < grace:  # e.g. a rank's resource tracker, ending on its own
-            self.reap()
             time.sleep(0.05)
         left = self.kill_all()
         if left and exc[0] is None and self.failure is None:
             self.say(f"[megarl] killed {len(left)} process(es) of this run that outlived it (pids {left})")
-        deadline = time.time() + 10
-        while self.processes() and time.time() < deadline:
-            self.reap()
-            time.sleep(0.05)
-        self.reap()
-        self.lease.release()
+        self.lease.release(wait_s=10)  # a killed process's locks go when the kernel has reaped it
         return False
 
 
 def _say(line: str) -> None:
     print(line, flush=True)
-
-
-def _descendants() -> list[psutil.Process]:
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 def _running(p: psutil.Process) -> bool:

@@ -12,12 +12,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
 import torch
 
 from megarl.launch import lifetime
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # stdout is the tools' answer (verify prints PASS/FAIL first)
 
 
 def _free_port() -> int:
@@ -67,7 +72,7 @@ def run_on_ranks(fn, world: int, *args):
         lifetime.join_run()
         return fn(*args)
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp, lifetime.Supervisor(subreaper=False) as run:
+    with tempfile.TemporaryDirectory() as tmp, lifetime.Supervisor(say=_note) as run:
         path = os.path.join(tmp, "result.pt")
         port = _free_port()
         procs = [
