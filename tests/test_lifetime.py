@@ -115,6 +115,36 @@ def test_children_and_forked_helpers_die_with_their_parent():
     assert _wait_gone([child, helper], timeout_s=5) == []
 
 
+def test_vllm_shared_memory_names_carry_the_run():
+    """compat.vllm_shm: without it, vLLM's CPU communicator names its segments from the init method ("//" for env://)
+    and the group's ranks only, the same for every run on a host (errno 17 for the next run after a kill); with it,
+    the communicator's and the anonymous message-queue segments start with the run's prefix."""
+    code = """
+        import os
+        from multiprocessing import shared_memory
+        from types import SimpleNamespace
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+        from megarl.compat import vllm_shm
+        os.environ["VLLM_DIST_IDENT"] = "//"  # what cpu_worker.py sets under the external launcher
+        group = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+        before = _CPUSHMDistributed.make_group_name(group)
+        vllm_shm.install("megarl-0123456789ab")
+        vllm_shm.install("megarl-0123456789ab")  # idempotent
+        after = _CPUSHMDistributed.make_group_name(group)
+        shm = shared_memory.SharedMemory(create=True, size=64)
+        named = shared_memory.SharedMemory(name="given-by-caller", create=True, size=64)
+        print(before, after, shm.name, os.path.exists("/dev/shm/" + shm.name), named.name)
+        for s in (shm, named):
+            s.close(); s.unlink()
+    """
+    out = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after, psm, exists, named = out.stdout.split()
+    assert before == "//-tp:0-[0-1]-cpushm"
+    assert after == "megarl-0123456789ab-tp:0-[0-1]-cpushm"
+    assert psm.startswith("megarl-0123456789ab-psm_") and exists == "True" and named == "given-by-caller"
+
+
 AGENT = """
 import signal, subprocess, sys, time
 rank = '''
