@@ -206,8 +206,9 @@ lifetime.finish_rank()
     agent = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {rank!r}]))"
 
     def signal_when_ready(signum, frame):
-        for child in psutil.Process().children():
-            child.send_signal(signal.SIGUSR1)  # the agent: it starts with SIGUSR1 ignored
+        for child in psutil.Process().children():  # the agent only (it starts with SIGUSR1 ignored), not pytest's
+            if agent in child.cmdline():  # own helpers
+                child.send_signal(signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR1)  # the supervisor forwards it to the rank
 
     said = []
