@@ -59,6 +59,14 @@ def test_sweep_removes_what_a_dead_run_left_and_never_a_live_runs():
     assert lifetime.run_entries(run) == []
 
 
+def test_a_sweep_never_removes_a_run_this_process_holds():
+    """Record locks never conflict within one process: a supervisor that sweeps must skip its own runs."""
+    with lifetime.Supervisor(say=lambda line: None) as outer:
+        assert outer.run not in {n[len("megarl-") :][:12] for n in lifetime.sweep()}
+        assert f"megarl-{outer.run}.lock" in lifetime.run_entries(outer.run)
+    assert lifetime.run_entries(outer.run) == []
+
+
 def test_the_last_member_out_removes_the_runs_entries_even_with_a_forked_helper_alive():
     """A forked helper (megatron's checkpoint writers, a multiprocessing manager) is not a member: the member's exit
     cleans up at once, while the helper still runs."""

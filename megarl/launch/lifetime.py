@@ -55,7 +55,8 @@ EXIT_GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _PR_SET_PDEATHSIG = 1
-_process = {"lease": None, "rank_file": None, "forks_die": False, "fork_hook": False}  # this process's membership
+_process = {"lease": None, "rank_file": None, "forks_die": False, "fork_hook": False, "held": set()}
+"""This process's membership: its lease, rank file, fork settings and the runs whose lock it holds; not a cache."""
 
 
 # --- kernel-level parent death -----------------------------------------------------------------------------------
@@ -81,6 +82,7 @@ def _after_fork_in_child() -> None:
     not inherited): it forgets the parent's membership; with ``forks_die`` it dies with the thread that forked it."""
     lease, rank_file = _process["lease"], _process["rank_file"]
     _process["lease"] = _process["rank_file"] = None
+    _process["held"] = set()
     if lease is not None:
         lease.forget()
     if rank_file is not None:
@@ -215,7 +217,8 @@ def sweep(keep: str | None = None) -> list[str]:
     """Remove what runs that are gone left in ``SHM_DIR`` (a killed run's segments); never a live run's, nor
     ``keep``'s. The removed names."""
     runs = {m.group(1) for m in map(_ID.match, _listdir()) if m}
-    return [name for run in sorted(runs - {keep}) for name in remove_if_gone(run)]
+    # a record lock never conflicts with its own process: a run this process holds must be skipped, not tested
+    return [name for run in sorted(runs - {keep} - _process["held"]) for name in remove_if_gone(run)]
 
 
 # --- membership of a run -------------------------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class RunLease:
     def __init__(self, run: str):
         self.run = run
         self._fd: int | None = _open_locked(_lock_path(run), fcntl.LOCK_SH)
+        _process["held"].add(run)
 
     def release(self, wait_s: float = 0.0) -> list[str]:
         """Leave the run; remove its entries once no other process of it is alive, waiting up to ``wait_s`` for the
@@ -243,6 +247,7 @@ class RunLease:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            _process["held"].discard(self.run)
 
 
 def join_run() -> RunLease:
