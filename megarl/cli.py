@@ -62,18 +62,31 @@ def _cmd_train(args) -> int:
     from megarl.launch import lifetime
 
     lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
-    run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+    from megarl.rewards import RewardFailure
+
+    try:
+        run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+    except RewardFailure as e:
+        print(f"megarl: {e}", file=sys.stderr, flush=True)
+        return 1
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
 
 
 def _rank(train, *args) -> int:
-    """One torchrun rank's run: 0 after a clean end (also a stop after a save), 1 with one line when a collective
-    timed out (a peer died or hangs); any other error propagates (its traceback is the report)."""
+    """One torchrun rank's run: 0 after a clean end (also a stop after a save); 1 with one line when a collective
+    timed out (a peer died or hangs), or with rank 0's account of a broken reward function (every rank stops on the
+    same gathered scores); any other error propagates (its traceback is the report)."""
     from megarl.launch import lifetime
     from megarl.parallel.init import describe_collective_timeout
+    from megarl.rewards import RewardFailure
 
     try:
         train(*args)
+    except RewardFailure as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megarl: {e}", file=sys.stderr, flush=True)
+        lifetime.finish_rank()  # an agreed stop, not a death: the other ranks are not killed
+        return 1
     except RuntimeError as e:
         line = describe_collective_timeout(e)
         if line is None:

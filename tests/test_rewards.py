@@ -229,14 +229,16 @@ def _score(fn, responses):
 def test_a_raising_sample_scores_zero_and_the_others_keep_their_scores():
     result = _score(_raises_on_boom, ["a", "boom", "abc", "boom"])
     assert result.scores == [1.0, 0.0, 3.0, 0.0] and result.errors == 2
-    assert result.first_error.startswith("Traceback (most recent call last)")
+    assert result.failed == ["", "error", "", "error"]
+    assert result.first_error.startswith("the sample of prompt 'p' raised:\nTraceback (most recent call last)")
     assert "RuntimeError: exploded on purpose" in result.first_error and "_raises_on_boom" in result.first_error
     assert _score(_raises_on_boom, ["a", "boom", "abc", "boom"]) == result  # deterministic
 
 
 def test_a_clean_batch_has_no_errors():
     result = _score(_raises_on_boom, ["ab", "c"])
-    assert result == ScoreResult(scores=[2.0, 1.0], extra={}, errors=0, first_error=None)
+    assert result == ScoreResult(scores=[2.0, 1.0], failed=["", ""], extra={}, first_error=None)
+    assert result.errors == result.timeouts == 0
     assert _score(_raises_on_boom, []) == ScoreResult(scores=[])
 
 
@@ -255,7 +257,9 @@ def test_non_finite_and_non_numeric_values_are_errors():
 
     result = _score(fn, list("abcde"))
     assert result.scores == [0.0, 0.0, 0.0, 0.0, 0.75] and result.errors == 4
-    assert result.first_error == "sample 0: a reward must be a finite number or a dict with a finite 'score', got nan"
+    assert result.first_error == (
+        "the sample of prompt 'p' returned nan; a reward must be a finite number or a dict with a finite 'score'"
+    )
 
 
 def test_numpy_and_bool_scores_are_numbers():
@@ -274,6 +278,17 @@ def test_wrong_length_results_are_retried_per_sample():
     assert "returned 0 values for 1 samples" in result.first_error
     empty = _score(lambda p, r, g, e: [], ["a", "b"])
     assert empty.scores == [0.0, 0.0] and empty.errors == 2
+
+
+def test_sys_exit_in_an_in_process_reward_is_that_sample_s_error():
+    def exits_on_b(p, r, g, e):
+        if "b" in r:
+            raise SystemExit(0)
+        return [1.0] * len(r)
+
+    result = _score(exits_on_b, ["a", "b", "c"])
+    assert result.scores == [1.0, 0.0, 1.0] and result.failed == ["", "error", ""]
+    assert result.first_error.endswith("SystemExit: 0")
 
 
 def test_mismatched_inputs_are_a_caller_bug():

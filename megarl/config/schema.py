@@ -6,6 +6,7 @@ Field-local checks live in ``__post_init__``; checks that combine fields or need
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megarl.models.builder import DTYPES
@@ -200,6 +201,9 @@ class CriticConfig:
 MIN_COLLECTIVE_TIMEOUT_S = 300
 """Floor of ``trainer.collective_timeout_s``: ranks start vLLM (import and engine build, minutes on a loaded host,
 more with CUDA graphs) between two collectives, and do not finish it at the same moment."""
+REWARD_WAIT_MARGIN_S = 60
+"""``trainer.collective_timeout_s`` exceeds ``reward.timeout_s`` by at least this much, and a rank's scoring of one
+batch ends this much before the collective timeout (ranks that scored wait for it in a collective)."""
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 ROLLOUT_IS_MODES = ("off", "token_truncate", "seq_mask")
 
@@ -324,10 +328,32 @@ class RewardConfig:
     """The reward function."""
 
     function: str = ""
-    """A built-in name (toy_digits, gsm8k, gsm8k_flexible, math) or 'path/to/file.py:fn' / 'package.module:fn'."""
+    """A built-in name (toy_digits, gsm8k, gsm8k_flexible, math) or 'path/to/file.py:fn' / 'package.module:fn'. The
+    built-ins run in the trainer's process; a user's function runs in worker processes (see num_workers)."""
+    num_workers: int | None = None
+    """Worker processes per rank that call a user's reward function, so that it can hang, crash or exit without
+    harming the run. null: the rank's share of the node's cores (1 to 8). 0: call it in the trainer's process instead
+    (for a debugger: no timeout, no isolation). Unused by the built-ins."""
+    timeout_s: float = 120.0
+    """Seconds one call of a user's reward function may take (a worker's share of the rank's samples, or one sample
+    when re-scored). A call past it has its worker killed and replaced; its samples are re-scored one by one under the
+    same bound, and a sample that still times out scores 0 (counted in reward/errors and reward/timeouts)."""
+    stop_on_error_fraction: float | None = 1.0
+    """Stop the run (non-zero exit, the first failure printed) when at least this fraction of a step's samples failed
+    to score (raised, timed out, returned a bad value); null: never stop, train on the others."""
 
     def __post_init__(self):
         _require(bool(self.function), "function", "is required (a built-in name or path/to/file.py:fn)")
+        _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
+        _require(
+            math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}"
+        )
+        fraction = self.stop_on_error_fraction
+        _require(
+            fraction is None or 0 < fraction <= 1,
+            "stop_on_error_fraction",
+            f"must be in (0, 1] or null (never stop), got {fraction}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -372,6 +398,9 @@ class TrainerConfig:
     """Where metrics.jsonl, the W&B run, reward_curve.png and the resolved config go."""
     val_every: int = 0
     """Run a validation pass every N steps (and after the last); 0: never."""
+    save_samples: bool = False
+    """Write every step's samples to output_dir/samples/step_<N>.jsonl: prompt, response, the reward function's
+    score, the reward trained on, and whether scoring failed ('error', 'timeout'; '' when it did not)."""
     save_every: int = 0
     """Save a training checkpoint (everything a continuation needs) every N steps and after the last; 0: only
     when stopped by SIGTERM/SIGUSR1."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import MegarlConfig
+from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 
@@ -42,6 +42,13 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
     errors += _rollout_errors(cfg, spec, layout.world_size)
+    need = cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S
+    if cfg.trainer.collective_timeout_s < need:
+        errors.append(
+            f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= reward.timeout_s + "
+            f"{REWARD_WAIT_MARGIN_S} = {need:g} (the other ranks wait in a collective while a rank scores); raise it "
+            "or lower reward.timeout_s"
+        )
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return spec
@@ -186,11 +193,12 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
 def check_inputs(cfg: MegarlConfig) -> None:
     """The reward function and the data files, checked before any process starts (ConfigError names the fix)."""
     from megarl.data import DataError, check_files
-    from megarl.rewards import RewardLoadError, load_reward_fn
+    from megarl.rewards import RewardFailure, RewardLoadError
+    from megarl.rewards.scorer import check_loads
 
     try:
-        load_reward_fn(cfg.reward.function)
-    except RewardLoadError as e:
+        check_loads(cfg.reward)
+    except (RewardLoadError, RewardFailure) as e:
         raise ConfigError(f"reward.function: {e}") from None
     if not cfg.data.train_files:
         raise ConfigError("data.train_files: no training data; set data.train_files=[path.jsonl] (or builtin:digits)")

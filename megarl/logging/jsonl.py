@@ -1,5 +1,5 @@
-"""metrics.jsonl: one JSON object per step (``{"step": N, ...}``). Non-finite floats are written as null (JSON has
-no NaN)."""
+"""JSON-lines files. metrics.jsonl: one JSON object per step (``{"step": N, ...}``). Non-finite floats are written
+as null (JSON has no NaN)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_metrics(path: str, rows: list[dict]) -> None:
-    """Replace ``path`` with ``rows`` (each with its ``step``) atomically: a resumed run's metrics.jsonl holds the
-    checkpoint's history, and then continues."""
+def write_rows(path: str, rows: list[dict]) -> None:
+    """Replace ``path`` with ``rows`` atomically (a resumed run's metrics.jsonl holds the checkpoint's history, and
+    then continues; a step's samples file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megarl.rewards.score import ScoreResult, score_batch
+from megarl.rewards.score import ScoreResult
 from megarl.rollout.protocol import prompt_slice
 
 
-def score_on_ranks(fn, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]):
-    """Collective over the world: the same ``ScoreResult`` as ``score_batch`` on the whole batch, on every rank.
+def score_on_ranks(rewards, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]):
+    """Collective over the world: the ``ScoreResult`` of the whole batch on every rank, each rank scoring its share
+    with ``rewards`` (an ``InProcess`` or a ``RewardPool``: ``megarl.rewards.scorer``).
 
     Deterministic: a sample's score depends only on the sample (never on which rank scored it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = prompt_slice(len(prompts), rank, world)
-    part = score_batch(
-        fn,
+    part = rewards.score(
         [prompts[i] for i in mine],
         [responses[i] for i in mine],
         [ground_truths[i] for i in mine],
@@ -27,7 +27,7 @@ def score_on_ranks(fn, prompts: list[str], responses: list[str], ground_truths: 
     keys = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
     return ScoreResult(
         scores=[s for p in parts for s in p.scores],
+        failed=[f for p in parts for f in p.failed],
         extra={k: [v for p in parts for v in p.extra[k]] for k in sorted(keys)},
-        errors=sum(p.errors for p in parts),
         first_error=next((p.first_error for p in parts if p.first_error), None),
     )

@@ -1,11 +1,36 @@
-"""Calling a reward function safely: a sample whose scoring raises (or returns something that is not a finite
-number) scores 0 and is counted; the run goes on. Nothing here prints: the caller reports ``first_error`` once."""
+"""Scoring a batch with a reward function. Each sample's outcome is a finite score (plus extra numeric fields) or a
+``Failure``; a failed sample scores 0 and is counted, and the run goes on.
+
+``score_batch`` calls the function in this process (the built-in rule rewards). ``megarl.rewards.pool`` calls a
+user's function in worker processes and builds the same ``ScoreResult`` from the same outcomes (``outcome``,
+``call``, ``assemble``). Nothing here prints: the caller reports ``first_error`` once."""
 
 from __future__ import annotations
 
 import math
 import traceback
 from dataclasses import dataclass, field
+
+ERROR, TIMEOUT = "error", "timeout"
+"""Kinds of failure: the call raised, returned a bad value or killed its worker; or it ran out of time."""
+
+
+class RewardFailure(RuntimeError):
+    """The reward cannot go on (its workers cannot start, or too many samples failed); the message says why."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one sample scored 0."""
+
+    kind: str
+    """ERROR or TIMEOUT."""
+    message: str
+    """What happened, completing 'the sample of prompt ... ': 'raised:\\n<traceback>', 'timed out after 2 s ...'."""
+
+
+Outcome = tuple[float, dict[str, float]] | Failure
+"""One sample's (score, extra numeric fields), or why it failed."""
 
 
 @dataclass
@@ -14,14 +39,24 @@ class ScoreResult:
 
     scores: list[float]
     """One finite score per sample; 0.0 where scoring failed."""
+    failed: list[str] = field(default_factory=list)
+    """Per sample: '' (scored), ERROR or TIMEOUT."""
     extra: dict[str, list[float]] = field(default_factory=dict)
     """Extra numeric fields of dict results (logged as reward/<field> means), kept only when every sample of the
     batch has a finite value for them (a field missing on one sample, or any failed sample, drops it), so a mean is
     always over the whole batch."""
-    errors: int = 0
-    """Samples that scored 0.0 because scoring failed."""
     first_error: str | None = None
-    """The first traceback (or the first bad value), for the caller to print once."""
+    """The first failure (in sample order), with its prompt, for the caller to print once."""
+
+    @property
+    def errors(self) -> int:
+        """Samples that scored 0.0 because scoring failed (timeouts included)."""
+        return sum(bool(kind) for kind in self.failed)
+
+    @property
+    def timeouts(self) -> int:
+        """Samples that scored 0.0 because scoring them ran out of time."""
+        return self.failed.count(TIMEOUT)
 
 
 def _as_float(value) -> float | None:
@@ -35,8 +70,8 @@ def _as_float(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _as_score(value) -> tuple[float, dict[str, float]]:
-    """(score, extra fields) of one result; ValueError if it is not a finite number or a dict with one."""
+def outcome(value) -> Outcome:
+    """A returned value as (score, extra fields), or a Failure if it is not a finite number or a dict with one."""
     extra = {}
     if isinstance(value, dict):
         for key, v in value.items():
@@ -46,51 +81,67 @@ def _as_score(value) -> tuple[float, dict[str, float]]:
         value = value.get("score")
     score = _as_float(value)
     if score is None:
-        raise ValueError(f"a reward must be a finite number or a dict with a finite 'score', got {value!r:.200}")
+        message = f"returned {value!r:.200}; a reward must be a finite number or a dict with a finite 'score'"
+        return Failure(ERROR, message)
     return score, extra
 
 
-def _call(fn, prompts, responses, ground_truths, extras) -> list:
+def call(fn, prompts, responses, ground_truths, extras) -> list:
+    """``fn``'s values for the batch; ValueError unless there is exactly one per sample."""
     out = list(fn(prompts, responses, ground_truths, extras))
     if len(out) != len(prompts):
         raise ValueError(f"the reward function returned {len(out)} values for {len(prompts)} samples")
     return out
 
 
-def _call_one(fn, i, prompts, responses, ground_truths, extras) -> tuple[object, str | None]:
-    """(value, None) or (None, traceback) for sample ``i`` scored alone (a batch of one)."""
-    one = slice(i, i + 1)
-    try:
-        return _call(fn, prompts[one], responses[one], ground_truths[one], extras[one])[0], None
-    except Exception:
-        return None, traceback.format_exc()
+def raised() -> Failure:
+    """The exception being handled, as a sample's failure."""
+    return Failure(ERROR, "raised:\n" + traceback.format_exc().rstrip())
 
 
-def score_batch(fn, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
-    """Score the batch in one call. If that call raises or returns the wrong number of values, score each sample
-    alone, so only the samples whose own call fails get 0 (and are counted). A value that is not a finite number (or
-    a dict with a finite 'score') is an error too. Deterministic if ``fn`` is."""
+def check_inputs(prompts, responses, ground_truths, extras) -> None:
     n = len(prompts)
     if not len(responses) == len(ground_truths) == len(extras) == n:
         raise ValueError(
-            f"score_batch needs one of each per sample: {n} prompts, {len(responses)} responses, "
+            f"scoring needs one of each per sample: {n} prompts, {len(responses)} responses, "
             f"{len(ground_truths)} ground truths, {len(extras)} extras"
         )
-    try:
-        outcomes = [(v, None) for v in _call(fn, prompts, responses, ground_truths, extras)] if n else []
-    except Exception:
-        outcomes = [_call_one(fn, i, prompts, responses, ground_truths, extras) for i in range(n)]
-    result = ScoreResult(scores=[0.0] * n)
-    extra_rows: list[dict[str, float]] = [{} for _ in range(n)]
-    for i, (value, error) in enumerate(outcomes):
-        if error is None:
-            try:
-                result.scores[i], extra_rows[i] = _as_score(value)
-            except ValueError as e:
-                error = f"sample {i}: {e}"
-        if error is not None:
-            result.errors += 1
-            result.first_error = result.first_error or error
+
+
+def assemble(outcomes: list[Outcome], prompts: list[str]) -> ScoreResult:
+    """The ScoreResult of per-sample outcomes."""
+    result = ScoreResult(scores=[0.0] * len(outcomes), failed=[""] * len(outcomes))
+    extra_rows: list[dict[str, float]] = [{} for _ in outcomes]
+    for i, got in enumerate(outcomes):
+        if isinstance(got, Failure):
+            result.failed[i] = got.kind
+            if result.first_error is None:
+                result.first_error = f"the sample of prompt {prompts[i][:200]!r} {got.message}"
+        else:
+            result.scores[i], extra_rows[i] = got
     keys = set.intersection(*(set(r) for r in extra_rows)) if extra_rows else set()
     result.extra = {k: [r[k] for r in extra_rows] for k in sorted(keys)}
     return result
+
+
+def _one(fn, i, prompts, responses, ground_truths, extras) -> Outcome:
+    """Sample ``i`` scored alone (a batch of one)."""
+    one = slice(i, i + 1)
+    try:
+        return outcome(call(fn, prompts[one], responses[one], ground_truths[one], extras[one])[0])
+    except (Exception, SystemExit):
+        return raised()
+
+
+def score_batch(fn, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
+    """Score the batch in this process, in one call. If that call raises (``sys.exit`` included) or returns the wrong
+    number of values, score each sample alone, so only the samples whose own call fails get 0 (and are counted). A
+    value that is not a finite number (or a dict with a finite 'score') fails too. Deterministic if ``fn`` is.
+    No timeout and no isolation: a hang or a crash in ``fn`` is the trainer's (``RewardPool`` has both)."""
+    check_inputs(prompts, responses, ground_truths, extras)
+    args = (prompts, responses, ground_truths, extras)
+    try:
+        outcomes = [outcome(v) for v in call(fn, *args)] if prompts else []
+    except (Exception, SystemExit):
+        outcomes = [_one(fn, i, *args) for i in range(len(prompts))]
+    return assemble(outcomes, prompts)

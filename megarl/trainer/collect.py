@@ -23,8 +23,15 @@ class Collected:
     """The reward function's score per sample."""
     rewards: list[float] = field(default_factory=list)
     """The sequence reward trained on: score plus shaping (overlong penalty)."""
+    failed: list[str] = field(default_factory=list)
+    """Per sample: '' (scored), 'error' or 'timeout' (``ScoreResult.failed``)."""
     extra: dict[str, list[float]] = field(default_factory=dict)
+    scored: int = 0
+    """Samples scored in the step (every round of dynamic sampling)."""
     errors: int = 0
+    """Of those, the samples whose scoring failed (they score 0)."""
+    timeouts: int = 0
+    """Of the failed samples, those that ran out of time."""
     first_error: str | None = None
     rounds: int = 0
     generated_tokens: int = 0
@@ -35,10 +42,10 @@ class Collected:
     """Dynamic sampling: set-aside groups used to fill the batch after max_gen_batches rounds."""
 
 
-def _score(cfg: MegarlConfig, reward_fn, tokenizer, prompts: dict[int, Prompt], samples: list[Sample]):
+def _score(cfg: MegarlConfig, rewards, tokenizer, prompts: dict[int, Prompt], samples: list[Sample]):
     responses = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     result = score_on_ranks(
-        reward_fn,
+        rewards,
         [prompts[s.prompt_index].prompt_text for s in samples],
         responses,
         [prompts[s.prompt_index].ground_truth for s in samples],
@@ -46,12 +53,12 @@ def _score(cfg: MegarlConfig, reward_fn, tokenizer, prompts: dict[int, Prompt], 
     )
     over = cfg.algorithm.overlong
     max_new = cfg.rollout.sampling.max_new_tokens
-    rewards = [
+    shaped = [
         score
         + (overlong_penalty(len(s.token_ids), max_new, over.buffer_len, over.penalty_factor) if over.enable else 0)
         for score, s in zip(result.scores, samples)
     ]
-    return result, rewards
+    return result, shaped
 
 
 @dataclass
@@ -63,10 +70,11 @@ class _Group:
     samples: list[Sample]
     scores: list[float]
     rewards: list[float]
+    failed: list[str]
     extra: dict[str, list[float]]
 
 
-def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: int, timer) -> Collected:
+def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer) -> Collected:
     """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups.
 
     With dynamic sampling, groups whose rewards are all equal (no learning signal under group baselines) are set
@@ -94,8 +102,10 @@ def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: i
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
         with timer("reward"):
-            result, rewards = _score(cfg, reward_fn, tokenizer, by_index, samples)
+            result, shaped = _score(cfg, rewards, tokenizer, by_index, samples)
+        out.scored += len(samples)
         out.errors += result.errors
+        out.timeouts += result.timeouts
         out.first_error = out.first_error or result.first_error
         for idx, prompt in by_index.items():
             rows = [i for i, s in enumerate(samples) if s.prompt_index == idx]
@@ -104,7 +114,8 @@ def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: i
                 prompt,
                 [samples[i] for i in rows],
                 [result.scores[i] for i in rows],
-                [rewards[i] for i in rows],
+                [shaped[i] for i in rows],
+                [result.failed[i] for i in rows],
                 {k: [v[i] for i in rows] for k, v in result.extra.items()},
             )
             informative = not dynamic.enable or len(set(group.rewards)) > 1
@@ -118,6 +129,7 @@ def collect(cfg: MegarlConfig, engine, sampler, reward_fn, tokenizer, *, step: i
         out.samples += g.samples
         out.scores += g.scores
         out.rewards += g.rewards
+        out.failed += g.failed
         for k, v in g.extra.items():
             out.extra.setdefault(k, []).extend(v)
     return out

@@ -20,17 +20,17 @@ from megarl.algos import kl_controller
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.training import checkpoints_root, load_training, read_trainer_state, set_rng_states
 from megarl.config.loader import to_yaml
-from megarl.config.schema import MegarlConfig
+from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
-from megarl.logging.jsonl import write_metrics
+from megarl.logging.jsonl import write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
 from megarl.reshard.layout import megatron_layout
 from megarl.reshard.sync import actor_tensors
-from megarl.rewards import load_reward_fn
+from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
 from megarl.trainer.models import RLModels, build_rl_models
 from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, clear_previous_run, plan_start
@@ -53,7 +53,8 @@ class Job:
     tokenizer: object
     sampler: PromptSampler
     val_prompts: list[Prompt]
-    reward_fn: object
+    rewards: object
+    """The reward, ready to score (``megarl.rewards.scorer``: in this process, or a pool of worker processes)."""
     models: RLModels
     engine: object
     tracker: Tracker
@@ -63,7 +64,7 @@ class Job:
     offloader: Offloader
     """Moves training state to host memory while the engine generates (``offload.*``)."""
     said_reward_error: bool = False
-    """The first reward-function traceback is printed once per run."""
+    """The first reward failure is printed once per run."""
     stopped_by: str | None = None
     """The signal that stopped the run early (after a save), if one did."""
 
@@ -172,14 +173,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
                 "(another reduction order)"
             )
         if rank == 0:
-            write_metrics(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
+            write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     train, val = _datasets(cfg, tokenizer)
     sampler = PromptSampler(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     sampler.load_state_dict(state.data)
     val_prompts = [] if val is None else [val[i] for i in range(cfg.data.val_batch_size or len(val))]
-    reward_fn = load_reward_fn(cfg.reward.function)
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
     if state.kl_ctrl:
@@ -191,6 +191,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 
+    rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
     tracker = Tracker(
         cfg.logging,
         out_dir,
@@ -212,7 +213,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         tokenizer=tokenizer,
         sampler=sampler,
         val_prompts=val_prompts,
-        reward_fn=reward_fn,
+        rewards=rewards,
         models=models,
         engine=engine,
         tracker=tracker,
@@ -230,6 +231,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             else ""
         )
         + (f", {len(val_prompts)} validation prompts" if val_prompts else "")
+        + f"; reward: {rewards.describe()}"
     )
     for note in notes:
         job.say(note)

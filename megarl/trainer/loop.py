@@ -12,8 +12,10 @@ import torch
 
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import checkpoints_root, save_training
+from megarl.logging.jsonl import write_rows
 from megarl.reshard.sync import actor_tensors
 from megarl.rewards.parallel import score_on_ranks
+from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
 from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
@@ -22,7 +24,7 @@ from megarl.trainer.job import Job, build_job, describe_checkpoint_root
 from megarl.trainer.metrics import step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import RLModels
 from megarl.trainer.preemption import StopRequests
-from megarl.trainer.resume import STOPPED_FILE
+from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE
 from megarl.trainer.state import TrainerState
 from megarl.trainer.timer import PhaseTimer
 from megarl.training.batch import Sequence
@@ -39,7 +41,7 @@ def train(cfg, spec, source, engine=None) -> Job:
     job, state = build_job(cfg, spec, source, engine=engine)
     t = cfg.trainer
     job.offloader.offload()  # the engine is awake: generation comes first
-    with job.tracker, StopRequests() as stop:
+    with job.rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
         for step in range(state.step + 1, t.total_steps + 1):
             metrics = rl_step(job, state, step)
             if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
@@ -123,10 +125,14 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     faults.fire("sigterm", step)
     with timer("step"):
         faults.fire("generate", step, after_s=0.05)
-        batch = collect(job.cfg, job.engine, job.sampler, job.reward_fn, job.tokenizer, step=step, timer=timer)
+        batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
+        if job.cfg.trainer.save_samples and job.rank == 0:
+            save_samples(job, batch, step)
+        stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
         if batch.first_error and not job.said_reward_error:
             job.say(
-                f"the reward function raised; those samples score 0 (counted in reward/errors):\n{batch.first_error}"
+                "the reward function failed on some samples; they score 0 (counted in reward/errors, timeouts also "
+                f"in reward/timeouts). The first failure: {batch.first_error}"
             )
             job.said_reward_error = True
         switch_to(job, TRAIN)
@@ -161,6 +167,22 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
     metrics = step_metrics(job, batch, learned, sync=report, timer=timer)
     metrics["train/skipped_steps"] = float(state.skipped_steps)
     return metrics
+
+
+def save_samples(job: Job, batch, step: int) -> None:
+    """``trainer.save_samples``: the step's samples as output_dir/samples/step_<N>.jsonl."""
+    rows = [
+        {
+            "prompt_index": s.prompt_index,
+            "prompt": batch.prompts[s.prompt_index].prompt_text,
+            "response": job.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+            "score": score,
+            "reward": reward,
+            "failed": failed,
+        }
+        for s, score, reward, failed in zip(batch.samples, batch.scores, batch.rewards, batch.failed)
+    ]
+    write_rows(os.path.join(job.cfg.trainer.output_dir, SAMPLES_DIR, f"step_{step:07d}.jsonl"), rows)
 
 
 @dataclass
@@ -305,10 +327,11 @@ def validate(job: Job, step: int) -> dict[str, float]:
     prompts = job.val_prompts
     samples, _ = rollout(job.engine, [p.prompt_ids for p in prompts], step=step, sampling=job.cfg.rollout.val_sampling)
     result = score_on_ranks(
-        job.reward_fn,
+        job.rewards,
         [p.prompt_text for p in prompts],
         [job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
         [p.ground_truth for p in prompts],
         [p.extras for p in prompts],
     )
+    stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
     return validation_metrics(result, samples)

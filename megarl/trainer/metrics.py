@@ -50,6 +50,7 @@ def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
         "reward/mean": statistics.fmean(scores),
         "reward/std": statistics.pstdev(scores),
         "reward/errors": float(batch.errors),
+        "reward/timeouts": float(batch.timeouts),
         "response_length/mean": statistics.fmean(lengths),
         "response_length/max": float(max(lengths)),
         "response_length/clip_ratio": sum(s.finish_reason == "length" for s in batch.samples) / len(lengths),
@@ -103,6 +104,7 @@ def validation_metrics(result, samples) -> dict[str, float]:
     return {
         "val/reward/mean": statistics.fmean(result.scores),
         "val/reward/errors": float(result.errors),
+        "val/reward/timeouts": float(result.timeouts),
         "val/response_length/mean": statistics.fmean(len(s.token_ids) for s in samples),
     }
 

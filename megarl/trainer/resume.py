@@ -21,6 +21,8 @@ from megarl.models.spec import ModelSpec, spec_from_hf_config
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"
 """Written by rank 0 when a signal stopped the run after saving (its content says the step and the signal)."""
+SAMPLES_DIR = "samples"
+"""``trainer.save_samples``: one ``step_<N>.jsonl`` per step in it."""
 EXIT_PREEMPTED = 75
 """``megarl train``'s exit status after a SIGTERM/SIGUSR1 stop with a saved checkpoint (EX_TEMPFAIL): requeue."""
 
@@ -108,5 +110,5 @@ def clear_previous_run(out: str) -> None:
     for name in (METRICS_FILE, STOPPED_FILE, "reward_curve.png", "config.yaml"):
         if os.path.isfile(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
-    for name in (os.path.basename(checkpoints_root(out)), "wandb"):
+    for name in (os.path.basename(checkpoints_root(out)), "wandb", SAMPLES_DIR):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)

@@ -1,0 +1,240 @@
+"""A user's reward function in worker processes: a hang, a crash, ``sys.exit`` or ``os._exit`` in it costs the
+samples it was scoring, never the run.
+
+Each rank holds a ``RewardPool`` of ``reward.num_workers`` processes (``megarl.rewards.worker``). Each loads the
+function from its spec string, dies with the rank (``PR_SET_PDEATHSIG``), ignores the stop signals and leads its own
+process group, so killing it also kills what it started (a sandbox, a judge client's helpers).
+
+``score`` gives each worker one contiguous chunk of the batch. A chunk whose call raises (``SystemExit`` included),
+returns the wrong number of values, runs past ``reward.timeout_s`` or kills its worker is re-scored sample by sample,
+each call under the same timeout, so only the offending samples fail. A worker that timed out, died or raised
+``SystemExit`` is replaced by a fresh one. One ``score`` call ends within ``budget_s`` (the other ranks wait for it
+in a collective): samples still unscored then fail as timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+import megarl
+from megarl.rewards.registry import RewardLoadError
+from megarl.rewards.score import ERROR, TIMEOUT, Failure, Outcome, RewardFailure, ScoreResult, assemble, check_inputs
+
+START_TIMEOUT_S = 120.0
+"""Seconds a worker may take to start and import the reward's module."""
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers() -> int:
+    """This rank's share of the cores it may run on (the node's ranks share them), 1 to MAX_DEFAULT_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(MAX_DEFAULT_WORKERS, cores // max(1, ranks_here)))
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("MEGARL_CPU_SHIM", None)  # a reward needs none of megatron's CPU patches (nor torch at start-up)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(megarl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _how_it_ended(proc: subprocess.Popen) -> str:
+    code = proc.wait()
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
+
+
+class _Task:
+    """Samples sent in one call; ``deadline`` (monotonic) once sent."""
+
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+        self.deadline = 0.0
+
+
+class _Worker:
+    """One worker process and the socket to it (started from the rank's main thread)."""
+
+    def __init__(self, spec: str):
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "megarl.rewards.worker", spec, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env(), process_group=0,
+            )  # fmt: skip
+        self.conn = Connection(mine.detach())
+        self.ready = False
+        self.task: _Task | None = None
+        self.start_deadline = time.monotonic() + START_TIMEOUT_S
+
+    def kill(self) -> None:
+        """SIGKILL it and its process group (what the reward started), reap it, close the socket."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.conn.close()
+
+
+class RewardPool:
+    """``num_workers`` processes calling the reward function ``spec`` names; a context manager (``close`` kills
+    them). Raises RewardLoadError when the function does not load in a worker."""
+
+    def __init__(self, spec: str, *, num_workers: int, timeout_s: float, budget_s: float | None = None):
+        if num_workers < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got {num_workers}")
+        self.spec, self.timeout_s, self.budget_s = spec, timeout_s, budget_s
+        self.restarts = 0
+        """Workers replaced after a timeout, a death or a SystemExit."""
+        self.workers = [_Worker(spec) for _ in range(num_workers)]
+        try:
+            while not all(w.ready for w in self.workers):
+                self._wait([w for w in self.workers if not w.ready], time.monotonic() + START_TIMEOUT_S, None)
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        return f"{self.spec} in {len(self.workers)} worker process(es) per rank, {self.timeout_s:g} s per call"
+
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
+        """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome never
+        depends on which worker scored it, or on what else failed."""
+        check_inputs(prompts, responses, ground_truths, extras)
+        run = _Run((prompts, responses, ground_truths, extras), len(self.workers))
+        end = time.monotonic() + self.budget_s if self.budget_s else float("inf")
+        while run.queue or any(w.task for w in self.workers):
+            now = time.monotonic()
+            if now >= end:
+                self._give_up(run)
+                break
+            for w in self.workers:
+                if w.ready and w.task is None and run.queue:
+                    self._send(w, run.queue.popleft(), run)
+            busy = [w for w in self.workers if w.task or not w.ready]
+            self._wait(busy, end, run)
+        return assemble(run.outcomes, prompts)
+
+    def _send(self, w: _Worker, task: _Task, run: _Run) -> None:
+        args = run.args
+        try:
+            w.conn.send(tuple([a[i] for i in task.indices] for a in args))
+        except OSError:  # it died while idle (an OOM kill): nothing ran, send it again
+            run.queue.appendleft(task)
+            self._replace(w)
+            return
+        task.deadline = time.monotonic() + self.timeout_s
+        w.task = task
+
+    def _wait(self, workers: list[_Worker], end: float, run: _Run | None) -> None:
+        """Wait until a worker answers, or a deadline (a call's, a start's, ``end``) passes; handle what happened."""
+        wake = min([end] + [w.task.deadline if w.task else w.start_deadline for w in workers])
+        answered = wait([w.conn for w in workers], timeout=max(0.0, wake - time.monotonic()))
+        now = time.monotonic()
+        for w in workers:
+            if w.conn in answered:
+                self._receive(w, run)
+            elif w.task and now >= w.task.deadline:
+                task = w.task
+                self._replace(w)
+                run.failed(task, Failure(TIMEOUT, f"timed out after {self.timeout_s:g} s (reward.timeout_s)"))
+            elif not w.ready and now >= w.start_deadline:
+                raise RewardFailure(
+                    f"a reward worker did not load {self.spec!r} within {START_TIMEOUT_S:g} s; does importing its "
+                    "module hang?"
+                )
+
+    def _receive(self, w: _Worker, run: _Run | None) -> None:
+        try:
+            message = w.conn.recv()
+        except (EOFError, OSError):  # it died: os._exit, a segfault, the OOM killer
+            how = _how_it_ended(w.proc)
+            task = w.task
+            if not w.ready:
+                raise RewardFailure(
+                    f"a reward worker exited ({how}) while loading {self.spec!r}; see its output above"
+                ) from None
+            self._replace(w)
+            if task is not None:
+                run.failed(task, Failure(ERROR, f"killed its reward worker ({how})"))
+            return
+        kind = message[0]
+        if kind == "ready":
+            w.ready = True
+        elif kind == "load_error":
+            w.kill()
+            raise RewardLoadError(message[1])
+        elif kind == "done":
+            task, w.task = w.task, None
+            for i, got in zip(task.indices, message[1]):
+                run.outcomes[i] = got
+        else:  # "raised"
+            task, w.task = w.task, None
+            _, failure, fatal = message
+            if fatal:  # SystemExit / KeyboardInterrupt: a fresh process for what comes next
+                self._replace(w)
+            run.failed(task, failure)
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.workers[self.workers.index(w)] = _Worker(self.spec)
+        self.restarts += 1
+
+    def _give_up(self, run: _Run) -> None:
+        """The budget ran out: every sample not scored yet fails as a timeout; busy workers are replaced."""
+        late = Failure(
+            TIMEOUT,
+            f"was not scored within this rank's {self.budget_s:g} s for the batch (trainer.collective_timeout_s "
+            "minus a margin: the other ranks wait meanwhile); raise both it and reward.timeout_s, or use more "
+            "reward.num_workers",
+        )
+        for w in list(self.workers):
+            if w.task is not None:
+                run.queue.append(w.task)
+                self._replace(w)
+        for task in run.queue:
+            for i in task.indices:
+                run.outcomes[i] = late
+        run.queue.clear()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+class _Run:
+    """One ``score`` call's state: the inputs, the calls still to make, the outcomes so far."""
+
+    def __init__(self, args: tuple, num_workers: int):
+        self.args = args
+        n = len(args[0])
+        self.outcomes: list[Outcome | None] = [None] * n
+        chunks = min(num_workers, n)
+        bounds = [n * k // chunks for k in range(chunks + 1)] if chunks else [0]
+        self.queue = deque(_Task(list(range(a, b))) for a, b in zip(bounds, bounds[1:]))
+
+    def failed(self, task: _Task, failure: Failure) -> None:
+        """A call failed: a chunk is re-scored sample by sample; a single sample keeps the failure."""
+        if len(task.indices) > 1:
+            self.queue.extend(_Task([i]) for i in task.indices)
+        else:
+            self.outcomes[task.indices[0]] = failure

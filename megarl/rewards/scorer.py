@@ -1,0 +1,71 @@
+"""Which path a reward takes, and when its failures stop the run.
+
+The built-in rule rewards (``toy_digits``, ``gsm8k``, ``gsm8k_flexible``, ``math``) are pure and bounded (Math-Verify
+has its own timeouts), so they run in the trainer's process and cost nothing extra. A user's function
+(``path/to/file.py:fn``, ``package.module:fn``) runs in a ``RewardPool`` of worker processes, unless
+``reward.num_workers=0`` puts it in the trainer's process (for a debugger; no timeout, no isolation)."""
+
+from __future__ import annotations
+
+from megarl.config.schema import RewardConfig
+from megarl.rewards.pool import RewardPool, default_num_workers
+from megarl.rewards.registry import BUILTIN_REWARDS, load_reward_fn
+from megarl.rewards.score import RewardFailure, ScoreResult, score_batch
+
+
+class InProcess:
+    """A reward function called in this process; the same interface as ``RewardPool``."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn = load_reward_fn(spec)
+
+    def describe(self) -> str:
+        return f"{self.spec} in the trainer's process"
+
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
+        return score_batch(self.fn, prompts, responses, ground_truths, extras)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> InProcess:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def in_workers(cfg: RewardConfig) -> bool:
+    """Whether ``cfg.function`` runs in worker processes."""
+    return cfg.function not in BUILTIN_REWARDS and cfg.num_workers != 0
+
+
+def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProcess | RewardPool:
+    """The reward ready to score (RewardLoadError if it does not load); close it when done. ``budget_s``: how long
+    one batch may take on this rank (other ranks wait in a collective meanwhile)."""
+    if not in_workers(cfg):
+        return InProcess(cfg.function)
+    workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
+    return RewardPool(cfg.function, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s)
+
+
+def check_loads(cfg: RewardConfig) -> None:
+    """Load the reward the way the run will (a user's function in one worker process: an import that hangs, exits
+    or crashes cannot take this process with it); RewardLoadError or RewardFailure says why it does not."""
+    if in_workers(cfg):
+        RewardPool(cfg.function, num_workers=1, timeout_s=cfg.timeout_s).close()
+    else:
+        load_reward_fn(cfg.function)
+
+
+def stop_if_broken(cfg: RewardConfig, failed: int, total: int, first_error: str | None, where: str) -> None:
+    """RewardFailure (the run stops) when ``failed`` of ``total`` samples reach ``reward.stop_on_error_fraction``."""
+    limit = cfg.stop_on_error_fraction
+    if limit is None or not total or failed / total < limit:
+        return
+    raise RewardFailure(
+        f"the reward function failed on {failed} of {total} samples {where} (reward.stop_on_error_fraction={limit:g}); "
+        f"stopping the run. Fix the reward function (reward.stop_on_error_fraction=null trains on regardless). "
+        f"The first failure: {first_error}"
+    )

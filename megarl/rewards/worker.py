@@ -1,0 +1,55 @@
+"""One reward worker process, started by ``megarl.rewards.pool.RewardPool``:
+
+    python -m megarl.rewards.worker SPEC FD PARENT_PID
+
+It dies with its parent (the rank), ignores the stop signals (the rank decides when the run stops: a SLURM
+preemption signals every process of the job), loads the function ``SPEC`` names, says ``("ready",)`` on the socket
+``FD``, then answers each ``(prompts, responses, ground_truths, extras)`` request with ``("done", outcomes)`` or
+``("raised", failure, fatal)`` until the socket closes. ``fatal``: the call raised something that is not an
+``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the pool replaces this process. The user's prints go to the
+rank's stdout and stderr; the protocol has its own socket."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from megarl.launch.lifetime import STOP_SIGNALS, die_with_parent
+from megarl.rewards.registry import RewardLoadError, load_reward_fn
+from megarl.rewards.score import call, outcome, raised
+
+
+def answer(fn, request: tuple) -> tuple:
+    """The reply to one scoring request."""
+    try:
+        values = call(fn, *request)
+    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are the user's too
+        return ("raised", raised(), not isinstance(e, Exception))
+    return ("done", [outcome(v) for v in values])
+
+
+def main(argv: list[str]) -> int:
+    spec, fd, parent = argv[0], int(argv[1]), int(argv[2])
+    die_with_parent(parent)
+    for s in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(s, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        fn = load_reward_fn(spec)
+    except BaseException as e:  # noqa: BLE001 - an import that calls sys.exit is a load error too
+        message = str(e) if isinstance(e, RewardLoadError) else traceback.format_exc().rstrip()
+        conn.send(("load_error", message))
+        return 1
+    conn.send(("ready",))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the pool closed the socket: done
+            return 0
+        conn.send(answer(fn, request))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
