@@ -8,6 +8,8 @@ user's function in worker processes and builds the same ``ScoreResult`` from the
 from __future__ import annotations
 
 import math
+import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 
@@ -94,9 +96,16 @@ def call(fn, prompts, responses, ground_truths, extras) -> list:
     return out
 
 
+_CALLERS = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")}
+"""megarl's frames above the reward function: left out of its tracebacks."""
+
+
 def raised() -> Failure:
-    """The exception being handled, as a sample's failure."""
-    return Failure(ERROR, "raised:\n" + traceback.format_exc().rstrip())
+    """The exception being handled, as a sample's failure: its traceback from the reward function's frame down."""
+    _, error, tb = sys.exc_info()
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in _CALLERS:
+        tb = tb.tb_next
+    return Failure(ERROR, "raised:\n" + "".join(traceback.format_exception(type(error), error, tb)).rstrip())
 
 
 def check_inputs(prompts, responses, ground_truths, extras) -> None:
@@ -143,5 +152,7 @@ def score_batch(fn, prompts: list[str], responses: list[str], ground_truths: lis
     try:
         outcomes = [outcome(v) for v in call(fn, *args)] if prompts else []
     except (Exception, SystemExit):
+        outcomes = None  # re-scored below, outside this handler (its traceback is no sample's)
+    if outcomes is None:
         outcomes = [_one(fn, i, *args) for i in range(len(prompts))]
     return assemble(outcomes, prompts)

@@ -1,0 +1,210 @@
+"""A user's reward function in worker processes (``megarl.rewards.pool``): a hang, ``sys.exit``, ``os._exit``, a
+segfault or a NaN on some samples costs exactly those samples; workers are replaced, ignore stop signals, die with
+their rank and take what they started with them; the batch has a time budget; load failures name their cause."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config.schema import RewardConfig
+from megarl.rewards import RewardFailure, RewardLoadError, score_batch
+from megarl.rewards import pool as pool_module
+from megarl.rewards.pool import RewardPool, default_num_workers
+from megarl.rewards.score import ERROR, TIMEOUT
+from megarl.rewards.scorer import InProcess, open_rewards, stop_if_broken
+from tests import misbehaving_rewards
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+FILE = os.path.join(HERE, "misbehaving_rewards.py")
+PROMPTS = [f"copy {i % 10}:" for i in range(20)]
+RESPONSES = [str(i % 3) * (1 + i % 4) for i in range(20)]
+BAD = [i for i, p in enumerate(PROMPTS) if "7" in p]  # samples 7 and 17: one in each of two workers' chunks
+
+
+def _score(rewards, n=20):
+    return rewards.score(PROMPTS[:n], RESPONSES[:n], [None] * n, [{} for _ in range(n)])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize(
+    "fn, kind, cause",
+    [
+        ("hang", TIMEOUT, "timed out after 1 s (reward.timeout_s)"),
+        ("exits", ERROR, "raised:\nTraceback (most recent call last):"),
+        ("dies", ERROR, "killed its reward worker (exit status 1)"),
+        ("segfault", ERROR, "killed its reward worker (killed by SIGSEGV)"),
+        ("nan", ERROR, "returned nan; a reward must be a finite number"),
+    ],
+)
+def test_only_the_offending_samples_fail(fn, kind, cause):
+    with RewardPool(f"{FILE}:{fn}", num_workers=2, timeout_s=1) as pool:
+        started = time.monotonic()
+        result = _score(pool)
+        seconds = time.monotonic() - started
+        assert result.scores == [0.0 if i in BAD else 1.0 for i in range(20)]
+        assert result.failed == [kind if i in BAD else "" for i in range(20)]
+        assert result.errors == 2 and result.timeouts == (2 if kind == TIMEOUT else 0)
+        assert result.first_error.startswith(f"the sample of prompt 'copy 7:' {cause}"), result.first_error
+        assert _score(pool) == result  # the replaced workers score the same
+    if fn == "exits":
+        assert result.first_error.endswith("SystemExit: 0") and "misbehaving_rewards.py" in result.first_error
+        assert "megarl/rewards" not in result.first_error  # the user's frames only
+    if fn == "hang":  # both chunks time out together, then their samples one by one, two at a time
+        assert seconds < 6, seconds
+
+
+def test_workers_give_what_the_trainer_s_process_gives():
+    """A well-behaved function: the same ScoreResult in this process and in 1 or 3 workers (by file or module)."""
+    expected = _score(InProcess("tests.misbehaving_rewards:graded"))
+    assert expected.errors == 0 and sorted(expected.extra) == ["digit", "format"]
+    for spec, workers in ((f"{FILE}:graded", 1), ("tests.misbehaving_rewards:graded", 3)):
+        with RewardPool(spec, num_workers=workers, timeout_s=30) as pool:
+            assert _score(pool) == expected
+    assert score_batch(misbehaving_rewards.graded, PROMPTS, RESPONSES, [None] * 20, [{}] * 20) == expected
+
+
+def test_a_reward_that_always_fails_stops_the_run_with_its_first_error():
+    with RewardPool(f"{FILE}:always_raises", num_workers=2, timeout_s=5) as pool:
+        result = _score(pool)
+    assert result.errors == 20 and result.scores == [0.0] * 20
+    cfg = RewardConfig(function="x.py:f")
+    with pytest.raises(RewardFailure) as e:
+        stop_if_broken(cfg, result.errors, 20, result.first_error, "in step 1")
+    message = str(e.value)
+    assert message.startswith("the reward function failed on 20 of 20 samples in step 1")
+    assert "KeyError: \"no judge for 'copy 0:': the reward is broken\"" in message
+    assert message.count("Traceback") == 1
+    stop_if_broken(cfg, 19, 20, "x", "in step 1")  # below the default fraction (1.0): trains on
+    with pytest.raises(RewardFailure, match="failed on 10 of 20"):
+        stop_if_broken(RewardConfig(function="x.py:f", stop_on_error_fraction=0.5), 10, 20, "x", "in step 1")
+    stop_if_broken(RewardConfig(function="x.py:f", stop_on_error_fraction=None), 20, 20, "x", "in step 1")
+
+
+def test_a_timeout_kills_what_the_call_started(tmp_path, monkeypatch):
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("MEGARL_TEST_MARKER", str(marker))
+    with RewardPool(f"{FILE}:hang_with_child", num_workers=1, timeout_s=1) as pool:
+        result = _score(pool, n=8)
+        assert result.failed == [TIMEOUT if i == 7 else "" for i in range(8)]
+    children = [int(line.split()[-1]) for line in marker.read_text().splitlines()]
+    assert len(children) == 2  # the chunk's call, then sample 7's own
+    time.sleep(0.2)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def test_an_idle_worker_that_died_is_replaced():
+    with RewardPool(f"{FILE}:graded", num_workers=2, timeout_s=30) as pool:
+        first = _score(pool)
+        os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert _score(pool) == first and pool.restarts == 1
+
+
+def test_the_batch_ends_within_its_budget():
+    """Every sample hangs: the chunk times out after 1 s, the samples one by one would take 10 s more; the budget
+    (1.5 s) ends it while the first of them runs."""
+    prompts = ["say 7:"] * 10
+    with RewardPool(f"{FILE}:hang", num_workers=1, timeout_s=1, budget_s=1.5) as pool:
+        started = time.monotonic()
+        result = pool.score(prompts, ["r"] * 10, [None] * 10, [{}] * 10)
+        assert time.monotonic() - started < 3
+    assert result.failed == [TIMEOUT] * 10
+    assert "was not scored within this rank's 1.5 s for the batch" in result.first_error
+
+
+def test_load_failures_name_their_cause(tmp_path, monkeypatch):
+    with pytest.raises(RewardLoadError, match=r"has no attribute 'nope'.*'always_raises'"):
+        RewardPool(f"{FILE}:nope", num_workers=2, timeout_s=5)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\ndef f(p, r, g, e):\n    return [1.0]\n")
+    with pytest.raises(RewardLoadError, match=r"(?s)exits.py.*SystemExit: 3"):
+        RewardPool(f"{tmp_path / 'exits.py'}:f", num_workers=1, timeout_s=5)
+    (tmp_path / "stuck.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setattr(pool_module, "START_TIMEOUT_S", 1.0)
+    with pytest.raises(RewardFailure, match="did not load .*stuck.py:f' within 1 s"):
+        RewardPool(f"{tmp_path / 'stuck.py'}:f", num_workers=1, timeout_s=5)
+
+
+POOL_IN_A_CHILD = """
+import sys, time
+from megarl.rewards.pool import RewardPool
+pool = RewardPool(sys.argv[1], num_workers=2, timeout_s=5)
+print(*[w.proc.pid for w in pool.workers], flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_ignore_stop_signals_and_die_with_their_rank():
+    rank = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(POOL_IN_A_CHILD), f"{FILE}:graded"], stdout=subprocess.PIPE, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert len(workers) == 2
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # SLURM signals every process of the job
+            for pid in workers:
+                os.kill(pid, sig)
+        time.sleep(0.3)
+        assert all(_alive(pid) for pid in workers)
+        rank.kill()
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in workers if _alive(pid)]
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_closing_leaves_no_worker_and_builtins_stay_in_process():
+    with open_rewards(RewardConfig(function=f"{FILE}:graded", num_workers=2)) as rewards:
+        pids = [w.proc.pid for w in rewards.workers]
+        assert all(_alive(pid) for pid in pids)
+    assert not [pid for pid in pids if _alive(pid)]
+    assert isinstance(open_rewards(RewardConfig(function="toy_digits", num_workers=4)), InProcess)
+    assert isinstance(open_rewards(RewardConfig(function=f"{FILE}:graded", num_workers=0)), InProcess)
+    assert 1 <= default_num_workers() <= pool_module.MAX_DEFAULT_WORKERS
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("reward.num_workers=-1", "reward.num_workers: must be >= 0"),
+        ("reward.timeout_s=0", "reward.timeout_s: must be > 0"),
+        ("reward.timeout_s=inf", "reward.timeout_s: must be > 0"),
+        ("reward.stop_on_error_fraction=0", "reward.stop_on_error_fraction: must be in (0, 1] or null"),
+        ("reward.stop_on_error_fraction=1.5", "reward.stop_on_error_fraction: must be in (0, 1] or null"),
+    ],
+)
+def test_reward_fields_are_checked(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(REPO, "configs/quickstart.yaml"), [override])
+    assert message in str(e.value)
+
+
+def test_the_collective_timeout_must_outlast_a_reward_call(tiny_llama_dir):
+    from megarl.config import validate
+
+    base = os.path.join(REPO, "configs/quickstart.yaml")
+    cfg = load_config(base, [f"model.path={tiny_llama_dir}", "reward.timeout_s=590"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "trainer.collective_timeout_s=600 must be >= reward.timeout_s + 60 = 650" in str(e.value)
+    validate(
+        load_config(base, [f"model.path={tiny_llama_dir}", "reward.timeout_s=590", "trainer.collective_timeout_s=650"])
+    )
+    assert load_config(base, ["reward.stop_on_error_fraction=null"]).reward.stop_on_error_fraction is None
