@@ -10,9 +10,23 @@ import json
 import os
 import sys
 
+import psutil
+
 from megarl.config import load_config, validate
 from megarl.trainer.loop import train
 from megarl.training.init_weights import model_source
+
+
+def _reward_workers() -> list[int]:
+    """This rank's reward worker processes still alive."""
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "megarl.rewards.worker" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except psutil.Error:
+            pass
+    return alive
 
 
 def main(args: dict) -> None:
@@ -31,6 +45,8 @@ def main(args: dict) -> None:
         finally:
             for key in env:
                 os.environ.pop(key)
+        with open(os.path.join(args["out"], name, f"reward_workers_left.rank{os.environ['RANK']}"), "w") as f:
+            json.dump(_reward_workers(), f)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ engine (CPU build) at TP=2 on 2 ranks; all jobs share one torchrun group and one
 
 Checked per job: the metrics file holds every metric that applies with finite values, each step's samples carry
 the weight version of the previous step's update (initial weights: version 0), and the engine's log-probabilities
-equal the actor's (fp32). Also: a reward function that raises on some samples, W&B offline and disabled.
+equal the actor's (fp32). Also: user rewards that raise, hang, exit or return NaN on some samples, W&B offline
+and disabled.
 """
 
 import json
@@ -69,6 +70,15 @@ FAULT_JOBS = {  # not in the per-algorithm checks: their updates are skipped on 
     "nan": ("configs/tiny_grpo.yaml", ["trainer.save_every=1"], {"MEGARL_FAULT": "nan_loss@2"}),
     "nan_stop": ("configs/tiny_grpo.yaml", ["trainer.max_consecutive_skips=1"], {"MEGARL_FAULT": "nan_loss@2"}),
 }
+BAD_DIGITS = "079"  # the prompts holding one: one or two of each step's 4 (trainer.seed=1234)
+REWARD_COMMON = ["rollout.sampling.n=4", "actor.global_batch_size=16", "reward.num_workers=4",
+                 "trainer.save_samples=true"]  # fmt: skip
+REWARD_JOBS = {  # user rewards that misbehave on those prompts' samples (tests/misbehaving_rewards.py), by kind
+    "reward_hang": (["reward.function=tests/misbehaving_rewards.py:hang", "reward.timeout_s=2"], "timeout"),
+    "reward_sys_exit": (["reward.function=tests.misbehaving_rewards:exits"], "error"),
+    "reward_os_exit": (["reward.function=tests/misbehaving_rewards.py:dies"], "error"),
+    "reward_nan": (["reward.function=tests.misbehaving_rewards:nan"], "error"),
+}
 MATCH = 1e-4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +94,8 @@ def runs(tmp_path_factory):
     assert subprocess.run(convert, capture_output=True, cwd=REPO, timeout=300).returncode == 0
     jobs = [[name, recipe, COMMON + [o.format(flaky=flaky, ckpt=ckpt) for o in extra], {}]
             for name, (recipe, extra) in JOBS.items()]  # fmt: skip
+    jobs += [[name, "configs/tiny_grpo.yaml", COMMON + REWARD_COMMON + extra, {"MEGARL_TEST_BAD_DIGITS": BAD_DIGITS}]
+             for name, (extra, _) in REWARD_JOBS.items()]  # fmt: skip
     jobs += [[name, recipe, COMMON + extra, env] for name, (recipe, extra, env) in FAULT_JOBS.items()]
     out = tmp / "out"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -95,7 +107,8 @@ def runs(tmp_path_factory):
         env=env, capture_output=True, text=True, timeout=1200, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in [*JOBS, *FAULT_JOBS]}
+    names = [*JOBS, *REWARD_JOBS, *FAULT_JOBS]
+    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in names}
     return {"rows": rows, "out": out, "stdout": proc.stdout}
 
 
@@ -124,8 +137,29 @@ def test_reward_errors_score_zero_and_are_counted(runs):
     for r in rows:
         assert r["reward/mean"] == pytest.approx(1 - r["reward/errors"] / samples, abs=1e-12)
     assert any(0 < r["reward/errors"] < samples for r in rows)
-    assert runs["stdout"].count("the reward function raised") == 1
+    assert runs["stdout"].count("the reward function failed on some samples; they score 0") == 1 + len(REWARD_JOBS)
     assert "flaky reward: even digit" in runs["stdout"]
+
+
+@pytest.mark.parametrize("name", list(REWARD_JOBS))
+def test_a_misbehaving_reward_costs_exactly_its_samples(runs, name):
+    """It hangs (reward.timeout_s=2), calls sys.exit(0), os._exit(1) or returns NaN on the samples of the prompts
+    holding a BAD_DIGIT: every step completes, exactly those samples score 0 and are counted (and as timeouts for
+    the hang); no reward worker is left when the job ends, and the next job works."""
+    kind = REWARD_JOBS[name][1]
+    rows = runs["rows"][name]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        path = runs["out"] / name / "samples" / f"step_{r['step']:07d}.jsonl"
+        samples = [json.loads(line) for line in open(path)]
+        bad = [any(d in s["prompt"] for d in BAD_DIGITS) for s in samples]
+        assert len(samples) == 16 and 0 < sum(bad) < 16, (r["step"], [s["prompt"] for s in samples])
+        assert [s["failed"] for s in samples] == [kind if b else "" for b in bad]
+        assert [s["score"] for s in samples] == [0.0 if b else 1.0 for b in bad]
+        assert r["reward/errors"] == sum(bad)
+        assert r["reward/timeouts"] == (sum(bad) if kind == "timeout" else 0)
+    for rank in (0, 1):
+        assert json.loads((runs["out"] / name / f"reward_workers_left.rank{rank}").read_text()) == []
 
 
 def test_wandb_offline_run_holds_the_logged_keys(runs):
