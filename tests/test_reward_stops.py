@@ -1,0 +1,114 @@
+"""A broken or hanging user reward through the real `megarl train` (one rank, HF rollout: the engine is not the point):
+a reward that fails on every sample stops the run at step 1 with a non-zero exit and its first error in one block;
+SIGTERM while the reward hangs ends the run (saved, exit 75) within reward.timeout_s + 30 s, and the next run (the
+resume) works. No reward worker outlives a run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+
+from megarl.trainer.resume import EXIT_PREEMPTED
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 2
+
+
+def _cmd(model, out, reward, *extra):
+    return [sys.executable, "-m", "megarl.cli", "train", "configs/quickstart.yaml", f"model.path={model}",
+            f"trainer.output_dir={out}", "actor.parallel.tp=1", "rollout.backend=hf", "trainer.total_steps=3",
+            "trainer.val_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+            "data.train_batch_size=4", "rollout.sampling.n=4", "actor.global_batch_size=16",
+            "rollout.sampling.max_new_tokens=6", f"reward.function=tests/misbehaving_rewards.py:{reward}",
+            *extra]  # fmt: skip
+
+
+def _workers_of(tag: str) -> list[str]:
+    """Reward workers of the run tagged ``tag`` still alive."""
+    alive = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MEGARL_TEST_RUN") == tag and p.status() != psutil.STATUS_ZOMBIE:
+                if "megarl.rewards.worker" in p.cmdline():
+                    alive.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _start(cmd, log, **env):
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGARL_TEST_RUN": tag, **env}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, tag
+
+
+def _finish(proc, tag, log):
+    """Exit status, output, and the reward workers alive 2 s after the run ended (they are killed, after looking)."""
+    try:
+        rc = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    deadline = time.monotonic() + 2
+    while _workers_of(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _workers_of(tag)
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    return rc, open(log.name).read(), left
+
+
+def test_a_reward_that_fails_on_every_sample_stops_the_run_at_step_1(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    with open(tmp_path / "log", "w") as log:
+        proc, tag = _start(_cmd(tiny_llama_dir, out, "always_raises"), log)
+        rc, text, left = _finish(proc, tag, log)
+    assert rc == 1, text[-3000:]
+    block = text[text.index("megarl: the reward function failed") :]
+    assert block.startswith(
+        "megarl: the reward function failed on 16 of 16 samples in step 1 (reward.stop_on_error_fraction=1); "
+        "stopping the run."
+    ), text[-3000:]
+    assert "The first failure: the sample of prompt 'copy 0:' raised:\nTraceback (most recent call last):\n  " in block
+    assert block.rstrip().endswith("KeyError: \"no judge for 'copy 0:': the reward is broken\""), block
+    assert text.count("Traceback") == 1 and "misbehaving_rewards.py" in block  # only the user's, once
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+    assert left == []
+
+
+def test_sigterm_while_the_reward_hangs_saves_and_the_next_run_resumes(tiny_llama_dir, tmp_path):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    cmd = _cmd(tiny_llama_dir, out, "hang", f"reward.timeout_s={TIMEOUT_S}")
+    env = {"MEGARL_TEST_BAD_DIGITS": "0", "MEGARL_TEST_MARKER": str(marker)}  # step 1 has 'copy 0:'
+    with open(tmp_path / "log", "w") as log:
+        proc, tag = _start(cmd, log, **env)
+        deadline = time.monotonic() + 240
+        while not (marker.exists() and "hang" in marker.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(0.05)
+        assert marker.exists(), open(log.name).read()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        rc, text, left = _finish(proc, tag, log)
+        seconds = time.monotonic() - signalled
+    assert rc == EXIT_PREEMPTED, text[-3000:]
+    assert seconds < TIMEOUT_S + 30, seconds
+    assert "stopped by SIGTERM after step 1; saved" in text
+    assert (out / "checkpoints" / "iter_0000001" / "manifest.json").is_file()
+    assert left == []
+    with open(tmp_path / "log2", "w") as log:
+        proc, tag = _start(cmd, log, **env)
+        rc, text, left = _finish(proc, tag, log)
+    assert rc == 0, text[-3000:]
+    assert "resuming from" in text and "(step 1;" in text
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["reward/timeouts"] > 0 and rows[0]["reward/timeouts"] == rows[0]["reward/errors"]
+    assert left == []
