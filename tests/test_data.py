@@ -251,21 +251,30 @@ def test_nothing_left_after_filtering(tmp_path, tokenizer):
 # ---- check_files -------------------------------------------------------------------------------------------------
 
 
-def test_check_files_reads_only_the_first_record(tmp_path):
+def test_check_files_reads_every_record_or_the_first_n(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "a", "answer": "1"}\n{this line is never parsed\n')
-    check_files([str(path)], "prompt", "answer")
+    path.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": "2"}\n{this line is broken\n')
+    with pytest.raises(DataError) as e:
+        check_files([str(path)], "prompt", "answer")  # data.check=full, the default
+    assert _message(e).startswith(f"{path}:4: not a JSON object (")
+    assert check_files([str(path)], "prompt", "answer", check="first:2") == 3  # three records (lines counted)
+    assert check_files([str(path)], "prompt", "answer", check="off") is None
+    (tmp_path / "no_answer.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(DataError, match=r"no_answer.jsonl:2: no field 'answer'"):
+        check_files([str(tmp_path / "no_answer.jsonl")], "prompt", "answer")
+    with pytest.raises(DataError, match="data file not found"):
+        check_files([str(tmp_path / "missing.jsonl")], "prompt", "", check="off")
     rows = [{"prompt": [{"role": "user", "content": "hi"}], "rm": {"gt": "1"}}] * 3
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    check_files([str(tmp_path / "d.parquet"), "builtin:digits"], "prompt", "")
-    check_files([str(tmp_path / "d.parquet")], "prompt", "rm.gt")
+    assert check_files([str(tmp_path / "d.parquet"), "builtin:digits"], "prompt", "") == 3 + 2048
+    assert check_files([str(tmp_path / "d.parquet")], "prompt", "rm.gt", check="first:1") == 3
 
 
 def test_check_files_errors(tmp_path):
     path = _write_jsonl(tmp_path / "q.jsonl", [{"question": "a", "answer": "1"}])
     with pytest.raises(DataError) as e:
         check_files([path], "prompt", "")
-    assert f"{path}, record 1: no field 'prompt' (fields: ['answer', 'question']); set data.prompt_key=" in (
+    assert f"{path}:1: no field 'prompt' (fields: ['answer', 'question']); set data.prompt_key=" in (
         _message(e)
     )
     with pytest.raises(DataError, match=r"no field 'solution' .*set data\.answer_key="):

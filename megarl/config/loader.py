@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 
@@ -59,7 +60,10 @@ def _yaml_layers(path: str, seen: tuple[str, ...] = ()) -> list[dict]:
     if os.path.abspath(path) in seen:
         raise ConfigError(f"{path}: 'base' chain loops back to itself")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(_yaml_error(path, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model, actor, trainer)")
     base = data.pop(BASE_KEY, None)
@@ -67,6 +71,15 @@ def _yaml_layers(path: str, seen: tuple[str, ...] = ()) -> list[dict]:
         return [data]
     base_path = os.path.join(os.path.dirname(path), base)
     return _yaml_layers(base_path, (*seen, os.path.abspath(path))) + [data]
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> str:
+    """'FILE:LINE:COL: problem' (1-based, as editors count) for a YAML syntax error."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    hint = "; indent with spaces (YAML forbids tabs)" if "'\\t'" in problem else ""
+    return f"{where}: {problem}{hint}"
 
 
 def _unknown_key_message(e: ConfigKeyError) -> str:
@@ -81,12 +94,15 @@ def _unknown_key_message(e: ConfigKeyError) -> str:
 
 
 def _build(cls, data: dict, prefix: str):
-    """Instantiate the dataclass tree bottom-up, so each __post_init__ sees final values; errors get their path."""
+    """Instantiate the dataclass tree bottom-up, so each __post_init__ sees final values; errors get their path.
+    Every float must be finite (inf and nan parse as floats)."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         sub = hints[f.name]
         value = data[f.name]
+        if isinstance(value, float) and not math.isfinite(value):  # no setting means anything at inf or NaN
+            raise ConfigError(f"{prefix}{f.name}: must be a finite number, got {value}")
         kwargs[f.name] = _build(sub, value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else value
     try:
         return cls(**kwargs)

@@ -6,7 +6,6 @@ Field-local checks live in ``__post_init__``; checks that combine fields or need
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from megarl.models.builder import DTYPES
@@ -100,6 +99,10 @@ class OptimConfig:
     def __post_init__(self):
         _require(self.optimizer in ("adam", "sgd"), "optimizer", f"must be 'adam' or 'sgd', got {self.optimizer!r}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            _require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
         _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
         _require(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
         styles = ("constant", "linear", "cosine")
@@ -315,8 +318,18 @@ class DataConfig:
     """'drop' or 'error' for prompts longer than max_prompt_length."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (seeded by trainer.seed and the epoch)."""
+    check: str = "full"
+    """What is read before any process starts: 'full' (every record: a malformed one is named by file and line),
+    'first:N' (the first N records of each file; the rest are counted, not parsed) or 'off' (only that the files
+    exist; batch sizes are then not checked against the record counts)."""
 
     def __post_init__(self):
+        from megarl.data.dataset import parse_check
+
+        try:
+            parse_check(self.check)
+        except ValueError as e:
+            raise ConfigFieldError("check", str(e)) from None
         _require(self.train_batch_size >= 1, "train_batch_size", "must be >= 1")
         _require(self.val_batch_size >= 0, "val_batch_size", "must be >= 0 (0 = all)")
         _require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
@@ -345,9 +358,7 @@ class RewardConfig:
     def __post_init__(self):
         _require(bool(self.function), "function", "is required (a built-in name or path/to/file.py:fn)")
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
-        _require(
-            math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}"
-        )
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         fraction = self.stop_on_error_fraction
         _require(
             fraction is None or 0 < fraction <= 1,
@@ -423,6 +434,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         _require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         _require(
             self.collective_timeout_s >= MIN_COLLECTIVE_TIMEOUT_S,
             "collective_timeout_s",
@@ -464,6 +476,7 @@ class SamplingConfig:
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from megarl.config.loader import ConfigError
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
 from megarl.models.spec import ModelSpec, spec_from_hf_config
@@ -50,7 +52,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             "or lower reward.timeout_s"
         )
     if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+        raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
     return spec
 
 
@@ -131,22 +133,27 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
             f"rollout.max_model_len={length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower it (0 = the model's length)"
         )
-    if cfg.data.max_prompt_length + ro.sampling.max_new_tokens > length:
+    blocks = {"rollout.sampling": ro.sampling}
+    if cfg.trainer.val_every and cfg.data.val_files:
+        blocks["rollout.val_sampling"] = ro.val_sampling
+    prompt = cfg.data.max_prompt_length
+    for key, sampling in blocks.items():
+        new = sampling.max_new_tokens
+        if new >= length:
+            errors.append(
+                f"{key}.max_new_tokens={new} leaves no room for a prompt within rollout.max_model_len={length}; "
+                "raise max_model_len or lower max_new_tokens"
+            )
+        elif prompt + new > length:
+            errors.append(
+                f"data.max_prompt_length + {key}.max_new_tokens = {prompt} + {new} exceeds rollout.max_model_len="
+                f"{length}; lower one of them or raise max_model_len"
+            )
+    new = ro.sampling.max_new_tokens
+    if prompt + new > cfg.actor.seq_length:  # only training samples go through the actor
         errors.append(
-            f"data.max_prompt_length + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_length} + "
-            f"{ro.sampling.max_new_tokens} exceeds rollout.max_model_len={length}; lower one of them or raise "
-            "max_model_len"
-        )
-    if cfg.data.max_prompt_length + ro.sampling.max_new_tokens > cfg.actor.seq_length:
-        errors.append(
-            f"data.max_prompt_length + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_length} + "
-            f"{ro.sampling.max_new_tokens} exceeds actor.seq_length={cfg.actor.seq_length}; raise actor.seq_length "
-            "or lower one of them"
-        )
-    if ro.sampling.max_new_tokens >= length:
-        errors.append(
-            f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt within "
-            f"rollout.max_model_len={length}; raise max_model_len or lower max_new_tokens"
+            f"data.max_prompt_length + rollout.sampling.max_new_tokens = {prompt} + {new} exceeds actor.seq_length="
+            f"{cfg.actor.seq_length}; raise actor.seq_length or lower one of them"
         )
     if ro.backend == "vllm":
         kv_per_rank = max(1, kv // tp)
@@ -190,23 +197,67 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
     return errors
 
 
-def check_inputs(cfg: MegarlConfig) -> None:
-    """The reward function and the data files, checked before any process starts (ConfigError names the fix)."""
+def not_mounted_here(path: str) -> bool:
+    """An absolute path whose top-level directory this host lacks (a cluster's /data or /models): the launch host
+    cannot see it, the nodes may."""
+    parts = os.path.abspath(path).split(os.sep)
+    return os.path.isabs(path) and len(parts) > 2 and not os.path.isdir(os.sep + parts[1])
+
+
+def _reward_file(spec: str) -> str | None:
+    where = spec.rpartition(":")[0]
+    return where if where.endswith(".py") else None
+
+
+def check_inputs(cfg: MegarlConfig, skip: frozenset[str] = frozenset()) -> None:
+    """The reward function and the data files, checked before any process starts (ConfigError names the fix).
+    ``skip``: paths not to look at (the launch host cannot see them)."""
     from megarl.data import DataError, check_files
     from megarl.rewards import RewardFailure, RewardLoadError
     from megarl.rewards.scorer import check_loads
 
-    try:
-        check_loads(cfg.reward)
-    except (RewardLoadError, RewardFailure) as e:
-        raise ConfigError(f"reward.function: {e}") from None
-    if not cfg.data.train_files:
+    if _reward_file(cfg.reward.function) not in skip:
+        try:
+            check_loads(cfg.reward)
+        except (RewardLoadError, RewardFailure) as e:
+            raise ConfigError(f"reward.function: {e}") from None
+    d = cfg.data
+    if not d.train_files:
         raise ConfigError("data.train_files: no training data; set data.train_files=[path.jsonl] (or builtin:digits)")
+    train_files = [p for p in d.train_files if p not in skip]
+    val_files = [p for p in d.val_files if p not in skip]
     try:
-        check_files(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key)
-        check_files(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key)
+        train = check_files(train_files, d.prompt_key, d.answer_key, "train", d.check)
+        val = check_files(val_files, d.prompt_key, d.answer_key, "val", d.check)
     except DataError as e:
         raise ConfigError(f"data: {e}") from None
+    if train is not None and train_files == d.train_files and d.train_batch_size > train:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} exceeds the {train} records of data.train_files; lower it "
+            "or add prompts"
+        )
+    if val is not None and val_files and val_files == d.val_files and d.val_batch_size > val:
+        raise ConfigError(
+            f"data.val_batch_size={d.val_batch_size} exceeds the {val} records of data.val_files; lower it (0 = all "
+            "of them)"
+        )
+
+
+def preflight(cfg: MegarlConfig, world_size: int | None = None, *, strict_paths: bool = True) -> list[str]:
+    """Every check that needs no process: the config against itself and the model (``validate``), the reward and
+    the data (``check_inputs``). ConfigError on the first problem. With ``strict_paths=False`` (a launch host), a
+    path this host cannot see (``not_mounted_here``) is a warning, returned, instead of an error."""
+    paths = [cfg.model.path, *cfg.data.train_files, *cfg.data.val_files, _reward_file(cfg.reward.function)]
+    unseen = frozenset() if strict_paths else frozenset(p for p in paths if p and not_mounted_here(p))
+    warnings = [
+        f"{p} is not visible on this host (no /{os.path.abspath(p).split(os.sep)[1]} here): not checked; the nodes "
+        "must see it (--strict-paths makes this an error)"
+        for p in sorted(unseen)
+    ]
+    if cfg.model.path not in unseen:
+        validate(cfg, world_size=world_size)
+    check_inputs(cfg, skip=unseen)
+    return warnings
 
 
 def divisors(n: int) -> list[int]:

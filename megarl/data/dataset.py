@@ -57,9 +57,9 @@ def _json_record(path: str, number: int, line: str) -> dict:
     return record
 
 
-def _json_lines(path: str, limit: int | None = None) -> list[dict]:
-    """Records of a JSONL file (blank lines skipped); a ``.json`` file holding one JSON array is read whole."""
-    records = []
+def _json_rows(path: str, limit: int | None = None):
+    """(where, record) of a JSONL file, streamed (blank lines skipped; ``where`` is 'path:LINE'); a ``.json`` file
+    holding one JSON array is read whole ('path, element N')."""
     with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not data
         if path.endswith(".json") and f.read(64).lstrip().startswith("["):
             f.seek(0)
@@ -70,42 +70,68 @@ def _json_lines(path: str, limit: int | None = None) -> list[dict]:
             for number, row in enumerate(rows, 1):
                 if not isinstance(row, dict):
                     raise DataError(f"{path}: element {number} is a {type(row).__name__}, not a JSON object")
-            return rows[:limit]
+            yield from ((f"{path}, element {i}", row) for i, row in enumerate(rows[:limit], 1))
+            return
         f.seek(0)
+        count = 0
         for number, line in enumerate(f, 1):
+            if limit is not None and count >= limit:
+                return
             if line.strip():
-                records.append(_json_record(path, number, line))
-                if limit is not None and len(records) >= limit:
-                    break
-    return records
+                count += 1
+                yield f"{path}:{number}", _json_record(path, number, line)
 
 
-def _parquet(path: str, limit: int | None = None) -> list[dict]:
+def _parquet_rows(path: str, limit: int | None = None):
+    """(where, record) of a Parquet file, streamed by record batch ('path, row N')."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        if limit is None:
-            return pq.read_table(path).to_pylist()
-        batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
-        return [] if batch is None else batch.to_pylist()
+        number = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=min(limit or 65536, 65536)):
+            for row in batch.to_pylist():
+                if limit is not None and number >= limit:
+                    return
+                number += 1
+                yield f"{path}, row {number}", row
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
-def _read(path: str, split: str, limit: int | None) -> list[dict]:
+def _rows(path: str, split: str, limit: int | None):
+    """(where, record) of one data file, streamed; DataError naming the file (and line) when it cannot be read."""
     if path.startswith(PREFIX):
         try:
-            return builtin_records(path, split)[:limit]
+            records = builtin_records(path, split)[:limit]
         except KeyError:
             raise DataError(f"{path}: no split {split!r} (built-in datasets have 'train' and 'val')") from None
         except ValueError as e:
             raise DataError(str(e)) from None
+        yield from ((f"{path}, record {i}", r) for i, r in enumerate(records, 1))
+        return
     if not path.endswith(FORMATS):
         raise _unsupported(path)
     if not os.path.isfile(path):
         raise _missing(path)
-    return _parquet(path, limit) if path.endswith(".parquet") else _json_lines(path, limit)
+    yield from (_parquet_rows if path.endswith(".parquet") else _json_rows)(path, limit)
+
+
+def _read(path: str, split: str, limit: int | None) -> list[dict]:
+    return [record for _, record in _rows(path, split, limit)]
+
+
+def count_records(path: str, split: str = "train") -> int:
+    """How many records a data file holds, without parsing them where the format allows (JSONL: its non-blank
+    lines; Parquet: its metadata)."""
+    if path.endswith(".parquet") and os.path.isfile(path):
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.endswith(".jsonl") and os.path.isfile(path):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    return sum(1 for _ in _rows(path, split, None))
 
 
 def read_records(path: str, split: str = "train") -> list[dict]:
@@ -146,17 +172,44 @@ def _check_prompt(prompt, where: str) -> None:
     )
 
 
-def check_files(files: list[str], prompt_key: str, answer_key: str, split: str = "train") -> None:
-    """Cheap check before any process starts (no tokenizer): every file exists in a supported format and its first
-    record has the prompt (a string or chat messages) and the answer key."""
+CHECK_HELP = "'full' (every record), 'first:N' (the first N records of each file) or 'off' (only that they exist)"
+
+
+def parse_check(check: str) -> int | None:
+    """``data.check`` as a per-file record limit (None: every record; 0: none); ValueError naming the choices."""
+    if check == "full":
+        return None
+    if check == "off":
+        return 0
+    head, _, n = check.partition(":")
+    if head == "first" and n.isdigit() and int(n) >= 1:
+        return int(n)
+    raise ValueError(f"must be {CHECK_HELP}, got {check!r}")
+
+
+def check_files(
+    files: list[str], prompt_key: str, answer_key: str, split: str = "train", check: str = "full"
+) -> int | None:
+    """Before any process starts (no tokenizer): every file exists in a supported format, and its records (all of
+    them, or the first N: ``data.check``) are JSON objects with the prompt (a string or chat messages) and the answer
+    key; DataError names the file and line. Returns how many records the files hold (None with check='off')."""
+    limit = parse_check(check)
+    total = 0
     for path in files:
-        records = _read(path, split, limit=1)
-        if not records:
+        if limit == 0:
+            if not path.startswith(PREFIX) and not os.path.isfile(path):
+                raise _missing(path)
+            continue
+        checked = 0
+        for where, record in _rows(path, split, limit):
+            _check_prompt(_get(record, prompt_key, "data.prompt_key", where), where)
+            if answer_key:
+                _get(record, answer_key, "data.answer_key", where)
+            checked += 1
+        if not checked:
             raise DataError(f"{path} holds no records; give a file with at least one")
-        where = f"{path}, record 1"
-        _check_prompt(_get(records[0], prompt_key, "data.prompt_key", where), where)
-        if answer_key:
-            _get(records[0], answer_key, "data.answer_key", where)
+        total += checked if limit is None else count_records(path, split)
+    return None if limit == 0 else total
 
 
 # ---- tokenising ------------------------------------------------------------------------------------------------

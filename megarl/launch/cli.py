@@ -13,6 +13,13 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides for every rank, e.g. trainer.total_steps=100")
 
 
+def _strict_paths(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--strict-paths", action="store_true",
+        help="refuse paths this host cannot see (e.g. a cluster's /data) instead of warning about them",
+    )  # fmt: skip
+
+
 def torchrun_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megarl launch torchrun",
@@ -26,6 +33,7 @@ def torchrun_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks (GPUs) per node (default: world / nnodes)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    _strict_paths(p)
     return p
 
 
@@ -49,6 +57,7 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-port", type=int, default=29500, help="c10d rendezvous port on the first node")
     p.add_argument("--signal-secs", type=int, default=300, help="SIGUSR1 this long before the time limit (s)")
     p.add_argument("--submit", action="store_true", help="write the script to the log folder and sbatch it")
+    _strict_paths(p)
     net = p.add_argument_group("NCCL / InfiniBand (override --env-file)")
     net.add_argument("--nccl-ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5")
     net.add_argument("--nccl-socket-ifname", default=None, help="NCCL_SOCKET_IFNAME, e.g. ib0")
@@ -62,7 +71,7 @@ def _torchrun(argv: list[str]) -> int:
     a = torchrun_parser().parse_intermixed_args(argv)
     opts = torchrun.TorchrunOptions(
         recipe=a.recipe, overrides=a.overrides, nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, nproc_per_node=a.nproc_per_node, dry_run=a.dry_run,
+        master_port=a.master_port, nproc_per_node=a.nproc_per_node, dry_run=a.dry_run, strict_paths=a.strict_paths,
     )  # fmt: skip
     return torchrun.launch(opts)
 
@@ -77,7 +86,7 @@ def _slurm(argv: list[str]) -> int:
         recipe=a.recipe, overrides=a.overrides, nodes=a.nodes, gpus_per_node=a.gpus_per_node, cpu=a.cpu,
         cpus_per_node=a.cpus_per_node, partition=a.partition, account=a.account, time=a.time, log_dir=a.log_dir,
         env_file=a.env_file, network=network, job_name=a.job_name, rdzv_port=a.rdzv_port,
-        signal_secs=a.signal_secs, submit=a.submit,
+        signal_secs=a.signal_secs, submit=a.submit, strict_paths=a.strict_paths,
     )  # fmt: skip
     return slurm.launch(opts)
 

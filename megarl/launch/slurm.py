@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import launch as templates
 from megarl.config import MegarlConfig, load_config
+from megarl.config.validate import preflight
 from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
 from megarl.trainer.resume import STOPPED_FILE
 
@@ -91,6 +92,8 @@ class SlurmOptions:
     """SLURM sends SIGUSR1 this many seconds before the time limit: enough for the current step and a save."""
     submit: bool = False
     """Write the script to ``log_dir`` and submit it with ``sbatch`` instead of printing it."""
+    strict_paths: bool = False
+    """Refuse paths this host cannot see (model, data, reward file) instead of warning about them."""
 
     def __post_init__(self):
         positive(self.nodes, "--nodes")
@@ -215,6 +218,8 @@ def launch(opts: SlurmOptions) -> int:
     """Print the script, or submit it and print the job id."""
     cfg = load_config(opts.recipe, opts.overrides)
     script = render(opts, cfg)
+    for warning in preflight(cfg, opts.nodes * opts.gpus_per_node, strict_paths=opts.strict_paths):
+        print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)
     logs = log_folder(opts, cfg)
     os.makedirs(logs, exist_ok=True)  # SLURM does not create the folder of --output
     if not opts.submit:

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 
 from megarl.config import MegarlConfig, load_config
+from megarl.config.validate import preflight
 from megarl.launch import lifetime
 from megarl.launch.topology import LaunchError, check_nodes, positive, recipe_layout, train_args
 from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE
@@ -35,6 +36,8 @@ class TorchrunOptions:
     """Ranks (one per GPU) on every node; None: the recipe's world size divided by ``nnodes``."""
     dry_run: bool = False
     """Print the torchrun command instead of running it."""
+    strict_paths: bool = False
+    """Refuse paths this host cannot see (model, data, reward file) instead of warning about them."""
 
     def __post_init__(self):
         positive(self.nnodes, "--nnodes")
@@ -79,6 +82,8 @@ def launch(opts: TorchrunOptions) -> int:
     """Check, then run (or print) this node's torchrun; ``EXIT_PREEMPTED`` when the ranks stopped after a save."""
     cfg = load_config(opts.recipe, opts.overrides)
     cmd = torchrun_command(opts, cfg)
+    for warning in preflight(cfg, opts.nnodes * ranks_per_node(opts, cfg), strict_paths=opts.strict_paths):
+        print(f"megarl launch torchrun: warning: {warning}", file=sys.stderr)
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0

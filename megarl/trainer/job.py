@@ -179,7 +179,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     train, val = _datasets(cfg, tokenizer)
     sampler = PromptSampler(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     sampler.load_state_dict(state.data)
-    val_prompts = [] if val is None else [val[i] for i in range(cfg.data.val_batch_size or len(val))]
+    val_prompts = [] if val is None else [val[i] for i in range(min(cfg.data.val_batch_size or len(val), len(val)))]
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
     if state.kl_ctrl:
