@@ -95,6 +95,30 @@ def resolve_path(path: str) -> Found:
     return Found(found[0][1], found[0][0], skipped)
 
 
+ABANDONED_DIR = "abandoned"
+"""Under a checkpoints root: the checkpoints after the one a run rolled back to (``abandon_later``)."""
+
+
+def abandon_later(root: str, step: int) -> list[str]:
+    """A run resumed from ``iter_<step>`` of ``root`` (rolled back): move every later ``iter_N`` (complete or not)
+    to ``root/abandoned/`` so that pruning and ``resume=auto`` follow the new branch, and point ``latest`` at
+    ``iter_<step>``. Returns the new paths of the moved ones."""
+    later = sorted(n for n in os.listdir(root) if (m := _ITER.match(n.removesuffix(".tmp"))) and int(m.group(1)) > step)
+    moved = []
+    for name in later:
+        target = os.path.join(root, ABANDONED_DIR, name)
+        suffix = 1
+        while os.path.exists(target):  # abandoned twice: keep both
+            target = os.path.join(root, ABANDONED_DIR, f"{name}.{suffix}")
+            suffix += 1
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(os.path.join(root, name), target)
+        moved.append(target)
+    if moved:
+        ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
+    return moved
+
+
 def read_trainer_state(path: str) -> dict:
     with open(os.path.join(path, TRAINER_STATE)) as f:
         return json.load(f)
@@ -186,7 +210,8 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
         if keep_last:
             for _, old in complete_iterations(root)[0][keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)
+                if os.path.abspath(old) != os.path.abspath(final):  # never the checkpoint just written
+                    shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
     return {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}

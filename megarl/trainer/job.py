@@ -18,7 +18,13 @@ import torch.distributed as dist
 
 from megarl.algos import kl_controller
 from megarl.checkpoint import format as ckpt
-from megarl.checkpoint.training import checkpoints_root, load_training, read_trainer_state, set_rng_states
+from megarl.checkpoint.training import (
+    abandon_later,
+    checkpoints_root,
+    load_training,
+    read_trainer_state,
+    set_rng_states,
+)
 from megarl.config.loader import to_yaml
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
 from megarl.convert.hf_io import copy_tokenizer_files
@@ -140,9 +146,15 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     out_dir = cfg.trainer.output_dir
 
     start = plan_start(cfg, spec)
-    interrupted = sorted(glob.glob(os.path.join(checkpoints_root(out_dir), "iter_*.tmp")))
+    root = checkpoints_root(out_dir)
+    interrupted = sorted(glob.glob(os.path.join(root, "iter_*.tmp")))
+    rolled_back = start is not None and os.path.abspath(os.path.dirname(start.path)) == os.path.abspath(root)
     dist.barrier()  # every rank has read the checkpoints before rank 0 cleans up
+    abandoned = []
     if rank == 0:
+        if rolled_back:  # resumed from an older checkpoint of this run: its later ones are another branch
+            abandoned = abandon_later(root, start.step)
+            interrupted = [p for p in interrupted if os.path.exists(p)]
         if start is None and cfg.trainer.overwrite:
             clear_previous_run(out_dir)
         for stale in interrupted:
@@ -154,6 +166,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     models = build_rl_models(cfg, spec, layout, source, rank, load_weights=start is None)
     state, rng = TrainerState(seed=cfg.trainer.seed), None
     notes = [f"removed an interrupted save: {d}" for d in interrupted]
+    if abandoned:
+        notes.append(
+            f"rolled back to step {start.step}: moved the {len(abandoned)} later checkpoint(s) of the abandoned branch "
+            f"to {os.path.dirname(abandoned[0])} ({', '.join(os.path.basename(p) for p in abandoned)})"
+        )
     if start is not None:
         saved = read_trainer_state(start.path)
         same_layout = saved["layout"] == dataclasses.asdict(layout)

@@ -49,9 +49,14 @@ def train(cfg, spec, source, engine=None) -> Job:
             job.tracker.log(step, metrics)
             state.history.append({"step": step, **metrics})
             stopping = stop.agreed()
-            if stopping or (t.save_every and (step % t.save_every == 0 or step == t.total_steps)):
+            last = step == t.total_steps
+            if stopping or (t.save_every and (step % t.save_every == 0 or last)):
                 save(job, state)
-            if stopping:
+            if stopping and last:  # nothing left to resume: a complete run
+                job.say(
+                    f"{stop.signal_name or 'a signal on another rank'} during the last step: saved; the run is complete"
+                )
+            elif stopping:
                 job.stopped_by = stop.signal_name or "a signal on another rank"
                 if job.rank == 0:
                     atomic_write(
