@@ -1,6 +1,7 @@
 """A user's reward function in worker processes (``megarl.rewards.pool``): a hang, ``sys.exit``, ``os._exit``, a
 segfault or a NaN on some samples costs exactly those samples; workers are replaced, ignore stop signals, die with
-their rank and take what they started with them; the batch has a time budget; load failures name their cause."""
+their rank and take what they started with them (on a timeout and when the rank dies); the batch has a time budget;
+load failures name their cause."""
 
 import os
 import signal
@@ -16,7 +17,7 @@ from megarl.config import ConfigError, load_config
 from megarl.config.schema import RewardConfig
 from megarl.rewards import RewardFailure, RewardLoadError, score_batch
 from megarl.rewards import pool as pool_module
-from megarl.rewards.pool import RewardPool, default_num_workers
+from megarl.rewards.pool import RewardPool, RewardWorkerError, default_num_workers
 from megarl.rewards.score import ERROR, TIMEOUT
 from megarl.rewards.scorer import InProcess, open_rewards, stop_if_broken
 from tests import misbehaving_rewards
@@ -59,6 +60,7 @@ def test_only_the_offending_samples_fail(fn, kind, cause):
         assert result.failed == [kind if i in BAD else "" for i in range(20)]
         assert result.errors == 2 and result.timeouts == (2 if kind == TIMEOUT else 0)
         assert result.first_error.startswith(f"the sample of prompt 'copy 7:' {cause}"), result.first_error
+        assert pool.restarts == (0 if fn == "nan" else 4)  # each chunk's worker, then each offending sample's
         assert _score(pool) == result  # the replaced workers score the same
     if fn == "exits":
         assert result.first_error.endswith("SystemExit: 0") and "misbehaving_rewards.py" in result.first_error
@@ -134,7 +136,7 @@ def test_load_failures_name_their_cause(tmp_path, monkeypatch):
         RewardPool(f"{tmp_path / 'exits.py'}:f", num_workers=1, timeout_s=5)
     (tmp_path / "stuck.py").write_text("import time\ntime.sleep(600)\n")
     monkeypatch.setattr(pool_module, "START_TIMEOUT_S", 1.0)
-    with pytest.raises(RewardFailure, match="did not load .*stuck.py:f' within 1 s"):
+    with pytest.raises(RewardWorkerError, match="did not load .*stuck.py:f' within 1 s"):
         RewardPool(f"{tmp_path / 'stuck.py'}:f", num_workers=1, timeout_s=5)
 
 
@@ -170,6 +172,56 @@ def test_workers_ignore_stop_signals_and_die_with_their_rank():
         rank.wait()
 
 
+SCORING_IN_A_CHILD = """
+import sys
+from megarl.rewards.pool import RewardPool
+pool = RewardPool(sys.argv[1], num_workers=1, timeout_s=600)
+pool.score(["say 7:"], ["r"], [None], [{}])
+"""
+
+
+def test_what_a_reward_started_dies_with_its_rank(tmp_path):
+    """The rank SIGKILLed while its reward runs a child process: the worker dies with the rank, and the watchdog
+    of the worker's process group kills the child (no supervisor needed)."""
+    marker = tmp_path / "marker"
+    rank = subprocess.Popen(
+        [sys.executable, "-c", SCORING_IN_A_CHILD, f"{FILE}:hang_with_child"], cwd=REPO,
+        env={**os.environ, "MEGARL_TEST_MARKER": str(marker)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(marker.read_text().split()[-1])
+        assert _alive(child)
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_a_pool_scores_only_on_the_thread_that_made_it():
+    import threading
+
+    errors = []
+
+    def score_elsewhere(pool):
+        try:
+            _score(pool, n=2)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with RewardPool(f"{FILE}:graded", num_workers=1, timeout_s=30) as pool:
+        thread = threading.Thread(target=score_elsewhere, args=(pool,))
+        thread.start()
+        thread.join()
+        assert errors and "on the thread that created it" in errors[0]
+        assert _score(pool, n=2).errors == 0
+
+
 def test_closing_leaves_no_worker_and_builtins_stay_in_process():
     with open_rewards(RewardConfig(function=f"{FILE}:graded", num_workers=2)) as rewards:
         pids = [w.proc.pid for w in rewards.workers]
@@ -185,7 +237,7 @@ def test_closing_leaves_no_worker_and_builtins_stay_in_process():
     [
         ("reward.num_workers=-1", "reward.num_workers: must be >= 0"),
         ("reward.timeout_s=0", "reward.timeout_s: must be > 0"),
-        ("reward.timeout_s=inf", "reward.timeout_s: must be > 0"),
+        ("reward.timeout_s=inf", "reward.timeout_s: must be a finite number"),
         ("reward.stop_on_error_fraction=0", "reward.stop_on_error_fraction: must be in (0, 1] or null"),
         ("reward.stop_on_error_fraction=1.5", "reward.stop_on_error_fraction: must be in (0, 1] or null"),
     ],
@@ -196,15 +248,14 @@ def test_reward_fields_are_checked(override, message):
     assert message in str(e.value)
 
 
-def test_the_collective_timeout_must_outlast_a_reward_call(tiny_llama_dir):
+def test_the_collective_timeout_must_outlast_a_reward_call_and_its_retries(tiny_llama_dir):
     from megarl.config import validate
 
     base = os.path.join(REPO, "configs/quickstart.yaml")
-    cfg = load_config(base, [f"model.path={tiny_llama_dir}", "reward.timeout_s=590"])
+    user = [f"model.path={tiny_llama_dir}", "reward.timeout_s=590", f"reward.function={FILE}:nan"]
     with pytest.raises(ConfigError) as e:
-        validate(cfg)
-    assert "trainer.collective_timeout_s=600 must be >= reward.timeout_s + 60 = 650" in str(e.value)
-    validate(
-        load_config(base, [f"model.path={tiny_llama_dir}", "reward.timeout_s=590", "trainer.collective_timeout_s=650"])
-    )
+        validate(load_config(base, user))
+    assert "trainer.collective_timeout_s=600 must be >= 2 x reward.timeout_s + 60 = 1240" in str(e.value)
+    validate(load_config(base, [*user, "trainer.collective_timeout_s=1240"]))
+    validate(load_config(base, [*user, "reward.num_workers=0"]))  # in the trainer's process: no timeout
     assert load_config(base, ["reward.stop_on_error_fraction=null"]).reward.stop_on_error_fraction is None

@@ -44,12 +44,14 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
     errors += _rollout_errors(cfg, spec, layout.world_size)
-    need = cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S
-    if cfg.trainer.collective_timeout_s < need:
+    from megarl.rewards.scorer import in_workers
+
+    need = 2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S  # a call that times out, then its samples one by one
+    if in_workers(cfg.reward) and cfg.trainer.collective_timeout_s < need:
         errors.append(
-            f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= reward.timeout_s + "
-            f"{REWARD_WAIT_MARGIN_S} = {need:g} (the other ranks wait in a collective while a rank scores); raise it "
-            "or lower reward.timeout_s"
+            f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= 2 x reward.timeout_s + "
+            f"{REWARD_WAIT_MARGIN_S} = {need:g} (the other ranks wait in a collective while a rank scores, re-scoring "
+            "included); raise it or lower reward.timeout_s"
         )
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
@@ -213,13 +215,14 @@ def check_inputs(cfg: MegarlConfig, skip: frozenset[str] = frozenset()) -> None:
     """The reward function and the data files, checked before any process starts (ConfigError names the fix).
     ``skip``: paths not to look at (the launch host cannot see them)."""
     from megarl.data import DataError, check_files
-    from megarl.rewards import RewardFailure, RewardLoadError
+    from megarl.rewards import RewardLoadError
+    from megarl.rewards.pool import RewardWorkerError
     from megarl.rewards.scorer import check_loads
 
     if _reward_file(cfg.reward.function) not in skip:
         try:
             check_loads(cfg.reward)
-        except (RewardLoadError, RewardFailure) as e:
+        except (RewardLoadError, RewardWorkerError) as e:
             raise ConfigError(f"reward.function: {e}") from None
     d = cfg.data
     if not d.train_files:

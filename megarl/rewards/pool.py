@@ -3,13 +3,15 @@ samples it was scoring, never the run.
 
 Each rank holds a ``RewardPool`` of ``reward.num_workers`` processes (``megarl.rewards.worker``). Each loads the
 function from its spec string, dies with the rank (``PR_SET_PDEATHSIG``), ignores the stop signals and leads its own
-process group, so killing it also kills what it started (a sandbox, a judge client's helpers).
+process group, so killing it also kills what it started (a sandbox, a judge client's helpers). A watchdog in that
+group kills it when the rank's end of a pipe closes: what the reward started dies with the rank too.
 
 ``score`` gives each worker one contiguous chunk of the batch. A chunk whose call raises (``SystemExit`` included),
 returns the wrong number of values, runs past ``reward.timeout_s`` or kills its worker is re-scored sample by sample,
 each call under the same timeout, so only the offending samples fail. A worker that timed out, died or raised
 ``SystemExit`` is replaced by a fresh one. One ``score`` call ends within ``budget_s`` (the other ranks wait for it
-in a collective): samples still unscored then fail as timeouts.
+in a collective): samples still unscored then fail as timeouts. A pool is used from the thread that created it (the
+rank's main thread: a worker dies with the thread that started it).
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
 import megarl
 from megarl.rewards.registry import RewardLoadError
-from megarl.rewards.score import ERROR, TIMEOUT, Failure, Outcome, RewardFailure, ScoreResult, assemble, check_inputs
+from megarl.rewards.score import ERROR, TIMEOUT, Failure, Outcome, ScoreResult, assemble, check_inputs
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start and import the reward's module."""
@@ -47,11 +50,12 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _how_it_ended(proc: subprocess.Popen) -> str:
-    code = proc.wait()
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit status {code}"
+def _how_it_ended(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker could not start (its module hangs or crashes on import): this rank cannot score."""
 
 
 class _Task:
@@ -67,24 +71,42 @@ class _Worker:
 
     def __init__(self, spec: str):
         mine, theirs = socket.socketpair()
-        with theirs:
+        lifeline, self.lifeline = os.pipe()  # the worker's watchdog reads; only this process (and its forks) writes
+        try:
+            cmd = [sys.executable, "-m", "megarl.rewards.worker", spec, str(theirs.fileno()), str(lifeline),
+                   str(os.getpid())]  # fmt: skip
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megarl.rewards.worker", spec, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env(), process_group=0,
+                cmd, pass_fds=(theirs.fileno(), lifeline), stdin=subprocess.DEVNULL, env=_worker_env(),
+                process_group=0,
             )  # fmt: skip
+        except BaseException:
+            os.close(self.lifeline)
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(lifeline)
         self.conn = Connection(mine.detach())
+        self.exited = os.pidfd_open(self.proc.pid)
+        """Readable once the process ended (the socket may stay open in what the reward forked)."""
         self.ready = False
         self.task: _Task | None = None
         self.start_deadline = time.monotonic() + START_TIMEOUT_S
+        self.code: int | None = None
 
-    def kill(self) -> None:
-        """SIGKILL it and its process group (what the reward started), reap it, close the socket."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.conn.close()
+    def kill(self) -> int:
+        """SIGKILL it and its process group (what the reward started), reap it (first: a zombie keeps its pid, so the
+        group is not reused), close its descriptors; its exit status."""
+        if self.code is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.code = self.proc.wait()
+            for fd in (self.exited, self.lifeline):
+                os.close(fd)
+            self.conn.close()
+        return self.code
 
 
 class RewardPool:
@@ -97,8 +119,11 @@ class RewardPool:
         self.spec, self.timeout_s, self.budget_s = spec, timeout_s, budget_s
         self.restarts = 0
         """Workers replaced after a timeout, a death or a SystemExit."""
-        self.workers = [_Worker(spec) for _ in range(num_workers)]
+        self.thread = threading.current_thread()
+        self.workers: list[_Worker] = []
         try:
+            for _ in range(num_workers):
+                self.workers.append(_Worker(spec))
             while not all(w.ready for w in self.workers):
                 self._wait([w for w in self.workers if not w.ready], time.monotonic() + START_TIMEOUT_S, None)
         except BaseException:
@@ -109,26 +134,36 @@ class RewardPool:
         return f"{self.spec} in {len(self.workers)} worker process(es) per rank, {self.timeout_s:g} s per call"
 
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
-        """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome never
-        depends on which worker scored it, or on what else failed."""
+        """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome does not
+        depend on which worker scored it (unless the budget ran out)."""
+        if threading.current_thread() is not self.thread:
+            raise RuntimeError("a RewardPool scores on the thread that created it (its workers die with that thread)")
         check_inputs(prompts, responses, ground_truths, extras)
         run = _Run((prompts, responses, ground_truths, extras), len(self.workers))
         end = time.monotonic() + self.budget_s if self.budget_s else float("inf")
-        while run.queue or any(w.task for w in self.workers):
-            now = time.monotonic()
-            if now >= end:
-                self._give_up(run)
-                break
-            for w in self.workers:
-                if w.ready and w.task is None and run.queue:
-                    self._send(w, run.queue.popleft(), run)
-            busy = [w for w in self.workers if w.task or not w.ready]
-            self._wait(busy, end, run)
+        try:
+            while run.queue or any(w.task for w in self.workers):
+                now = time.monotonic()
+                if now >= end:
+                    self._give_up(run)
+                    break
+                for w in self.workers:
+                    if w.ready and w.task is None and run.queue:
+                        self._send(w, run.queue.popleft(), run)
+                busy = [w for w in self.workers if w.task or not w.ready]
+                self._wait(busy, end, run)
+        except BaseException:  # interrupted (Ctrl-C): no call of this batch may answer into the next one
+            for w in list(self.workers):
+                if w.task is not None:
+                    self._replace(w)
+            raise
         return assemble(run.outcomes, prompts)
 
     def _send(self, w: _Worker, task: _Task, run: _Run) -> None:
         args = run.args
         try:
+            if w.proc.poll() is not None:
+                raise OSError("the worker is gone")
             w.conn.send(tuple([a[i] for i in task.indices] for a in args))
         except OSError:  # it died while idle (an OOM kill): nothing ran, send it again
             run.queue.appendleft(task)
@@ -140,29 +175,31 @@ class RewardPool:
     def _wait(self, workers: list[_Worker], end: float, run: _Run | None) -> None:
         """Wait until a worker answers, or a deadline (a call's, a start's, ``end``) passes; handle what happened."""
         wake = min([end] + [w.task.deadline if w.task else w.start_deadline for w in workers])
-        answered = wait([w.conn for w in workers], timeout=max(0.0, wake - time.monotonic()))
+        ready = wait([w.conn for w in workers] + [w.exited for w in workers], timeout=max(0.0, wake - time.monotonic()))
         now = time.monotonic()
         for w in workers:
-            if w.conn in answered:
+            if w.conn in ready or w.exited in ready:
                 self._receive(w, run)
             elif w.task and now >= w.task.deadline:
                 task = w.task
                 self._replace(w)
                 run.failed(task, Failure(TIMEOUT, f"timed out after {self.timeout_s:g} s (reward.timeout_s)"))
             elif not w.ready and now >= w.start_deadline:
-                raise RewardFailure(
+                raise RewardWorkerError(
                     f"a reward worker did not load {self.spec!r} within {START_TIMEOUT_S:g} s; does importing its "
                     "module hang?"
                 )
 
     def _receive(self, w: _Worker, run: _Run | None) -> None:
         try:
+            if not w.conn.poll():  # the process ended and said nothing more
+                raise EOFError
             message = w.conn.recv()
         except (EOFError, OSError):  # it died: os._exit, a segfault, the OOM killer
-            how = _how_it_ended(w.proc)
+            how = _how_it_ended(w.kill())
             task = w.task
             if not w.ready:
-                raise RewardFailure(
+                raise RewardWorkerError(
                     f"a reward worker exited ({how}) while loading {self.spec!r}; see its output above"
                 ) from None
             self._replace(w)

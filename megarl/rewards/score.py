@@ -18,7 +18,8 @@ ERROR, TIMEOUT = "error", "timeout"
 
 
 class RewardFailure(RuntimeError):
-    """The reward cannot go on (its workers cannot start, or too many samples failed); the message says why."""
+    """Too many of a step's samples failed to score (``reward.stop_on_error_fraction``): every rank sees the same
+    gathered scores and stops at once; the message holds the first failure."""
 
 
 @dataclass(frozen=True)

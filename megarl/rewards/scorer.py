@@ -52,7 +52,7 @@ def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProce
 
 def check_loads(cfg: RewardConfig) -> None:
     """Load the reward the way the run will (a user's function in one worker process: an import that hangs, exits
-    or crashes cannot take this process with it); RewardLoadError or RewardFailure says why it does not."""
+    or crashes cannot take this process with it); RewardLoadError or RewardWorkerError says why it does not."""
     if in_workers(cfg):
         RewardPool(cfg.function, num_workers=1, timeout_s=cfg.timeout_s).close()
     else:

@@ -1,9 +1,11 @@
 """One reward worker process, started by ``megarl.rewards.pool.RewardPool``:
 
-    python -m megarl.rewards.worker SPEC FD PARENT_PID
+    python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID
 
 It dies with its parent (the rank), ignores the stop signals (the rank decides when the run stops: a SLURM
-preemption signals every process of the job), loads the function ``SPEC`` names, says ``("ready",)`` on the socket
+preemption signals every process of the job; a no-op handler, so that what the reward starts gets the default
+handling back), forks a watchdog that kills this process group when the rank's end of the pipe ``LIFELINE`` closes
+(what the reward started dies with the rank), loads the function ``SPEC`` names, says ``("ready",)`` on the socket
 ``FD``, then answers each ``(prompts, responses, ground_truths, extras)`` request with ``("done", outcomes)`` or
 ``("raised", failure, fatal)`` until the socket closes. ``fatal``: the call raised something that is not an
 ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the pool replaces this process. The user's prints go to the
@@ -11,6 +13,7 @@ rank's stdout and stderr; the protocol has its own socket."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -22,19 +25,37 @@ from megarl.rewards.score import call, outcome, raised
 
 
 def answer(fn, request: tuple) -> tuple:
-    """The reply to one scoring request."""
+    """The reply to one scoring request (a value whose conversion raises is the call's failure too)."""
     try:
-        values = call(fn, *request)
+        return ("done", [outcome(v) for v in call(fn, *request)])
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are the user's too
         return ("raised", raised(), not isinstance(e, Exception))
-    return ("done", [outcome(v) for v in values])
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+def start_watchdog(lifeline: int, others: list[int]) -> None:
+    """Fork a process of this group that SIGKILLs the whole group once every write end of ``lifeline`` is closed:
+    the rank ended (this worker dies with it by PR_SET_PDEATHSIG; what the reward started would not)."""
+    if os.fork() == 0:
+        try:
+            for fd in others:
+                os.close(fd)
+            while os.read(lifeline, 1):
+                pass
+        finally:
+            os.killpg(0, signal.SIGKILL)
+    os.close(lifeline)
 
 
 def main(argv: list[str]) -> int:
-    spec, fd, parent = argv[0], int(argv[1]), int(argv[2])
+    spec, fd, lifeline, parent = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent)
     for s in (signal.SIGINT, *STOP_SIGNALS):
-        signal.signal(s, signal.SIG_IGN)
+        signal.signal(s, _ignore)
+    start_watchdog(lifeline, [fd])
     conn = Connection(fd)
     try:
         fn = load_reward_fn(spec)

@@ -208,7 +208,6 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 
-    rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
     tracker = Tracker(
         cfg.logging,
         out_dir,
@@ -221,6 +220,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     )
     tracker.write_text("config.yaml", to_yaml(cfg))
     state.wandb_run_id = tracker.run_id
+    rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)  # last
     job = Job(
         cfg=cfg,
         source=source,

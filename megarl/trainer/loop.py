@@ -40,8 +40,8 @@ def train(cfg, spec, source, engine=None) -> Job:
     A SIGTERM/SIGUSR1 stops it at the next step boundary, after a save; ``job.stopped_by`` then names the signal."""
     job, state = build_job(cfg, spec, source, engine=engine)
     t = cfg.trainer
-    job.offloader.offload()  # the engine is awake: generation comes first
     with job.rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
+        job.offloader.offload()  # the engine is awake: generation comes first
         for step in range(state.step + 1, t.total_steps + 1):
             metrics = rl_step(job, state, step)
             if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
