@@ -43,16 +43,17 @@ def test_torchrun_command_for_node_1_of_2():
     ]  # fmt: skip
 
 
-def test_torchrun_dry_run_prints_the_command(capsys, monkeypatch):
+def test_torchrun_dry_run_prints_the_command(capsys, monkeypatch, tiny_llama_dir):
     monkeypatch.chdir(REPO)  # a relative recipe reaches the ranks as an absolute path
+    model = f"model.path={tiny_llama_dir}"
     argv = ["configs/tiny_grpo.yaml", "--nnodes", "2", "--node-rank", "0", "actor.parallel.tp=2", "--master-addr",
-            "10.0.0.1", "actor.parallel.dp=2", "--dry-run"]  # fmt: skip
+            "10.0.0.1", "actor.parallel.dp=2", model, "--dry-run"]  # fmt: skip
     rc, out, err = _launch(capsys, "torchrun", *argv)
     assert rc == 0, err
     argv = shlex.split(out)
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in argv and "--node-rank=0" in argv and "--master-addr=10.0.0.1" in argv
-    assert argv[-4:] == ["train", RECIPE, *TP2_DP2]  # overrides after options reach the ranks
+    assert argv[-5:] == ["train", RECIPE, *TP2_DP2, model]  # overrides after options reach the ranks
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_torchrun_refuses_before_starting_anything(capsys, args, message):
     assert message in err, err
 
 
-def test_torchrun_launch_exits_75_after_a_stop(capsys, monkeypatch, tmp_path):
+def test_torchrun_launch_exits_75_after_a_stop(capsys, monkeypatch, tmp_path, tiny_llama_dir):
     """The ranks stopped after a save (STOPPED in trainer.output_dir, torchrun exit 0): status 75, requeue me."""
     ran = []
 
@@ -97,7 +98,8 @@ def test_torchrun_launch_exits_75_after_a_stop(capsys, monkeypatch, tmp_path):
         return 0
 
     monkeypatch.setattr(torchrun_launcher.lifetime, "supervise", ranks_stop)
-    args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", *TP2_DP2, f"trainer.output_dir={tmp_path}"]
+    args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", *TP2_DP2, f"model.path={tiny_llama_dir}",
+            f"trainer.output_dir={tmp_path}"]  # fmt: skip
     rc, out, err = _launch(capsys, "torchrun", RECIPE, *args)
     assert rc == 75 and len(ran) == 1 and ran[0][-1] == f"trainer.output_dir={tmp_path}", err
     assert out.startswith("[megarl] node 1/2: ") and "--node-rank=1" in out
@@ -111,12 +113,14 @@ def _script(**kw) -> str:
 
 def test_sbatch_script_content(tmp_path):
     env_file = tmp_path / "cluster.env"
-    env_file.write_text("# cluster A\nNCCL_IB_HCA=mlx5_0,mlx5_1\n\nexport NCCL_SOCKET_IFNAME='ib0'\n"
-                        "NCCL_IB_GID_INDEX=3\nNCCL_DEBUG=INFO\n")  # fmt: skip
+    env_file.write_text("# cluster A\nNCCL_IB_HCA=mlx5_0,mlx5_1\n\nexport NCCL_SOCKET_IFNAME='ib0'  # the IB port\n"
+                        "NCCL_IB_GID_INDEX=3 # RoCE v2\nNCCL_DEBUG=INFO\n"
+                        'NCCL_TOPO_FILE="/etc/my topo.xml"\n')  # fmt: skip
     script = _script(
         nodes=2, gpus_per_node=2, partition="gpu", account="rl", time="04:00:00", signal_secs=120,
         log_dir=str(tmp_path / "logs"), env_file=str(env_file), job_name="grpo-8b", rdzv_port=29411,
-        network=NetworkEnv(nccl_ib_hca="mlx5_4", nccl_debug="WARN", extra=["NCCL_IB_TIMEOUT=22"]),
+        network=NetworkEnv(nccl_ib_hca="mlx5_4", nccl_debug="WARN",
+                           extra=["NCCL_IB_TIMEOUT=22", "WANDB_API_KEY=s3cr3t"]),
     )  # fmt: skip
     lines = script.splitlines()
     sbatch = [line for line in lines if line.startswith("#SBATCH")]
@@ -127,15 +131,18 @@ def test_sbatch_script_content(tmp_path):
     exports = dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
     assert exports == {
         "NCCL_IB_HCA": "mlx5_4",  # the flag over the file
-        "NCCL_SOCKET_IFNAME": "ib0",
+        "NCCL_SOCKET_IFNAME": "ib0",  # the env file read as a shell reads it: quotes, comments after a value
         "NCCL_IB_GID_INDEX": "3",
         "NCCL_DEBUG": "WARN",  # the flag over the file over the default
-        "NCCL_IB_TIMEOUT": "22",
+        "NCCL_TOPO_FILE": "'/etc/my topo.xml'",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    for key in ("NCCL_IB_TIMEOUT", "WANDB_API_KEY"):  # --env: named, never written (sbatch's environment has them)
+        assert any(line.startswith(f': "${{{key}?') and line.endswith(f"; export {key}") for line in lines), key
+    assert "s3cr3t" not in script and "=22" not in script
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     srun = script[script.index("srun ") : script.index("&\n")].replace("\\\n", " ")
     assert f"--output={tmp_path}/logs/%x-%j-node%n.log" in srun  # one log per node
@@ -197,6 +204,7 @@ def test_env_file_line_errors_name_the_line(tmp_path):
 # --- slurm: the generated script on a real cluster ---------------------------------------------------------------
 SLURM_DIR = os.environ.get("SLURM_TEST_DIR", "/tmp/megarl-slurm")
 STEPS = 30  # ~0.15 s each here: the stop request lands mid-run
+SECRET = "hunter2-not-on-disk"
 
 
 def _slurm_env() -> dict:
@@ -286,7 +294,7 @@ def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
          f"trainer.output_dir={out_dir}", "actor.parallel.tp=1", "actor.parallel.dp=2", "rollout.backend=hf",
          f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
          "logging.progress_bar=false", "data.train_batch_size=2", "actor.global_batch_size=16",
-         "rollout.sampling.max_new_tokens=4"],
+         "rollout.sampling.max_new_tokens=4", "--env", f"MEGARL_TEST_SECRET={SECRET}"],
         env=env, capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert submit.returncode == 0 and submit.stdout.strip().isdigit(), submit.stderr
@@ -349,4 +357,8 @@ def test_slurm_job_writes_one_log_per_node(preempted_job):
         assert f"[megarl] node {node} (" in logs[f"{name}-{job_id}-node{node}.log"]
     ranks_0 = [n for n, text in logs.items() if re.search(r"\[megarl\] \d+ steps in", text)]
     assert len(ranks_0) == 1 and ranks_0[0].endswith(("-node0.log", "-node1.log"))  # rank 0's lines: one node's log
-    assert (preempted_job["logs"] / f"{name}.sbatch").read_text().startswith("#!/bin/bash\n# megarl on SLURM")
+    script = preempted_job["logs"] / f"{name}.sbatch"
+    assert script.read_text().startswith("#!/bin/bash\n# megarl on SLURM")
+    # --env: not on disk, the script owner-only; the job saw it (the script's `${MEGARL_TEST_SECRET?}` check passed)
+    assert SECRET not in script.read_text() and ': "${MEGARL_TEST_SECRET?' in script.read_text()
+    assert script.stat().st_mode & 0o777 == 0o600

@@ -44,15 +44,18 @@ class NetworkEnv:
     nccl_debug: str | None = None
     """NCCL_DEBUG: WARN by default; INFO shows the transports NCCL chose."""
     extra: list[str] = field(default_factory=list)
-    """Any other ``KEY=VALUE`` to set on every node (``--env``, repeatable)."""
+    """Any other ``KEY=VALUE`` to set on every node (``--env``, repeatable; secrets welcome): never written into the
+    script, which names only the variable; ``--submit`` passes the values in the environment of ``sbatch``."""
 
     def as_env(self) -> dict[str, str]:
+        """The NCCL flags (written into the script)."""
         named = {"NCCL_IB_HCA": self.nccl_ib_hca, "NCCL_SOCKET_IFNAME": self.nccl_socket_ifname,
                  "NCCL_IB_GID_INDEX": self.nccl_ib_gid_index, "NCCL_DEBUG": self.nccl_debug}  # fmt: skip
-        env = {k: str(v) for k, v in named.items() if v is not None}
-        for item in self.extra:
-            env.update([parse_assignment(item, "--env")])
-        return env
+        return {k: str(v) for k, v in named.items() if v is not None}
+
+    def passed_env(self) -> dict[str, str]:
+        """The ``--env`` variables (kept out of the script)."""
+        return dict(parse_assignment(item, "--env") for item in self.extra)
 
 
 @dataclass(kw_only=True)
@@ -105,45 +108,71 @@ class SlurmOptions:
             raise LaunchError(f"--rdzv-port {self.rdzv_port} is not a TCP port (1..65535)")
         if self.job_name is not None and not re.fullmatch(r"[\w.+-]+", self.job_name):
             raise LaunchError(f"--job-name {self.job_name!r}: use letters, digits and . _ + - only")
+        for option, value in (("--partition", self.partition), ("--account", self.account), ("--time", self.time),
+                              ("--output", self.log_dir)):  # fmt: skip
+            sbatch_value(option, value)
 
     def name(self) -> str:
         stem = os.path.splitext(os.path.basename(self.recipe))[0]
         return self.job_name or "megarl-" + re.sub(r"[^\w.+-]", "_", stem)
 
 
+def sbatch_value(option: str, value: str | None) -> None:
+    """A value for an ``#SBATCH`` line (sbatch reads those lines itself, not a shell): no whitespace, nothing a
+    line could be ended or continued with."""
+    if value is not None and (not value or re.search(r"[\s\\'\"`$;]", value)):
+        raise LaunchError(
+            f"{option} {value!r}: an #SBATCH value cannot be empty or hold whitespace, quotes, '\\', '$', '`' or "
+            "';'; use a plain name or path"
+        )
+
+
 def parse_assignment(text: str, where: str) -> tuple[str, str]:
-    """``KEY=VALUE`` (an optional ``export`` and quotes around the value allowed)."""
-    key, sep, value = text.strip().removeprefix("export ").partition("=")
-    key, value = key.strip(), value.strip()
+    """``KEY=VALUE`` (``--env``): the value as given, verbatim."""
+    key, sep, value = text.partition("=")
     if not sep or not _KEY.fullmatch(key):
         raise LaunchError(f"{where}: expected KEY=VALUE, got {text.strip()!r}")
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        value = value[1:-1]
     return key, value
 
 
 def read_env_file(path: str) -> dict[str, str]:
-    """``KEY=VALUE`` lines; blank lines and ``#`` comments are skipped."""
+    """``KEY=VALUE`` lines read as a shell reads them (``export`` optional; quotes; ``#`` comments, also after a
+    value; blank lines skipped); one assignment per line."""
     try:
         with open(path) as f:
             lines = f.readlines()
     except OSError as e:
         raise LaunchError(f"--env-file {path}: {e.strerror or e}") from None
-    pairs = [parse_assignment(line, f"--env-file {path}:{n}") for n, line in enumerate(lines, 1)
-             if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
-    return dict(pairs)
+    env = {}
+    for number, line in enumerate(lines, 1):
+        where = f"--env-file {path}:{number}"
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as e:  # an unclosed quote
+            raise LaunchError(f"{where}: {e}") from None
+        if words[:1] == ["export"]:
+            words = words[1:]
+        if not words:
+            continue
+        if len(words) != 1:
+            raise LaunchError(f"{where}: expected KEY=VALUE, got {line.strip()!r} (quote a value with spaces)")
+        env.update([parse_assignment(words[0], where)])
+    return env
 
 
 def job_env(opts: SlurmOptions) -> dict[str, str]:
-    """Defaults < env file < flags."""
+    """What the script exports: defaults < env file < NCCL flags (``--env`` variables are not written)."""
     from_file = read_env_file(opts.env_file) if opts.env_file else {}
-    return {**DEFAULT_ENV, **from_file, **opts.network.as_env()}
+    passed = opts.network.passed_env()
+    return {k: v for k, v in {**DEFAULT_ENV, **from_file, **opts.network.as_env()}.items() if k not in passed}
 
 
-def env_block(env: dict[str, str]) -> str:
+def env_block(env: dict[str, str], passed: list[str]) -> str:
     unset = [f"# {k}: not set (NCCL's choice; set it in the env file or with --{k.lower().replace('_', '-')})"
              for k in CLUSTER_KEYS if k not in env]  # fmt: skip
-    return "\n".join([*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), *unset])
+    given = [f': "${{{k}?not set: megarl launch slurm --submit --env {k}=... passes it; else export it before '
+             f'sbatch}}"; export {k}' for k in passed]  # fmt: skip
+    return "\n".join([*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), *given, *unset])
 
 
 def sbatch_resources(opts: SlurmOptions) -> str:
@@ -172,16 +201,21 @@ def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) 
     """The sbatch script, after refusing a layout the nodes cannot hold or a resume setting requeues would break."""
     check_nodes(cfg, opts.nodes, opts.gpus_per_node, "--nodes", "--gpus-per-node")
     check_resume(cfg)
+    sbatch_value("--output", log_folder(opts, cfg))
+    sbatch_value("--chdir (the current directory)", os.getcwd())
+    if "\n" in opts.recipe:
+        raise LaunchError(f"recipe {opts.recipe!r}: a path with a newline")
     folder = os.path.dirname(os.path.abspath(templates.__file__))
     values = {
-        "RECIPE": opts.recipe,
+        "RECIPE": shlex.quote(opts.recipe),
         "JOB_NAME": opts.name(),
         "NODES": str(opts.nodes),
         "SBATCH_RESOURCES": sbatch_resources(opts),
         "LOG_DIR": log_folder(opts, cfg),
+        "LOG_DIR_QUOTED": shlex.quote(log_folder(opts, cfg)),
         "WORKDIR": os.getcwd(),
         "SIGNAL_SECS": str(opts.signal_secs),
-        "ENV": env_block(job_env(opts)),
+        "ENV": env_block(job_env(opts), sorted(opts.network.passed_env())),
         "STOPPED": shlex.quote(os.path.join(os.path.abspath(cfg.trainer.output_dir), STOPPED_FILE)),
         "RDZV_PORT": str(opts.rdzv_port),
         "CPUS_PER_TASK": str(opts.cpus_per_node) if opts.cpus_per_node else '"$SLURM_CPUS_ON_NODE"',
@@ -201,12 +235,17 @@ def fill(template: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
-def submit(script: str, path: str) -> str:
-    """Write ``script`` to ``path`` and submit it; the job id."""
-    with open(path, "w") as f:
+def submit(script: str, path: str, passed: dict[str, str]) -> str:
+    """Write ``script`` to ``path`` (owner-only) and submit it with ``passed`` in sbatch's environment (the job
+    inherits it: ``--export=ALL``); the job id."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(script)
     try:
-        out = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--export=ALL", path], capture_output=True, text=True,
+            env={**os.environ, **passed},
+        )  # fmt: skip
     except FileNotFoundError:
         raise LaunchError("--submit: sbatch is not on PATH (run on a SLURM login node, or print the script)") from None
     if out.returncode:
@@ -222,11 +261,15 @@ def launch(opts: SlurmOptions) -> int:
         print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)
     logs = log_folder(opts, cfg)
     os.makedirs(logs, exist_ok=True)  # SLURM does not create the folder of --output
+    passed = opts.network.passed_env()
     if not opts.submit:
         print(script, end="")
+        if passed:
+            print(f"megarl launch slurm: note: export {' '.join(sorted(passed))} before sbatch (--env values are not "
+                  "in the script)", file=sys.stderr)  # fmt: skip
         return 0
     path = os.path.join(logs, f"{opts.name()}.sbatch")
-    job_id = submit(script, path)
+    job_id = submit(script, path, passed)
     print(f"[megarl] submitted {path}; logs: {logs}/{opts.name()}-{job_id}-node<N>.log", file=sys.stderr)
     print(job_id)
     return 0
