@@ -25,9 +25,9 @@ def _records(n: int, seed: int = 0):
     for i in range(n):
         question = " ".join(rng.choice(words) for _ in range(45))
         answer = rng.randint(0, 10_000)
-        yield {"prompt": [{"role": "user", "content": question}],
-               "reward_model": {"ground_truth": str(answer)},
-               "extra_info": {"index": i, "solution": " ".join(rng.choice(words) for _ in range(55)) + f" #### {answer}"}}  # fmt: skip
+        solution = " ".join(rng.choice(words) for _ in range(55)) + f" #### {answer}"
+        yield {"prompt": [{"role": "user", "content": question}], "reward_model": {"ground_truth": str(answer)},
+               "extra_info": {"index": i, "solution": solution}}  # fmt: skip
 
 
 def main() -> None:
