@@ -83,7 +83,7 @@ def test_qwen_recipe_validates_with_dry_run(tmp_path):
     model = tmp_path / "qwen"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN25_7B))
-    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}}]
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}}] * 256
     for split in ("train", "test"):
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{split}.parquet")
     out = _megarl(
