@@ -346,7 +346,18 @@ def test_kl_penalty_rewards_vs_loop():
         [0.5 * (a - b) ** 2 * m for a, b, m in zip(ar, br, mr)] for ar, br, mr in zip(rows(logp), rows(ref), rows(mask))
     ]
     close(rewards, [[s - 0.3 * k for s, k in zip(sr, kr)] for sr, kr in zip(rows(scores), kls)])
-    assert kl_mean == pytest.approx(sum(map(sum, kls)) / 8, rel=1e-5)
+    lengths = [4, 1, 3]  # the adaptive controller sees the mean of per-sequence means (verl), not the token mean
+    assert kl_mean == pytest.approx(sum(sum(k) / n for k, n in zip(kls, lengths)) / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_have_finite_gradients_at_extreme_log_ratios(kind):
+    """|log-ratio| = 100 (a prompt or padding position's log-prob against a reference of 0): exp(100) overflows
+    float32; the gradient must stay finite (k3 clamps the log-ratio to +-20 before exp, as verl)."""
+    logp = torch.tensor([-100.0, 100.0, -0.5], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, -0.4])
+    (grad,) = torch.autograd.grad(kl_estimate(logp, ref, kind).sum(), logp)
+    assert torch.isfinite(grad).all(), grad
 
 
 def test_kl_controllers():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algos.advantages import masked_mean
-
 
 def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp
@@ -15,9 +13,14 @@ def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+LOG_RATIO_CLAMP = 20.0
+"""k3's log-ratio is clamped to +-this before ``exp`` (verl): exp(100) overflows float32, and the clamp on the result
+alone hides that in the forward while the backward computes 0 x inf = NaN."""
+
+
 def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     # Schulman's low-variance estimator exp(r) - r - 1, r = ref - logp; clamped because exp(r) explodes on outliers.
-    r = ref_logp - logp
+    r = (ref_logp - logp).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     return (torch.exp(r) - r - 1).clamp(min=-10, max=10)
 
 
@@ -39,9 +42,11 @@ def kl_penalty_rewards(
     coef: float,
     kind: str,
 ) -> tuple[torch.Tensor, float]:
-    """(token_scores - coef * KL on real tokens, masked token-mean KL: what the adaptive controller sees)."""
+    """(token_scores - coef * KL on real tokens, the mean over sequences of each sequence's token-mean KL: what the
+    adaptive controller sees, as in verl)."""
     kl = torch.where(mask_NR.bool(), kl_estimate(logp_NR, ref_logp_NR, kind), 0.0)
-    return token_scores_NR.float() - coef * kl, float(masked_mean(kl, mask_NR))
+    per_seq = kl.sum(-1) / mask_NR.sum(-1).clamp(min=1)
+    return token_scores_NR.float() - coef * kl, float(per_seq.mean())
 
 
 class FixedKLController:

@@ -111,8 +111,9 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
             diff = (old - mb["rollout_logp"]).abs() * mask
             metrics["rollout/logprob_mismatch_mean"] = norm.token_mean(diff, mask)
             metrics["max/rollout/logprob_mismatch_max"] = diff.max().detach()
-        if actor.kl_loss_coef > 0:
-            kl_loss = norm.aggregate(kl_estimate(logp, mb["ref_logp"], actor.kl_loss_type), mask, actor.loss_agg_mode)
+        if actor.kl_loss_coef > 0:  # on response positions only: elsewhere ref_logp is 0, not a log-prob
+            ref = torch.where(mask.bool(), mb["ref_logp"], logp.detach())
+            kl_loss = norm.aggregate(kl_estimate(logp, ref, actor.kl_loss_type), mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss * norm.scale, metrics
