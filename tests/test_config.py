@@ -76,6 +76,15 @@ def test_missing_model_section():
         (["rollout.tp=3"], 2, "rollout.tp=3 does not divide the world size 2; use a tp in [1, 2]"),
         (["rollout.max_model_len=4096"], None, "rollout.max_model_len=4096 exceeds the model's"),
         (["rollout.sampling.max_new_tokens=1024"], None, "leaves no room for a prompt"),
+        (
+            [
+                "algorithm.overlong.enable=true",
+                "algorithm.overlong.buffer_len=200",
+                "rollout.sampling.max_new_tokens=128",
+            ],
+            None,
+            "algorithm.overlong.buffer_len=200 exceeds rollout.sampling.max_new_tokens=128",
+        ),
     ],
 )
 def test_cross_field_errors(recipe, overrides, world, message):
@@ -127,3 +136,17 @@ def test_all_errors_reported_at_once(recipe):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert "actor.parallel.tp=8" in str(e.value) and "actor.parallel.pp=3" in str(e.value)
+
+
+def test_gspo_is_a_mean_over_sequences(recipe):
+    """GSPO's policy loss is aggregated seq-mean-token-mean whatever the default; another explicit mode is refused."""
+    gspo = load_config(recipe, ["actor.policy_loss=gspo"]).actor
+    assert gspo.pg_agg_mode == "seq-mean-token-mean" and gspo.agg_mode == "token-mean"  # entropy and KL: as set
+    assert load_config(recipe, []).actor.pg_agg_mode == "token-mean"
+    ok = load_config(recipe, ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]).actor
+    assert ok.pg_agg_mode == ok.agg_mode == "seq-mean-token-mean"
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe, ["actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"])
+    assert "actor.loss_agg_mode: 'token-mean' with policy_loss=gspo: GSPO's objective is a mean over sequences" in str(
+        e.value
+    )

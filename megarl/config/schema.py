@@ -119,12 +119,13 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_TYPES = ("k1", "k2", "k3")
 
 
-def _check_update_shape(cfg) -> None:
+def _check_update_shape(cfg, allow_empty: bool = False) -> None:
     """Micro-batching, epochs and aggregation: the fields actor and critic share."""
     _require(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     _require(cfg.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
     _require(cfg.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
-    _require(cfg.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+    modes = ("", *LOSS_AGG_MODES) if allow_empty else LOSS_AGG_MODES
+    _require(cfg.loss_agg_mode in modes, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
 
 
 @dataclass(kw_only=True)
@@ -154,9 +155,11 @@ class ActorConfig:
     """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
     clip_ratio_c: float = 3.0
     """Dual clip for negative advantages: the loss is bounded by clip_ratio_c x |A| (must be > 1)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = ""
     """How per-token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean or
-    seq-mean-token-sum-norm (Dr. GRPO). Always over the whole mini-batch across micro-batches and DP ranks."""
+    seq-mean-token-sum-norm (Dr. GRPO). Always over the whole mini-batch across micro-batches and DP ranks. Empty:
+    token-mean. With policy_loss=gspo the policy loss is always seq-mean-token-mean (GSPO's objective is a mean over
+    sequences); another mode set here is refused."""
     loss_agg_norm_len: int = 0
     """seq-mean-token-sum-norm's constant length; 0 means rollout.sampling.max_new_tokens."""
     entropy_coeff: float = 0.0
@@ -166,8 +169,24 @@ class ActorConfig:
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1, k2 or k3 (low-variance)."""
 
+    @property
+    def agg_mode(self) -> str:
+        """The aggregation of the entropy and KL terms (and of the PPO policy loss)."""
+        return self.loss_agg_mode or "token-mean"
+
+    @property
+    def pg_agg_mode(self) -> str:
+        """The policy loss's aggregation: GSPO's is a mean over sequences of each sequence's term (as verl)."""
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else self.agg_mode
+
     def __post_init__(self):
-        _check_update_shape(self)
+        _check_update_shape(self, allow_empty=True)
+        _require(
+            self.policy_loss != "gspo" or self.loss_agg_mode in ("", "seq-mean-token-mean"),
+            "loss_agg_mode",
+            f"{self.loss_agg_mode!r} with policy_loss=gspo: GSPO's objective is a mean over sequences "
+            "(seq-mean-token-mean); leave loss_agg_mode unset or set seq-mean-token-mean",
+        )
         _require(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
         _require(self.seq_length >= 2, "seq_length", "must be >= 2")
         losses = ("ppo", "gspo")

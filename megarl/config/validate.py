@@ -192,6 +192,12 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt; set "
             "rollout.sampling.n >= 2"
         )
+    over = cfg.algorithm.overlong
+    if over.enable and over.buffer_len > cfg.rollout.sampling.max_new_tokens:
+        errors.append(
+            f"algorithm.overlong.buffer_len={over.buffer_len} exceeds rollout.sampling.max_new_tokens="
+            f"{cfg.rollout.sampling.max_new_tokens}: the penalty would start before the first token; lower buffer_len"
+        )
     if cfg.algorithm.dynamic_sampling.enable and n < 2:
         errors.append("algorithm.dynamic_sampling needs groups: set rollout.sampling.n >= 2")
     if cfg.trainer.val_every and not cfg.data.val_files:

@@ -92,12 +92,12 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         is_w = rollout_is_weights(old, mb["rollout_logp"], mask, algo.rollout_is, algo.rollout_is_cap)
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
-        pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.loss_agg_mode)
+        pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
         with torch.set_grad_enabled(actor.entropy_coeff > 0 and torch.is_grad_enabled()):
             entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
         if actor.entropy_coeff > 0:
-            loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.loss_agg_mode)
+            loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.agg_mode)
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": norm.token_mean(pg["clipped"], mask),
@@ -113,7 +113,7 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
             metrics["max/rollout/logprob_mismatch_max"] = diff.max().detach()
         if actor.kl_loss_coef > 0:  # on response positions only: elsewhere ref_logp is 0, not a log-prob
             ref = torch.where(mask.bool(), mb["ref_logp"], logp.detach())
-            kl_loss = norm.aggregate(kl_estimate(logp, ref, actor.kl_loss_type), mask, actor.loss_agg_mode)
+            kl_loss = norm.aggregate(kl_estimate(logp, ref, actor.kl_loss_type), mask, actor.agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss * norm.scale, metrics
