@@ -116,8 +116,13 @@ def describe_checkpoint_root(job: Job, root: str) -> None:
 
 
 def skips_old_logprob(cfg: MegarlConfig) -> bool:
+    """One mini-batch and one epoch: the policy before the update is the current one, so the update's own forward
+    gives the old log-probs. Not with the KL in the reward (the penalty and its controller must see the trainer's
+    log-probs, not the engine's) nor with sequence-level rejection (it needs whole sequences' old log-probs before
+    the update's counts are formed)."""
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
-    return cfg.actor.ppo_epochs == 1 and one_minibatch
+    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask"
+    return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
 
 
 def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout):
@@ -254,4 +259,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         job.say(note)
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
+    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
+        why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
+        job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")
     return job, state
