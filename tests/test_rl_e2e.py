@@ -56,13 +56,14 @@ BASE_KEYS = [
 KL_KEYS = ["kl/ref_mean", "kl/coef"]
 CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_var",
                "critic/grad_norm"]  # fmt: skip
+KL_LOSS_KEYS = ["kl/ref_mean", "actor/kl_loss", "actor/kl_coef"]  # the KL as a loss (kl/coef: the in-reward one)
 EXPECTED = {
     "grpo": BASE_KEYS + ["val/reward/mean"],
-    "ppo": BASE_KEYS + KL_KEYS + CRITIC_KEYS + ["actor/kl_loss"],
-    "ppo_offload": BASE_KEYS + KL_KEYS + CRITIC_KEYS + ["actor/kl_loss"],
+    "ppo": BASE_KEYS + KL_LOSS_KEYS + CRITIC_KEYS,
+    "ppo_offload": BASE_KEYS + KL_LOSS_KEYS + CRITIC_KEYS,
     "rloo": BASE_KEYS,
     "reinforce_pp": BASE_KEYS + KL_KEYS,
-    "reinforce_pp_baseline": BASE_KEYS + KL_KEYS + ["actor/kl_loss"],
+    "reinforce_pp_baseline": BASE_KEYS + KL_LOSS_KEYS,
     "dapo": BASE_KEYS + ["reward/overlong_penalty_mean", "dynamic_sampling/gen_rounds"],
     "flaky": BASE_KEYS,
 }
@@ -175,6 +176,12 @@ def test_wandb_offline_run_holds_the_logged_keys(runs):
         for key, value in r.items():
             if key != "step":
                 assert h[key] == pytest.approx(value), key
+
+
+def test_the_kl_loss_and_the_in_reward_kl_have_their_own_coefficient_names(runs):
+    for name in ("ppo", "reinforce_pp_baseline"):  # a KL loss, no KL in the reward
+        assert all("actor/kl_coef" in r and "kl/coef" not in r for r in runs["rows"][name]), name
+    assert all("kl/coef" in r and "actor/kl_coef" not in r for r in runs["rows"]["reinforce_pp"])
 
 
 def test_ppo_from_a_megarl_checkpoint_starts_from_the_same_policy(runs):

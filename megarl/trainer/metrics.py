@@ -69,8 +69,8 @@ def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
     m.update(_model_metrics("actor", learned.actor))
     m.update(_model_metrics("critic", learned.critic))
     m.update(learned.kl)
-    if "kl/coef" not in m and cfg.actor.kl_loss_coef > 0:
-        m["kl/coef"] = cfg.actor.kl_loss_coef
+    if cfg.actor.kl_loss_coef > 0:  # the KL loss's coefficient; kl/coef is the in-reward one
+        m["actor/kl_coef"] = cfg.actor.kl_loss_coef
     if learned.old_logp is not None:
         diff = (_cat(learned.old_logp) - _cat(learned.rollout_logp)).abs()
         m["rollout/logprob_mismatch_mean"] = float(diff.mean())
