@@ -100,10 +100,10 @@ ABANDONED_DIR = "abandoned"
 
 
 def abandon_later(root: str, step: int) -> list[str]:
-    """A run resumed from ``iter_<step>`` of ``root`` (rolled back): move every later ``iter_N`` (complete or not)
-    to ``root/abandoned/`` so that pruning and ``resume=auto`` follow the new branch, and point ``latest`` at
-    ``iter_<step>``. Returns the new paths of the moved ones."""
-    later = sorted(n for n in os.listdir(root) if (m := _ITER.match(n.removesuffix(".tmp"))) and int(m.group(1)) > step)
+    """A run resumed from ``iter_<step>`` of ``root`` (rolled back): move every later ``iter_N`` to
+    ``root/abandoned/`` so that pruning and ``resume=auto`` follow the new branch, and point ``latest`` at
+    ``iter_<step>``. (Interrupted saves, ``iter_N.tmp``, are removed as always.) Returns the moved ones' new paths."""
+    later = sorted(n for n in os.listdir(root) if (m := _ITER.match(n)) and int(m.group(1)) > step)
     moved = []
     for name in later:
         target = os.path.join(root, ABANDONED_DIR, name)

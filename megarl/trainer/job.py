@@ -153,13 +153,15 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     start = plan_start(cfg, spec)
     root = checkpoints_root(out_dir)
     interrupted = sorted(glob.glob(os.path.join(root, "iter_*.tmp")))
-    rolled_back = start is not None and os.path.abspath(os.path.dirname(start.path)) == os.path.abspath(root)
+    explicit = cfg.trainer.resume not in ("auto", "never")  # auto takes the newest: nothing comes after it
+    rolled_back = (
+        explicit and start is not None and os.path.dirname(os.path.abspath(start.path)) == os.path.abspath(root)
+    )
     dist.barrier()  # every rank has read the checkpoints before rank 0 cleans up
     abandoned = []
     if rank == 0:
         if rolled_back:  # resumed from an older checkpoint of this run: its later ones are another branch
             abandoned = abandon_later(root, start.step)
-            interrupted = [p for p in interrupted if os.path.exists(p)]
         if start is None and cfg.trainer.overwrite:
             clear_previous_run(out_dir)
         for stale in interrupted:
