@@ -5,6 +5,7 @@ test of the suite compares (tests/test_lifetime.py)."""
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -32,6 +33,27 @@ def megarl_processes() -> dict[int, str]:
         except (psutil.Error, OSError):
             pass
     return found
+
+
+def tagged_processes(tag: str, select=lambda p: True) -> list[psutil.Process]:
+    """The live processes of one test's run (launcher, torchrun, ranks, helpers, reward workers: all inherit
+    ``MEGARL_TEST_RUN=tag``) that ``select`` keeps."""
+    procs = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("MEGARL_TEST_RUN") == tag and proc.status() != psutil.STATUS_ZOMBIE and select(proc):
+                procs.append(proc)
+        except (psutil.Error, OSError):
+            pass
+    return procs
+
+
+def alive_after(tag: str, within_s: float, select=lambda p: True) -> list[psutil.Process]:
+    """``tagged_processes`` still alive after up to ``within_s`` seconds of waiting for them to end."""
+    deadline = time.monotonic() + within_s
+    while tagged_processes(tag, select) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return tagged_processes(tag, select)
 
 
 def snapshot() -> dict:

@@ -16,11 +16,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import psutil
 import pytest
 import torch
 
 from megarl.trainer.resume import EXIT_PREEMPTED
+from tests.leftovers import alive_after
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
@@ -50,18 +50,6 @@ def _env(fault=None):
     if fault:
         env["MEGARL_FAULT"] = fault
     return env
-
-
-def _processes(tag):
-    """The live processes of one run (launcher, torchrun, ranks, helpers: all inherit the test's tag)."""
-    procs = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("MEGARL_TEST_RUN") == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                procs.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return procs
 
 
 def _shm():
@@ -111,12 +99,10 @@ def _run(cmd, fault=None, kill_launcher_after=None):
         except subprocess.TimeoutExpired:
             p.kill()
             rc = p.wait()
-        deadline = time.time() + 10
-        while _processes(tag) and time.time() < deadline:
-            time.sleep(0.1)
-        alive = [f"{q.pid} {' '.join(q.cmdline()[:6])}" for q in _processes(tag)]
+        left = alive_after(tag, 10)
+        alive = [f"{q.pid} {' '.join(q.cmdline()[:6])}" for q in left]
         shm_left = _shm() - before
-        for q in _processes(tag):  # only after looking: a leftover fails the test, and must not hang the next run
+        for q in left:  # only after looking: a leftover fails the test, and must not hang the next run
             q.kill()
         log.seek(0)
         return Run(None if killed else rc, log.read(), alive, shm_left)

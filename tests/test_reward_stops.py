@@ -11,9 +11,8 @@ import sys
 import time
 import uuid
 
-import psutil
-
 from megarl.trainer.resume import EXIT_PREEMPTED
+from tests.leftovers import alive_after
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 2
@@ -28,17 +27,8 @@ def _cmd(model, out, reward, *extra):
             *extra]  # fmt: skip
 
 
-def _workers_of(tag: str) -> list[str]:
-    """Reward workers of the run tagged ``tag`` still alive."""
-    alive = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("MEGARL_TEST_RUN") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                if "megarl.rewards.worker" in p.cmdline():
-                    alive.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
-        except psutil.Error:
-            pass
-    return alive
+def _is_worker(proc) -> bool:
+    return "megarl.rewards.worker" in proc.cmdline()
 
 
 def _start(cmd, log, **env):
@@ -56,12 +46,10 @@ def _finish(proc, tag, log):
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait()
-    deadline = time.monotonic() + 2
-    while _workers_of(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = _workers_of(tag)
-    for line in left:
-        os.kill(int(line.split()[0]), signal.SIGKILL)
+    workers = alive_after(tag, 2, select=_is_worker)
+    left = [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in workers]
+    for p in workers:
+        p.kill()
     return rc, open(log.name).read(), left
 
 

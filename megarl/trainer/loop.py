@@ -52,12 +52,11 @@ def train(cfg, spec, source, engine=None) -> Job:
             last = step == t.total_steps
             if stopping or (t.save_every and (step % t.save_every == 0 or last)):
                 save(job, state)
+            by = stop.signal_name or "a signal on another rank"
             if stopping and last:  # nothing left to resume: a complete run
-                job.say(
-                    f"{stop.signal_name or 'a signal on another rank'} during the last step: saved; the run is complete"
-                )
+                job.say(f"{by} during the last step: saved; the run is complete")
             elif stopping:
-                job.stopped_by = stop.signal_name or "a signal on another rank"
+                job.stopped_by = by
                 if job.rank == 0:
                     atomic_write(
                         os.path.join(t.output_dir, STOPPED_FILE), f"step {step}: stopped by {job.stopped_by}\n"
