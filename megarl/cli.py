@@ -63,10 +63,11 @@ def _cmd_train(args) -> int:
 
     lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
     from megarl.rewards import RewardFailure
+    from megarl.trainer.collect import DynamicSamplingExhausted
 
     try:
         run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
-    except RewardFailure as e:
+    except (RewardFailure, DynamicSamplingExhausted) as e:
         print(f"megarl: {e}", file=sys.stderr, flush=True)
         return 1
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
@@ -79,10 +80,11 @@ def _rank(train, *args) -> int:
     from megarl.launch import lifetime
     from megarl.parallel.init import describe_collective_timeout
     from megarl.rewards import RewardFailure
+    from megarl.trainer.collect import DynamicSamplingExhausted
 
     try:
         train(*args)
-    except RewardFailure as e:
+    except (RewardFailure, DynamicSamplingExhausted) as e:  # decided on gathered data: every rank stops alike
         if os.environ.get("RANK", "0") == "0":
             print(f"megarl: {e}", file=sys.stderr, flush=True)
         lifetime.finish_rank()  # an agreed stop, not a death: the other ranks are not killed

@@ -256,10 +256,15 @@ class DynamicSamplingConfig:
     enable: bool = False
     """Turn it on (needs rollout.sampling.n > 1)."""
     max_gen_batches: int = 4
-    """Generation rounds per step at most; then the step trains on what it has (said in the log)."""
+    """Generation rounds per step at most; a step still short of data.train_batch_size varied groups then stops the
+    run with an error naming the fix (as verl: uniform groups are never used to top the batch up)."""
+    metric: str = "acc"
+    """What must vary within a group: 'acc' (the reward's 'acc' field when it returns one, else its score before
+    shaping: DAPO filters on accuracy) or 'score' (the shaped reward trained on)."""
 
     def __post_init__(self):
         _require(self.max_gen_batches >= 1, "max_gen_batches", "must be >= 1")
+        _require(self.metric in ("acc", "score"), "metric", f"must be 'acc' or 'score', got {self.metric!r}")
 
 
 @dataclass(kw_only=True)

@@ -37,9 +37,11 @@ class Collected:
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     dropped_groups: int = 0
-    """Dynamic sampling: groups set aside because their rewards were all equal."""
-    filled_groups: int = 0
-    """Dynamic sampling: set-aside groups used to fill the batch after max_gen_batches rounds."""
+    """Dynamic sampling: generated groups not trained on (uniform in the filter's metric, or beyond the batch)."""
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """``max_gen_batches`` rounds did not give a full batch of varied groups (every rank sees the same groups)."""
 
 
 def _score(cfg: MegarlConfig, rewards, tokenizer, prompts: dict[int, Prompt], samples: list[Sample]):
@@ -72,14 +74,24 @@ class _Group:
     rewards: list[float]
     failed: list[str]
     extra: dict[str, list[float]]
+    metric: list[float]
+    """What dynamic sampling requires to vary (``algorithm.dynamic_sampling.metric``)."""
+
+
+def _filter_metric(dynamic, result, shaped: list[float]) -> list[float]:
+    """Per sample, what must vary within a group: the reward's 'acc' field, else its score before shaping ('acc');
+    or the shaped reward ('score')."""
+    if dynamic.metric == "score":
+        return shaped
+    return result.extra.get("acc", result.scores)
 
 
 def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer) -> Collected:
     """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups.
 
-    With dynamic sampling, groups whose rewards are all equal (no learning signal under group baselines) are set
-    aside and more prompts are generated, up to ``max_gen_batches`` rounds; if still short, the batch is filled
-    with set-aside groups (their advantages are zero) and ``dynamic_sampling/filled_groups`` says how many."""
+    With dynamic sampling (DAPO), groups whose ``dynamic_sampling.metric`` is the same for every sample carry no
+    signal under group baselines: they are set aside and more prompts are generated, up to ``max_gen_batches``
+    rounds; still short, the run stops (``DynamicSamplingExhausted``, naming the fix), as verl does."""
     want = cfg.data.train_batch_size
     dynamic = cfg.algorithm.dynamic_sampling
     out = Collected()
@@ -107,6 +119,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         out.errors += result.errors
         out.timeouts += result.timeouts
         out.first_error = out.first_error or result.first_error
+        metric = _filter_metric(dynamic, result, shaped)
         for idx, prompt in by_index.items():
             rows = [i for i, s in enumerate(samples) if s.prompt_index == idx]
             group = _Group(
@@ -117,14 +130,21 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
                 [shaped[i] for i in rows],
                 [result.failed[i] for i in rows],
                 {k: [v[i] for i in rows] for k, v in result.extra.items()},
+                [metric[i] for i in rows],
             )
-            informative = not dynamic.enable or len(set(group.rewards)) > 1
+            informative = not dynamic.enable or len(set(group.metric)) > 1
             (kept if informative else spare).append(group)
         if len(kept) >= want:
             break
-    out.dropped_groups = len(spare)
-    out.filled_groups = max(0, want - len(kept))
-    for g in sorted(kept[:want] + spare[: out.filled_groups], key=lambda g: g.index):
+    if len(kept) < want:
+        raise DynamicSamplingExhausted(
+            f"dynamic sampling: {len(kept)} of data.train_batch_size={want} prompt groups had a varied "
+            f"{dynamic.metric} after {out.rounds} generation rounds (algorithm.dynamic_sampling.max_gen_batches="
+            f"{dynamic.max_gen_batches}); the prompts are too easy or too hard for this policy: raise max_gen_batches "
+            "or change the data"
+        )
+    out.dropped_groups = len(spare) + len(kept) - want
+    for g in sorted(kept[:want], key=lambda g: g.index):
         out.prompts[g.index] = g.prompt
         out.samples += g.samples
         out.scores += g.scores

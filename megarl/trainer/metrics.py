@@ -65,7 +65,6 @@ def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
     if cfg.algorithm.dynamic_sampling.enable:
         m["dynamic_sampling/gen_rounds"] = float(batch.rounds)
         m["dynamic_sampling/dropped_groups"] = float(batch.dropped_groups)
-        m["dynamic_sampling/filled_groups"] = float(batch.filled_groups)
     m.update(_model_metrics("actor", learned.actor))
     m.update(_model_metrics("critic", learned.critic))
     m.update(learned.kl)

@@ -1,0 +1,87 @@
+"""Dynamic sampling in ``megarl.trainer.collect`` with a fake engine and reward (the rollout and the scoring
+collectives replaced by plain functions): what is filtered, on which metric, the order of the kept groups, the
+metrics, and the stop when ``max_gen_batches`` rounds do not fill the batch."""
+
+import pytest
+
+from megarl.config import load_config
+from megarl.data import Prompt
+from megarl.rewards.score import ScoreResult
+from megarl.rollout.protocol import RolloutStats, Sample
+from megarl.trainer import collect as collect_module
+from megarl.trainer.collect import DynamicSamplingExhausted, collect
+from megarl.trainer.timer import PhaseTimer
+
+N = 4  # samples per prompt
+
+
+class Sampler:
+    def __init__(self, texts):
+        self.texts, self.at = texts, 0
+
+    def take(self, k):
+        out = [
+            Prompt(index=self.at + i, prompt_ids=[1], prompt_text=t)
+            for i, t in enumerate(self.texts[self.at : self.at + k])
+        ]
+        self.at += k
+        return out
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _fake(monkeypatch, scores_by_prompt, acc_by_prompt=None):
+    """Prompt text -> the n scores its samples get (and optional 'acc' fields)."""
+
+    def rollout(engine, prompt_ids, *, step, sampling, first_index=0):
+        samples = [Sample(first_index + p, j, [1], [7, 7], [-0.5, -0.5], "stop", 0)
+                   for p in range(len(prompt_ids)) for j in range(N)]  # fmt: skip
+        return samples, RolloutStats(1.0, len(samples))
+
+    def score_on_ranks(rewards, prompts, responses, ground_truths, extras):
+        scores = [scores_by_prompt[p][i % N] for i, p in enumerate(prompts)]
+        extra = {"acc": [acc_by_prompt[p][i % N] for i, p in enumerate(prompts)]} if acc_by_prompt else {}
+        return ScoreResult(scores=scores, failed=[""] * len(scores), extra=extra)
+
+    monkeypatch.setattr(collect_module, "rollout", rollout)
+    monkeypatch.setattr(collect_module, "score_on_ranks", score_on_ranks)
+
+
+def _cfg(*overrides):
+    return load_config(None, ["model.path=x", "data.train_batch_size=2", f"rollout.sampling.n={N}",
+                              "algorithm.dynamic_sampling.enable=true", *overrides])  # fmt: skip
+
+
+def _collect(cfg, texts):
+    return collect(cfg, None, Sampler(texts), None, Tokenizer(), step=1, timer=PhaseTimer())
+
+
+VARIED, SAME = [0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]
+
+
+def test_uniform_groups_are_set_aside_and_more_prompts_generated(monkeypatch):
+    _fake(monkeypatch, {"a": SAME, "b": VARIED, "c": SAME, "d": VARIED, "e": VARIED})
+    out = _collect(_cfg(), ["a", "b", "c", "d", "e"])
+    assert [out.prompts[s.prompt_index].prompt_text for s in out.samples[::N]] == ["b", "d"]  # in generation order
+    assert out.rounds == 2 and out.dropped_groups == 2  # a and c (round 1 and 2 took 2 prompts each)
+    assert out.scores == VARIED + VARIED and out.rewards == out.scores
+
+
+def test_the_filter_reads_the_acc_field_not_the_shaped_reward(monkeypatch):
+    """Scores differ (partial credit) but accuracy is all 1: the group carries no accuracy signal (DAPO)."""
+    partial = [0.9, 1.0, 0.8, 1.0]
+    _fake(monkeypatch, {"a": partial, "b": VARIED, "c": VARIED}, acc_by_prompt={"a": SAME, "b": VARIED, "c": VARIED})
+    out = _collect(_cfg(), ["a", "b", "c"])
+    assert [out.prompts[s.prompt_index].prompt_text for s in out.samples[::N]] == ["b", "c"]
+    out = _collect(_cfg("algorithm.dynamic_sampling.metric=score"), ["a", "b", "c"])  # the shaped reward varies
+    assert [out.prompts[s.prompt_index].prompt_text for s in out.samples[::N]] == ["a", "b"]
+
+
+def test_too_few_varied_groups_stop_the_run_instead_of_topping_up(monkeypatch):
+    _fake(monkeypatch, {"a": SAME, "b": VARIED, "c": SAME, "d": SAME})
+    with pytest.raises(DynamicSamplingExhausted, match=r"1 of data.train_batch_size=2 prompt groups had a varied acc "
+                                                       r"after 2 generation rounds .*max_gen_batches=2"):  # fmt: skip
+        _collect(_cfg("algorithm.dynamic_sampling.max_gen_batches=2"), ["a", "b", "c", "d"])
