@@ -113,7 +113,7 @@ def _worker(hf_dir: str, engine_dir: str, num_prompts: int, new_tokens: int, rep
         for step in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            out, _ = rollout(engine, prompts, step=step, sampling=sampling)
+            out, _ = rollout(engine, prompts, step=step, sampling=sampling, seed=0)
             seconds = time.perf_counter() - start
             samples.append((sum(len(s.token_ids) for s in out) / seconds, seconds))
         throughput[label] = {"tokens_per_s": statistics.median(s[0] for s in samples),

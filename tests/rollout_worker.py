@@ -88,7 +88,7 @@ def main(args: dict) -> None:
         for temperature in (1.0, 0.7):
             torch.manual_seed(1000 * rank + 17)  # global RNGs differ on every rank before the call
             sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=8, seed=5)
-            samples, stats = rollout(engine, prompts, step=version, sampling=sampling)
+            samples, stats = rollout(engine, prompts, step=version, sampling=sampling, seed=0)
             mine = samples_for_dp_rank(samples, dp_rank, dp)
             entry = {
                 "engine": name,
@@ -113,7 +113,7 @@ def main(args: dict) -> None:
     # an actor update that is not synced: the mismatch metric must flag it
     train_once(2)
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=5)
-    samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling)
+    samples, _ = rollout(engines["vllm"], prompts, step=2, sampling=sampling, seed=0)
     mine = samples_for_dp_rank(samples, dp_rank, dp)
     out["stale"] = logprob_mismatch([s.logprobs for s in mine], recompute(mine, 1.0))
 

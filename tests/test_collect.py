@@ -36,7 +36,7 @@ class Tokenizer:
 def _fake(monkeypatch, scores_by_prompt, acc_by_prompt=None):
     """Prompt text -> the n scores its samples get (and optional 'acc' fields)."""
 
-    def rollout(engine, prompt_ids, *, step, sampling, first_index=0):
+    def rollout(engine, prompt_ids, *, step, sampling, seed, first_index=0):
         samples = [Sample(first_index + p, j, [1], [7, 7], [-0.5, -0.5], "stop", 0)
                    for p in range(len(prompt_ids)) for j in range(N)]  # fmt: skip
         return samples, RolloutStats(1.0, len(samples))
@@ -85,3 +85,40 @@ def test_too_few_varied_groups_stop_the_run_instead_of_topping_up(monkeypatch):
     with pytest.raises(DynamicSamplingExhausted, match=r"1 of data.train_batch_size=2 prompt groups had a varied acc "
                                                        r"after 2 generation rounds .*max_gen_batches=2"):  # fmt: skip
         _collect(_cfg("algorithm.dynamic_sampling.max_gen_batches=2"), ["a", "b", "c", "d"])
+
+
+class RecordingEngine:
+    """One engine on one rank that answers every request and records the request seeds it was given."""
+
+    tp = 1
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, prompts, prompt_indices, seeds, sampling):
+        self.seeds += seeds
+        samples = [Sample(i, j, p, [7, 7], [-0.5, -0.5], "stop", 0)
+                   for p, i in zip(prompts, prompt_indices) for j in range(sampling.n)]  # fmt: skip
+        return samples, RolloutStats(1.0, len(samples))
+
+
+def _request_seeds(monkeypatch, *overrides):
+    """The request seeds of one real ``rollout`` of a one-rank world (the collectives made local)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, **kw: out.__setitem__(0, obj))
+    monkeypatch.setattr(collect_module, "score_on_ranks", lambda rewards, prompts, *rest: ScoreResult(
+        scores=[0.0] * len(prompts), failed=[""] * len(prompts)))  # fmt: skip
+    engine = RecordingEngine()
+    cfg = load_config(None, ["model.path=x", "data.train_batch_size=2", f"rollout.sampling.n={N}", *overrides])
+    collect(cfg, engine, Sampler(["a", "b"]), None, Tokenizer(), step=1, timer=PhaseTimer())
+    return engine.seeds
+
+
+def test_trainer_seed_reaches_the_request_seeds_and_sampling_seed_is_an_offset(monkeypatch):
+    base = _request_seeds(monkeypatch, "trainer.seed=5")
+    assert len(set(base)) == 2  # one request per prompt (vLLM gives its n samples seed, seed + 1, ...)
+    assert _request_seeds(monkeypatch, "trainer.seed=6") != base  # another run seed samples differently
+    assert _request_seeds(monkeypatch, "trainer.seed=3", "rollout.sampling.seed=2") == base  # 3 + offset 2

@@ -492,7 +492,7 @@ class SamplingConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a sample (the tokenizer's EOS always does)."""
     seed: int = 0
-    """Base seed: request seeds derive from it, the step and the prompt's global index."""
+    """Offset added to trainer.seed: request seeds derive from the sum, the step and the prompt's global index."""
 
     def __post_init__(self):
         _require(self.n >= 1, "n", "must be >= 1")

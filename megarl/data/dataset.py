@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -320,9 +321,15 @@ class PromptDataset:
 # ---- sampling ----------------------------------------------------------------------------------------------------
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of ``epoch`` of a run seeded ``seed``: a hash of the pair (torch's CPU generator keeps 32 bits
+    of a seed), so epoch e of seed s does not shuffle like epoch 0 of seed s + e."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{epoch}".encode()).digest()[:4], "little")
+
+
 class PromptSampler:
-    """An endless stream over epochs; epoch ``e`` is the permutation seeded by ``seed + e`` (in order when not
-    shuffling). Its position is a plain dict, so a restored sampler continues exactly."""
+    """An endless stream over epochs; epoch ``e`` is the permutation seeded by ``epoch_seed(seed, e)`` (in order
+    when not shuffling). Its position is a plain dict, so a restored sampler continues exactly."""
 
     def __init__(self, dataset: PromptDataset, seed: int, shuffle: bool = True):
         if len(dataset) == 0:
@@ -345,7 +352,7 @@ class PromptSampler:
         n = len(self.dataset)
         if not self.shuffle:
             return list(range(n))
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch))).tolist()
 
     def take(self, k: int) -> list[Prompt]:
         """The next ``k`` prompts, crossing into the next epoch(s) when this one runs out."""

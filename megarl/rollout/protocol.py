@@ -120,10 +120,12 @@ def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
 
 
 def rollout(
-    engine, prompts: list[list[int]], *, step: int, sampling, first_index: int = 0
+    engine, prompts: list[list[int]], *, step: int, sampling, seed: int, first_index: int = 0
 ) -> tuple[list, RolloutStats]:
     """Collective over the world: every engine generates its slice of ``prompts``; every rank gets all samples,
     ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically).
+    Request seeds derive from ``seed`` (the run's ``trainer.seed``) + ``sampling.seed`` (an offset), the step and
+    the prompt.
 
     Prompt ``i`` gets the global index ``first_index + i`` (its samples' ``prompt_index`` and its seed), so several
     rounds of one step (dynamic sampling) never share seeds."""
@@ -132,7 +134,7 @@ def rollout(
     world, rank, rollout_tp = dist.get_world_size(), dist.get_rank(), engine.tp
     engines = engine_count(world, rollout_tp)
     mine = [first_index + i for i in prompt_slice(len(prompts), rank // rollout_tp, engines)]
-    seeds = [request_seed(sampling.seed, step, i, sampling.n) for i in mine]
+    seeds = [request_seed(seed + sampling.seed, step, i, sampling.n) for i in mine]
     samples, stats = engine.generate([prompts[i - first_index] for i in mine], mine, seeds, sampling)
     everyone = [None] * world
     dist.all_gather_object(everyone, (samples, stats))

@@ -107,6 +107,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
                 [p.prompt_ids for p in prompts],
                 step=step,
                 sampling=cfg.rollout.sampling,
+                seed=cfg.trainer.seed,
                 first_index=next_index,
             )
         next_index += len(prompts)

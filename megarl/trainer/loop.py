@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from megarl.algos import rollout_is_weights
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import checkpoints_root, save_training
 from megarl.logging.jsonl import write_rows
@@ -281,6 +282,9 @@ def learn(
                 scheduler=m.critic_sched,
             )
     with timer("update_actor"):
+        trained, rejected = None, {}
+        if cfg.algorithm.rollout_is == "seq_mask":  # decided on pi_old for whole sequences, before the update
+            trained, rejected = seq_mask_accepted(old_logp, rollout_logp, cfg.algorithm.rollout_is_cap)
         fields = {"advantages": adv, "rollout_logp": rollout_logp}
         if old_logp is not None:
             fields["old_logp"] = old_logp
@@ -301,7 +305,10 @@ def learn(
             micro_batch_size=a.micro_batch_size,
             norm_len=norm_len,
             scheduler=m.actor_sched,
+            trained=trained,
         )
+        if actor_metrics:  # not skipped
+            actor_metrics.update(rejected)
     return Learned(
         seqs,
         rollout_logp,
@@ -317,6 +324,19 @@ def learn(
     )
 
 
+def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], cap: float):
+    """``rollout_is=seq_mask``: which sequences stay in the actor's loss (pi_old / pi_rollout over the whole
+    response within [1/cap, cap]) and the rejection metrics."""
+    mask_NR = pad_rows([torch.ones(len(x)) for x in old_logp])
+    weights = rollout_is_weights(pad_rows(old_logp), pad_rows(rollout_logp), mask_NR, "seq_mask", cap)
+    accepted = (weights["weights"][:, 0] > 0).tolist()
+    metrics = {
+        "rollout/is_masked_frac": float(weights["masked"].sum() / mask_NR.sum().clamp(min=1)),
+        "rollout/is_rejected_seqs": 1.0 - sum(accepted) / max(len(accepted), 1),
+    }
+    return accepted, metrics
+
+
 def _applied(name: str, skipped: list[str], update, *args, **kwargs) -> dict[str, float]:
     """``update(*args, **kwargs)``'s metrics, or {} (and a note in ``skipped``) when it was not finite."""
     try:
@@ -329,7 +349,13 @@ def _applied(name: str, skipped: list[str], update, *args, **kwargs) -> dict[str
 def validate(job: Job, step: int) -> dict[str, float]:
     """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored; ``val/*`` metrics."""
     prompts = job.val_prompts
-    samples, _ = rollout(job.engine, [p.prompt_ids for p in prompts], step=step, sampling=job.cfg.rollout.val_sampling)
+    samples, _ = rollout(
+        job.engine,
+        [p.prompt_ids for p in prompts],
+        step=step,
+        sampling=job.cfg.rollout.val_sampling,
+        seed=job.cfg.trainer.seed,
+    )
     result = score_on_ranks(
         job.rewards,
         [p.prompt_text for p in prompts],

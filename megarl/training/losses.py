@@ -90,7 +90,9 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         mask = mb["loss_mask"]
         logp = logprobs_from_logits(logits_BSV, mb["targets"], temperature, true_vocab)
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        is_w = rollout_is_weights(old, mb["rollout_logp"], mask, algo.rollout_is, algo.rollout_is_cap)
+        # seq_mask's rejected sequences already left loss_mask (``learn``); token_truncate weighs tokens here
+        is_mode = "token_truncate" if algo.rollout_is == "token_truncate" else "off"
+        is_w = rollout_is_weights(old, mb["rollout_logp"], mask, is_mode, algo.rollout_is_cap)
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
@@ -103,7 +105,7 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
             "actor/pg_clipfrac": norm.token_mean(pg["clipped"], mask),
             "actor/pg_clipfrac_lower": norm.token_mean(pg["dual_clipped"], mask),
             "actor/ppo_kl": norm.token_mean(pg["approx_kl"], mask),
-            "actor/entropy": norm.token_mean(entropy, mask),
+            "actor/entropy": norm.aggregate(entropy.detach(), mask, actor.agg_mode),  # as the bonus (verl)
             "rollout/is_weight_mean": norm.token_mean(is_w["weights"], mask),
             "rollout/is_masked_frac": norm.token_mean(is_w["masked"], mask),
         }

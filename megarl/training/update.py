@@ -80,25 +80,30 @@ def ppo_updates(
     micro_batch_size: int,
     norm_len: int,
     scheduler=None,
+    trained: list[bool] | None = None,
 ) -> dict[str, float]:
     """Collective: ``epochs`` passes of one optimizer step per mini-batch (``scheduler`` stepped before each).
-    Returns the metrics averaged over the optimizer steps (``max/`` keys: the maximum), with ``grad_norm`` and
-    ``lr``. A non-finite step raises ``NonFiniteUpdate`` (the scheduler is stepped back; the steps before it
-    stay applied) and ends this update."""
+    ``trained`` (default: all) marks the sequences in the loss: the others leave ``loss_mask`` and the global token
+    and sequence counts (rejection sampling), though they stay in the micro-batches. Returns the metrics averaged
+    over the optimizer steps (``max/`` keys: the maximum), with ``grad_norm`` and ``lr``. A non-finite step raises
+    ``NonFiniteUpdate`` (the scheduler is stepped back; the steps before it stay applied) and ends this update."""
     dp_rank, dp = _dp_coords()
+    trained = trained if trained is not None else [True] * len(seqs)
     history: list[dict] = []
     for _ in range(epochs):
         for rows in minibatch_rows(len(seqs), global_batch_size):
             mine = dp_rows(rows, dp_rank, dp)
-            batches, _ = micro_batches(
+            batches, groups = micro_batches(
                 [seqs[i] for i in mine],
                 {name: [values[i] for i in mine] for name, values in fields.items()},
                 max_tokens=max_tokens,
                 micro_batch_size=micro_batch_size,
             )
+            for batch, group in zip(batches, groups):
+                batch["loss_mask"] *= torch.tensor([float(trained[mine[j]]) for j in group]).unsqueeze(1)
             norm = GlobalNorm(
-                tokens=sum(seqs[i].response_len for i in rows),
-                seqs=len(rows),
+                tokens=sum(seqs[i].response_len for i in rows if trained[i]),
+                seqs=sum(trained[i] for i in rows),
                 norm_len=norm_len,
                 scale=float(len(batches) * dp),
             )
