@@ -43,6 +43,9 @@ ALGOS = {
     ],
     # GRPO: token-mean, entropy bonus, one mini-batch (old log-probs skipped: the loss's own forward)
     "grpo": ["algorithm.adv_estimator=grpo", "actor.entropy_coeff=0.01", "actor.global_batch_size=8"],
+    # GSPO with truncated importance sampling against the engine's log-probs, two mini-batches
+    "gspo_tis": ["algorithm.adv_estimator=grpo", "actor.policy_loss=gspo", "algorithm.rollout_is=token_truncate",
+                 "algorithm.rollout_is_cap=1.5", "actor.global_batch_size=4"],  # fmt: skip
 }
 SPLITS = {"mbs2": ["actor.micro_batch_size=2", "critic.micro_batch_size=2"],
           "mbs1": ["actor.micro_batch_size=1", "critic.micro_batch_size=1"],

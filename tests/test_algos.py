@@ -701,3 +701,71 @@ def test_entropy_two_shards(vocab, true_vocab):
     for rank in range(2):
         (grad,) = torch.autograd.grad(ents[rank].sum(), shards[rank])
         close(grad, ref_grad[..., starts[rank] : starts[rank] + half])
+
+
+KL_ROWS = {  # 2 prompts x 3 samples of unequal lengths: (score, logp, ref logp)
+    0: (1.0, [-1.0, -2.0], [-1.2, -1.5]),
+    1: (0.0, [-0.5, -1.5, -1.0], [-0.5, -1.0, -2.0]),
+    2: (0.5, [-2.0], [-1.0]),
+    3: (0.25, [-0.3, -0.7], [-0.5, -0.2]),
+    4: (1.0, [-0.1, -0.2, -0.3, -0.4], [-0.2, -0.2, -0.6, -0.1]),
+    5: (0.0, [-1.1], [-0.4]),
+}
+
+
+def _kl_in_reward_advantages(estimator: str, beta: float, gamma: float = 1.0):
+    from megarl.config.loader import load_config
+    from megarl.trainer.advantage import advantages, pad_rows
+
+    algo = load_config(None, ["model.path=x", f"algorithm.adv_estimator={estimator}", "algorithm.kl_in_reward=true",
+                              "algorithm.kl_penalty=k1", f"algorithm.gamma={gamma}"]).algorithm  # fmt: skip
+    rows = list(KL_ROWS.values())
+    adv, returns, metrics = advantages(
+        algo,
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([0, 0, 0, 1, 1, 1]),
+        pad_rows([torch.ones(len(r[1])) for r in rows]),
+        behaviour_logp_NR=pad_rows([torch.tensor(r[1]) for r in rows]),
+        ref_logp_NR=pad_rows([torch.tensor(r[2]) for r in rows]),
+        values_NR=None,
+        kl_ctrl=kl_controller("fixed", beta, 0.1, 1000),
+        kl_metric_type="k3",
+    )
+    return [adv[i, : len(r[1])].tolist() for i, r in enumerate(rows)], metrics
+
+
+def test_grpo_with_kl_in_reward_against_hand_values():
+    """GRPO scores each sequence by its reward minus beta x its summed k1 KL, then normalises within the group."""
+    beta = 0.1
+    outcome = [s - beta * sum(lp - rf for lp, rf in zip(logp, ref)) for s, logp, ref in KL_ROWS.values()]
+    expected = []
+    for group in (outcome[:3], outcome[3:]):
+        mean, std = sum(group) / 3, math.sqrt(sum((x - sum(group) / 3) ** 2 for x in group) / 2)
+        expected += [(x - mean) / (std + 1e-6) for x in group]
+    adv, metrics = _kl_in_reward_advantages("grpo", beta)
+    for row, e, (_, logp, _) in zip(adv, expected, KL_ROWS.values()):
+        assert row == pytest.approx([e] * len(logp), abs=1e-5)
+    assert metrics["kl/coef"] == beta
+    assert outcome[0] == pytest.approx(1.03) and outcome[4] == pytest.approx(0.99)  # the KL moved the scores
+
+
+def test_reinforce_pp_with_kl_in_reward_against_hand_values():
+    """REINFORCE++: token reward -beta x k1 KL, plus the score on the last token; discounted returns-to-go; whitened
+    over every token of the batch (unbiased variance)."""
+    beta, gamma = 0.1, 0.9
+    returns = []
+    for score, logp, ref in KL_ROWS.values():
+        rewards = [-beta * (lp - rf) for lp, rf in zip(logp, ref)]
+        rewards[-1] += score
+        row, running = [], 0.0
+        for r in reversed(rewards):
+            running = r + gamma * running
+            row.insert(0, running)
+        returns.append(row)
+    flat = [g for row in returns for g in row]
+    mean = sum(flat) / len(flat)
+    var = sum((g - mean) ** 2 for g in flat) / (len(flat) - 1)
+    expected = [[(g - mean) / math.sqrt(var + 1e-8) for g in row] for row in returns]
+    adv, _ = _kl_in_reward_advantages("reinforce_pp", beta, gamma)
+    for row, e in zip(adv, expected):
+        assert row == pytest.approx(e, abs=1e-5)

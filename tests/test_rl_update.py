@@ -26,6 +26,11 @@ WORLD2 += [
     for n, lay in (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
     for a in ALGOS
 ]
+WORLD2 += [
+    (f"ref_gspo_tis_{s}", dict(layout=L(dp=2), algo="gspo_tis", split=s, reference=True)) for s in ("mbs2", "mbs1")
+]
+GSPO_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)))
+WORLD2 += [(f"{n}_gspo_tis", dict(layout=lay, algo="gspo_tis", split="pack")) for n, lay in GSPO_LAYOUTS]
 WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
 WORLD4 += [(f"tp2pp2_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1")) for a in ALGOS]  # fmt: skip
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
@@ -92,6 +97,14 @@ def test_layout_matches_single_rank_world2(world2, algo, layout):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_tp2pp2_matches_single_rank(world4, algo):
     _assert_same_update(world4[f"tp2pp2_{algo}"], world4[f"ref_{algo}_mbs2"])
+
+
+def test_gspo_with_truncated_importance_sampling_matches_single_rank(world2):
+    """GSPO's sequence ratio and TIS's per-token weights under micro-batch splits, TP and PP."""
+    ref = world2["ref_gspo_tis_mbs2"]
+    assert ref["actor"]["rollout/is_masked_frac"] > 0 and ref["actor"]["actor/pg_clipfrac"] > 0  # both bite
+    for case in ("ref_gspo_tis_mbs1", "tp2_gspo_tis", "pp2_gspo_tis"):
+        _assert_same_update(world2[case], ref)
 
 
 def test_megatron_016_tp_attribute_bug_is_worked_around(world2):

@@ -1,0 +1,379 @@
+"""The single-rank RL oracle (run as ``python -m tests.rl_oracle_worker HF_DIR OUT``; one process serves every case).
+
+On one fixed batch, megarl's actor (and critic) gradient after its real update path (``ppo_updates`` with the
+trainer's loss functions, two micro-batches; ``learn`` for rejection) is compared with an oracle: the HF model's
+logits (transformers, the same weights) and the objective written out from the formulas in plain torch, one
+sequence at a time, with no megarl code. The inputs are built so that every branch is taken: old log-probs put
+tokens in each clip region, the engine's log-probs make some TIS weights truncate, the reference differs from the
+policy, advantages have both signs, responses have unequal lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from functools import partial
+
+import torch
+
+B_PROMPT = [3, 5, 4, 6, 3, 7]
+B_RESPONSE = [2, 7, 4, 9, 1, 5]
+TEMPERATURE = 0.8
+NORM_LEN = 16
+CLIP_LOW, CLIP_HIGH, CLIP_C, IS_CAP = 0.2, 0.28, 3.0, 2.0
+BASE = [
+    "actor.optim.optimizer=sgd",
+    "actor.optim.lr=0.01",
+    "actor.optim.clip_grad=0",
+    "critic.optim.optimizer=sgd",
+    "critic.optim.lr=0.01",
+    "critic.optim.clip_grad=0",
+    "rollout.sampling.n=2",
+    f"rollout.sampling.temperature={TEMPERATURE}",
+    "data.train_batch_size=3",
+    "actor.global_batch_size=6",
+    "actor.micro_batch_size=2",
+    "critic.micro_batch_size=2",
+    f"actor.loss_agg_norm_len={NORM_LEN}",
+    f"actor.clip_ratio_low={CLIP_LOW}",
+    f"actor.clip_ratio_high={CLIP_HIGH}",
+    f"actor.clip_ratio_c={CLIP_C}",
+    f"algorithm.rollout_is_cap={IS_CAP}",
+]
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# ---- the oracle: HF logits and the formulas, one sequence at a time ------------------------------------------------
+
+
+def hf_response_logits(hf, seq: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits / T at the positions that predict the response tokens [R, V] (differentiable)."""
+    logits = hf(torch.tensor([seq])).logits[0].float()
+    return logits[prompt_len - 1 : len(seq) - 1] / TEMPERATURE
+
+
+def token_logp(logits_RV: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    return torch.log_softmax(logits_RV, -1)[torch.arange(len(targets)), torch.tensor(targets)]
+
+
+def token_entropy(logits_RV: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(logits_RV, -1)
+    return -(p * torch.log_softmax(logits_RV, -1)).sum(-1)
+
+
+def agg(per_seq: list[torch.Tensor], mode: str) -> torch.Tensor:
+    """The formulas: token-mean = sum of all tokens / all tokens; seq-mean-token-sum = mean over sequences of their
+    sums; seq-mean-token-mean = mean over sequences of their means; seq-mean-token-sum-norm = mean over sequences of
+    their sums / NORM_LEN (Dr. GRPO)."""
+    n = len(per_seq)
+    if mode == "token-mean":
+        return sum(x.sum() for x in per_seq) / sum(len(x) for x in per_seq)
+    if mode == "seq-mean-token-sum":
+        return sum(x.sum() for x in per_seq) / n
+    if mode == "seq-mean-token-mean":
+        return sum(x.mean() for x in per_seq) / n
+    if mode == "seq-mean-token-sum-norm":
+        return sum(x.sum() for x in per_seq) / (n * NORM_LEN)
+    raise ValueError(mode)
+
+
+def kl(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """k1 = log(pi/ref); k2 = (log(pi/ref))^2 / 2; k3 = ref/pi - log(ref/pi) - 1 (Schulman)."""
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    return torch.exp(ref - logp) - (ref - logp) - 1
+
+
+def ppo_token_loss(logp, old, adv) -> tuple[torch.Tensor, dict]:
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), and for A < 0 at most -A c (dual clip)."""
+    r = torch.exp(logp - old)
+    loss = torch.maximum(-adv * r, -adv * r.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    loss = torch.where(adv < 0, torch.minimum(loss, -adv * CLIP_C), loss)
+    rd = r.detach()
+    regions = {
+        "high": ((adv > 0) & (rd > 1 + CLIP_HIGH)).sum().item(),
+        "low": ((adv < 0) & (rd < 1 - CLIP_LOW)).sum().item(),
+        "dual": ((adv < 0) & (rd > CLIP_C)).sum().item(),
+    }
+    return loss, regions
+
+
+def gspo_seq_loss(logp, old, adv_scalar) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025): s = (pi(y|x) / pi_old(y|x))^(1/|y|), loss = max(-A s, -A clip(s, 1-eps, 1+eps))."""
+    s = torch.exp((logp - old).mean())
+    return torch.maximum(-adv_scalar * s, -adv_scalar * s.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+
+
+# ---- the fixed batch -----------------------------------------------------------------------------------------------
+
+
+def fixed_sequences(vocab: int):
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for p, r in zip(B_PROMPT, B_RESPONSE):
+        out.append((torch.randint(3, vocab, (p + r,), generator=gen).tolist(), p))
+    return out
+
+
+def fixed_inputs(cur: list[torch.Tensor], *, per_sequence_adv: bool) -> dict[str, list[torch.Tensor]]:
+    """old / rollout / reference log-probs and advantages around the current log-probs ``cur`` (detached).
+
+    Token k of the batch (in order) gets old = cur + DELTA[k % 6] and a sign of A that alternates every 6 tokens, so
+    ratios 1.82 with A > 0 clip high, 0.55 with A < 0 clip low, 4.48 with A < 0 hit the dual clip; every 5th token's
+    engine log-prob is 1 below old (TIS weight e > cap). GSPO (``per_sequence_adv``): one A and one shift per
+    sequence (sequences 0 and 1 outside the clip range, one each way)."""
+    gen = torch.Generator().manual_seed(12)
+    delta = [-0.6, 0.6, -1.5, 0.05, -0.1, 0.1]
+    old, rollout, ref, adv, k = [], [], [], [], 0
+    for i, c in enumerate(cur):
+        n = len(c)
+        ks = torch.arange(k, k + n)
+        if per_sequence_adv:
+            sign = 1.0 if i % 2 == 0 else -1.0
+            shift = {0: -0.5, 1: 0.5}.get(i, 0.03 * (i - 3))
+            o = c + shift + 0.02 * torch.randn(n, generator=gen)
+            a = torch.full((n,), sign * (0.5 + 0.25 * i))
+        else:
+            o = c + torch.tensor([delta[int(j) % 6] for j in ks])
+            sign = torch.tensor([1.0 if (int(j) // 6) % 2 == 0 else -1.0 for j in ks])
+            a = sign * (0.5 + torch.rand(n, generator=gen))
+        ro = o - torch.where(ks % 5 == 0, 1.0, 0.05 * torch.randn(n, generator=gen))
+        old.append(o)
+        rollout.append(ro)
+        ref.append(c + 0.3 * torch.randn(n, generator=gen))
+        adv.append(a)
+        k += n
+    return {"old_logp": old, "rollout_logp": rollout, "ref_logp": ref, "advantages": adv}
+
+
+ACTOR_CASES = {
+    # every term at once: PPO (clip-higher, dual clip) + k3 KL loss + entropy bonus + TIS
+    "all_terms": dict(policy="ppo", agg="token-mean", kl="k3", kl_coef=0.2, ent=0.05, tis=True),
+    "gspo": dict(policy="gspo", agg=None, kl=None, kl_coef=0.0, ent=0.0, tis=False),
+    **{f"kl_{k}": dict(policy="ppo", agg="token-mean", kl=k, kl_coef=0.5, ent=0.0, tis=False) for k in ("k1", "k2")},
+    **{f"agg_{m}": dict(policy="ppo", agg=m, kl="k3", kl_coef=0.1, ent=0.02, tis=True) for m in AGG_MODES[1:]},
+}
+
+
+def actor_overrides(case: dict) -> list[str]:
+    out = [f"actor.policy_loss={case['policy']}", f"actor.entropy_coeff={case['ent']}"]
+    if case["tis"]:
+        out.append("algorithm.rollout_is=token_truncate")
+    if case["agg"]:
+        out.append(f"actor.loss_agg_mode={case['agg']}")
+    if case["kl"]:
+        out += [f"actor.kl_loss_coef={case['kl_coef']}", f"actor.kl_loss_type={case['kl']}"]
+    return out
+
+
+def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
+    """The objective from the formulas and its gradient on the HF model's parameters."""
+    hf.zero_grad()
+    pg_terms, kl_terms, ent_terms, regions = [], [], [], {"high": 0, "low": 0, "dual": 0}
+    for i, (seq, p) in enumerate(seqs):
+        logits = hf_response_logits(hf, seq, p)
+        logp = token_logp(logits, seq[p:])
+        old, adv = inputs["old_logp"][i], inputs["advantages"][i]
+        if case["policy"] == "gspo":
+            pg_terms.append(gspo_seq_loss(logp, old, adv[0]).reshape(1))
+        else:
+            loss, r = ppo_token_loss(logp, old, adv)
+            if case["tis"]:
+                loss = loss * torch.exp(old - inputs["rollout_logp"][i]).clamp(max=IS_CAP)
+            pg_terms.append(loss)
+            regions = {k: regions[k] + r[k] for k in regions}
+        if case["kl"]:
+            kl_terms.append(kl(logp, inputs["ref_logp"][i], case["kl"]))
+        ent_terms.append(token_entropy(logits))
+    mode = case["agg"] or "token-mean"
+    pg = agg(pg_terms, "seq-mean-token-sum" if case["policy"] == "gspo" else mode)  # GSPO: one term per sequence
+    ent = agg(ent_terms, mode)
+    total = pg - case["ent"] * ent
+    out = {"pg_loss": pg.item(), "entropy": ent.item(), "regions": regions}
+    if case["kl"]:
+        kl_loss = agg(kl_terms, mode)
+        total = total + case["kl_coef"] * kl_loss
+        out["kl_loss"] = kl_loss.item()
+    total.backward()
+    out["grads"] = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
+    return out
+
+
+# ---- megarl: the trainer's update path -----------------------------------------------------------------------------
+
+
+def megatron_grads_as_hf(model, spec) -> dict[str, torch.Tensor]:
+    """Each parameter's ``main_grad`` (the gradient of the optimizer step just taken) under its HF name(s)."""
+    from megarl.models.adapter import tensor_maps, to_hf
+
+    grads = {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
+    out = {}
+    for tmap in tensor_maps(spec):
+        if tmap.megatron in grads:
+            out.update(zip(tmap.hf, to_hf(tmap, grads[tmap.megatron], spec)))
+    return out
+
+
+def restore(model, saved: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+
+
+def run(hf_dir: str) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.loader import load_config
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.models import build_rl_models
+    from megarl.training.batch import Sequence
+    from megarl.training.init_weights import model_source
+    from megarl.training.losses import actor_loss
+    from megarl.training.update import ppo_updates
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    layout = ParallelLayout()
+    init_distributed(layout, seed=1)
+    base = load_config(None, [f"model.path={hf_dir}", *BASE, "algorithm.adv_estimator=gae"])
+    models = build_rl_models(base, spec, layout, model_source(hf_dir), dist.get_rank())
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    seqs = fixed_sequences(spec.vocab_size)
+    msg = [Sequence(s, p) for s, p in seqs]
+    with torch.no_grad():
+        cur = [token_logp(hf_response_logits(hf, s, p), s[p:]) for s, p in seqs]
+    saved = [p.detach().clone() for p in models.actor.parameters()]
+    out = {"actor": {}}
+    for name, case in ACTOR_CASES.items():
+        cfg = load_config(None, [f"model.path={hf_dir}", *BASE, *actor_overrides(case)])
+        inputs = fixed_inputs(cur, per_sequence_adv=case["policy"] == "gspo")
+        fields = {k: v for k, v in inputs.items() if k != "ref_logp" or case["kl"]}
+        metrics = ppo_updates(
+            models.actor,
+            models.actor_optim,
+            msg,
+            fields,
+            partial(actor_loss, cfg.actor, cfg.algorithm, temperature=TEMPERATURE, true_vocab=spec.vocab_size),
+            global_batch_size=len(msg),
+            epochs=1,
+            max_tokens=0,
+            micro_batch_size=2,
+            norm_len=NORM_LEN,
+        )
+        out["actor"][name] = {
+            "megarl": {"metrics": metrics, "grads": megatron_grads_as_hf(models.actor, spec)},
+            "oracle": oracle_actor(hf, seqs, inputs, case),
+        }
+        restore(models.actor, saved)
+    out["seq_mask"] = seq_mask_case(hf, hf_dir, spec, models, seqs, cur)
+    restore(models.actor, saved)
+    out["critic"] = critic_case(hf, base, spec, models, seqs, msg)
+    return out
+
+
+def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
+    """``learn`` with rollout_is=seq_mask: sequence 1's engine log-probs are 0.5 per token below the trainer's (ratio
+    e^3.5 > cap over its 7 tokens: rejected), the others within noise. Oracle: the token-mean policy gradient over
+    the accepted sequences only (the first mini-batch's ratio is 1: the loss is -A per token), with megarl's
+    advantages (GRPO's are checked against hand values elsewhere)."""
+    from megarl.algos import kl_controller
+    from megarl.config.loader import load_config
+    from megarl.rollout.protocol import Sample
+    from megarl.trainer.collect import Collected
+    from megarl.trainer.loop import learn
+    from megarl.trainer.timer import PhaseTimer
+
+    cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "algorithm.adv_estimator=grpo",
+                             "algorithm.rollout_is=seq_mask"])  # fmt: skip
+    batch = Collected()
+    rewards = [1.0, 0.0, 0.2, 0.9, 0.5, 0.1]
+    for i, ((seq, p), c) in enumerate(zip(seqs, cur)):
+        engine_logp = c - (0.5 if i == 1 else 0.01 * (-1) ** i)
+        batch.samples.append(Sample(i // 2, i % 2, seq[:p], seq[p:], engine_logp.tolist(), "stop", 0))
+    batch.rewards = batch.scores = rewards
+    actor_only = dataclasses.replace(models, critic=None, reference=None)
+    learned = learn(cfg, spec, actor_only, batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
+                    skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
+    hf.zero_grad()
+    accepted = [abs(float((c - torch.tensor(s.logprobs)).sum())) <= math.log(IS_CAP)
+                for c, s in zip(cur, batch.samples)]  # fmt: skip
+    terms = []
+    for (seq, p), adv, keep in zip(seqs, learned.advantages, accepted):
+        if keep:
+            logp = token_logp(hf_response_logits(hf, seq, p), seq[p:])
+            terms.append(-adv * torch.exp(logp - logp.detach()))
+    agg(terms, "token-mean").backward()
+    return {
+        "accepted": accepted,
+        "metrics": learned.actor,
+        "megarl": megatron_grads_as_hf(models.actor, spec),
+        "oracle": {n: p.grad.detach().clone() for n, p in hf.named_parameters()},
+    }
+
+
+def critic_case(hf, base, spec, models, seqs, msg) -> dict:
+    """The critic's clipped value loss: values = the HF model's last hidden state (after the final norm) times the
+    critic's head (set to random weights here, so gradients reach the body), in plain torch; old values perturbed so
+    that some tokens clip, returns of both signs."""
+    from megarl.training.losses import critic_loss
+    from megarl.training.update import ppo_updates
+
+    gen = torch.Generator().manual_seed(13)
+    head = models.critic.module.output_layer
+    with torch.no_grad():
+        head.weight.copy_(0.3 * torch.randn(head.weight.shape, generator=gen))
+        head.bias.copy_(torch.tensor([0.1]))
+    w, b = head.weight.detach().clone().requires_grad_(), head.bias.detach().clone().requires_grad_()
+    clip = base.critic.cliprange_value
+    hf.zero_grad()
+    old, returns, terms, clipped = [], [], [], 0
+    for seq, p in seqs:
+        h = hf.model(torch.tensor([seq])).last_hidden_state[0, p - 1 : len(seq) - 1].float()
+        v = h @ w[0] + b[0]
+        n = len(v)
+        o = v.detach() + torch.where(torch.arange(n) % 3 == 0, 2.0 * clip, 0.1 * clip * torch.randn(n, generator=gen))
+        ret = torch.randn(n, generator=gen)
+        vc = o + (v - o).clamp(-clip, clip)
+        terms.append(0.5 * torch.maximum((v - ret) ** 2, (vc - ret) ** 2))
+        clipped += int(((vc.detach() - ret) ** 2 > (v.detach() - ret) ** 2).sum())
+        old.append(o)
+        returns.append(ret)
+    loss = agg(terms, base.critic.loss_agg_mode)
+    loss.backward()
+    metrics = ppo_updates(
+        models.critic,
+        models.critic_optim,
+        msg,
+        {"old_values": old, "returns": returns},
+        partial(critic_loss, base.critic),
+        global_batch_size=len(msg),
+        epochs=1,
+        max_tokens=0,
+        micro_batch_size=2,
+        norm_len=NORM_LEN,
+    )
+    mine = megatron_grads_as_hf(models.critic, spec)
+    mine.pop("lm_head.weight", None)  # the value head is not a vocabulary projection
+    oracle = {n: p.grad.detach().clone() for n, p in hf.model.named_parameters()}
+    return {
+        "megarl": {"metrics": metrics, "grads": mine,
+                   "head": (head.weight.main_grad.clone(), head.bias.main_grad.clone())},
+        "oracle": {"vf_loss": loss.item(), "clipped": clipped, "grads": {f"model.{n}": g for n, g in oracle.items()},
+                   "head": (w.grad.clone(), b.grad.clone())},
+    }  # fmt: skip
+
+
+def main() -> None:
+    from megarl.parallel.spawn import run_on_ranks
+
+    hf_dir, out_path = sys.argv[1], sys.argv[2]
+    torch.save(run_on_ranks(run, 1, hf_dir), out_path)
+
+
+if __name__ == "__main__":
+    main()
