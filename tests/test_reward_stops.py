@@ -64,8 +64,8 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_at_step_1(tiny_llama_
         "megarl: the reward function failed on 16 of 16 samples in step 1 (reward.stop_on_error_fraction=1); "
         "stopping the run."
     ), text[-3000:]
-    assert "The first failure: the sample of prompt 'copy 0:' raised:\nTraceback (most recent call last):\n  " in block
-    assert block.rstrip().endswith("KeyError: \"no judge for 'copy 0:': the reward is broken\""), block
+    assert "The first failure: the sample of prompt 'repeat 1:' raised:\nTraceback (most recent call last):\n  " in block
+    assert block.rstrip().endswith("KeyError: \"no judge for 'repeat 1:': the reward is broken\""), block
     assert text.count("Traceback") == 1 and "misbehaving_rewards.py" in block  # only the user's, once
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
     assert left == []
@@ -74,7 +74,7 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_at_step_1(tiny_llama_
 def test_sigterm_while_the_reward_hangs_saves_and_the_next_run_resumes(tiny_llama_dir, tmp_path):
     out, marker = tmp_path / "out", tmp_path / "marker"
     cmd = _cmd(tiny_llama_dir, out, "hang", f"reward.timeout_s={TIMEOUT_S}")
-    env = {"MEGARL_TEST_BAD_DIGITS": "0", "MEGARL_TEST_MARKER": str(marker)}  # step 1 has 'copy 0:'
+    env = {"MEGARL_TEST_BAD_DIGITS": "7", "MEGARL_TEST_MARKER": str(marker)}  # step 1 has 'say 7:'
     with open(tmp_path / "log", "w") as log:
         proc, tag = _start(cmd, log, **env)
         deadline = time.monotonic() + 240

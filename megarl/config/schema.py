@@ -239,7 +239,8 @@ class KLControlConfig:
     kl_coef: float = 0.001
     """(Initial) coefficient."""
     target_kl: float = 0.1
-    """Adaptive only: the KL per token to steer toward."""
+    """Adaptive only: the KL to steer toward, measured each step as the mean over sequences of each sequence's mean
+    per-token KL (algorithm.kl_penalty's estimator; the trainer's log-probs before the update vs the reference's)."""
     horizon: int = 10000
     """Adaptive only: samples over which the coefficient adapts."""
 
