@@ -64,7 +64,8 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_at_step_1(tiny_llama_
         "megarl: the reward function failed on 16 of 16 samples in step 1 (reward.stop_on_error_fraction=1); "
         "stopping the run."
     ), text[-3000:]
-    assert "The first failure: the sample of prompt 'repeat 1:' raised:\nTraceback (most recent call last):\n  " in block
+    first = "The first failure: the sample of prompt 'repeat 1:' raised:\nTraceback (most recent call last):\n  "
+    assert first in block
     assert block.rstrip().endswith("KeyError: \"no judge for 'repeat 1:': the reward is broken\""), block
     assert text.count("Traceback") == 1 and "misbehaving_rewards.py" in block  # only the user's, once
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
