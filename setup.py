@@ -16,6 +16,8 @@ RUNTIME = [
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
     "psutil==7.2.2",
+    "peft==0.21.2",  # the LoRA adapter format (export / import); checked against transformers 5.19.0
+    "accelerate==1.15.0",  # peft's dependency
 ]
 
 setup(

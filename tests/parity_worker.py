@@ -91,7 +91,8 @@ def _batch(spec: ModelSpec, n: int = 4, t: int = 16) -> dict[str, torch.Tensor]:
 def _gather_full(model_chunk, layout: ParallelLayout, spec: ModelSpec, value_head: bool) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     c = layout.coords(rank)
-    local = {k: v.detach().clone() for k, v in model_chunk.state_dict().items() if not k.endswith("_extra_state")}
+    local = {k: v.detach().clone() for k, v in model_chunk.state_dict().items()
+             if not k.endswith("_extra_state") and ".lora." not in k}  # fmt: skip (LoRA factors: gather_adapters)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ((c.tp, c.pp, c.dp), local))
     by_coord = {(t, p): sd for (t, p, d), sd in everyone if d == 0}

@@ -43,6 +43,10 @@ ALGOS = {
     ],
     # GRPO: token-mean, entropy bonus, one mini-batch (old log-probs skipped: the loss's own forward)
     "grpo": ["algorithm.adv_estimator=grpo", "actor.entropy_coeff=0.01", "actor.global_batch_size=8"],
+    # LoRA (rank 4, every target, from a random non-zero adapter: init_from is added by the test) with a KL loss
+    # against the base (the actor with its adapters off), two mini-batches
+    "grpo_lora": ["algorithm.adv_estimator=grpo", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01",
+                  "actor.global_batch_size=4", "actor.lora.rank=4", "actor.lora.alpha=8"],  # fmt: skip
     # GSPO with truncated importance sampling against the engine's log-probs, two mini-batches
     "gspo_tis": ["algorithm.adv_estimator=grpo", "actor.policy_loss=gspo", "algorithm.rollout_is=token_truncate",
                  "algorithm.rollout_is_cap=1.5", "actor.global_batch_size=4"],  # fmt: skip
@@ -68,7 +72,20 @@ def fixed_batch(vocab: int) -> Collected:
     return out
 
 
-def run_case(hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False) -> dict:
+def lora_logits(chunk, vocab: int) -> dict:
+    """Full-vocabulary logits of a LoRA actor on fixed tokens, with and without its adapters."""
+    from megarl.convert.verify import megatron_logits, verification_tokens
+    from megarl.lora import adapters_off
+
+    tokens = verification_tokens(vocab, batch=2, seq=16, seed=7)
+    with adapters_off(chunk):
+        base = megatron_logits(chunk, tokens, vocab)
+    return {"tokens": tokens, "adapted": megatron_logits(chunk, tokens, vocab), "base": base}
+
+
+def run_case(
+    hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = ()
+) -> dict:
     overrides = [
         f"model.path={hf_dir}",
         f"actor.parallel.tp={layout.tp}",
@@ -82,11 +99,19 @@ def run_case(hf_dir: str, layout: ParallelLayout, algo: str, split: str, referen
         "data.train_batch_size=4",
         *ALGOS[algo],
         *SPLITS[split],
+        *extra,
     ]
     cfg = load_config(None, overrides)
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     init_distributed(layout, seed=1)
     models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())
+    lora = {}
+    if cfg.actor.lora is not None:
+        named = models.actor.module.named_parameters
+        frozen = lambda: {n: p.detach().clone() for n, p in named() if not p.requires_grad}  # noqa: E731
+        lora["base_before"] = frozen()
+        if layout.tp == 2:
+            lora["logits"] = lora_logits(models.actor.module, spec.vocab_size)
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
@@ -106,6 +131,16 @@ def run_case(hf_dir: str, layout: ParallelLayout, algo: str, split: str, referen
     }
     if models.critic is not None:
         out["critic_weights"] = _gather_full(models.critic.module, layout, spec, value_head=True)
+    if lora:
+        from megarl.lora import gather_adapters
+
+        after = frozen()
+        out["base_bitwise"] = after.keys() == lora["base_before"].keys() and all(
+            torch.equal(v, lora["base_before"][k]) for k, v in after.items()
+        )
+        out["adapters"] = gather_adapters(models.actor.module, spec, layout)
+        out["logits"] = lora.get("logits")
+        out["trainable"] = sum(p.numel() for p in models.actor.parameters() if p.requires_grad)
     if algo == "ppo" and reference and split == "mbs2":
         from megarl.models.builder import build_model_chunk
         from megarl.training.init_weights import load_initial_weights

@@ -303,7 +303,8 @@ def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
         metrics = out_dir / "metrics.jsonl"
         _until("step 1", lambda: metrics.exists() and metrics.read_text().strip(), 150, log_dir, job_id, env)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-        _until("requeue", lambda: _job(job_id, env).get("Restarts") == "1", 90, log_dir, job_id, env)
+        requeued = lambda: (job := _job(job_id, env)).get("Restarts") == "1" and job.get("JobState") != "COMPLETING"  # noqa: E731
+        _until("requeue", requeued, 90, log_dir, job_id, env)  # Restarts counts up while the job is still COMPLETING
         stopped = out_dir / "STOPPED"
         at_requeue = {
             "stopped": stopped.read_text() if stopped.exists() else None,

@@ -7,7 +7,9 @@ bonus (vocab-parallel entropy under TP), one mini-batch. One spawned group per w
 """
 
 import pytest
+import torch
 
+from megarl.config.schema import LORA_TARGETS
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
@@ -29,6 +31,9 @@ WORLD2 += [
 WORLD2 += [
     (f"ref_gspo_tis_{s}", dict(layout=L(dp=2), algo="gspo_tis", split=s, reference=True)) for s in ("mbs2", "mbs1")
 ]
+LORA_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
+WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", reference=True))]
+WORLD2 += [(f"{n}_lora", dict(layout=lay, algo="grpo_lora", split="pack")) for n, lay in LORA_LAYOUTS]
 GSPO_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)))
 WORLD2 += [(f"{n}_gspo_tis", dict(layout=lay, algo="gspo_tis", split="pack")) for n, lay in GSPO_LAYOUTS]
 WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
@@ -46,8 +51,29 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world2(hf_dir):
-    return run_on_ranks(run_cases, 2, hf_dir, WORLD2)
+def adapter_dir(hf_dir, tmp_path_factory):
+    """A random, non-zero PEFT adapter (rank 4, every target) for hf_dir, written by peft itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False),
+    )
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if "lora_A" in name else 0.05))
+    path = str(tmp_path_factory.mktemp("adapter") / "peft")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world2(hf_dir, adapter_dir):
+    lora = {"extra": (f"actor.lora.init_from={adapter_dir}",)}
+    return run_on_ranks(run_cases, 2, hf_dir, [(n, {**kw, **lora} if "lora" in n else kw) for n, kw in WORLD2])
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +92,7 @@ def _assert_same_update(case: dict, ref: dict):
             if k != "lr":
                 assert _close(case[group][k], v), (group, k, case[group][k], v)
     assert (case["advantages"] - ref["advantages"]).abs().max() <= 1e-5
-    for key in ("weights", "critic_weights"):
+    for key in ("weights", "critic_weights", "adapters"):
         if key not in ref:
             continue
         for name, w_ref in ref[key].items():
@@ -97,6 +123,38 @@ def test_layout_matches_single_rank_world2(world2, algo, layout):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_tp2pp2_matches_single_rank(world4, algo):
     _assert_same_update(world4[f"tp2pp2_{algo}"], world4[f"ref_{algo}_mbs2"])
+
+
+def test_lora_update_matches_single_rank_and_leaves_the_base_bitwise(world2, adapter_dir):
+    """From a non-zero adapter (so A's gradient matters): the same losses and updated adapters at TP=2, PP=2, DP=2
+    as on one rank; only the adapters train, and they move."""
+    from safetensors.torch import load_file
+
+    ref = world2["ref_lora"]
+    start = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    assert ref["adapters"].keys() == start.keys() and len(start) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
+    assert max((ref["adapters"][k] - start[k]).abs().max().item() for k in start) > 100 * ATOL_WEIGHTS
+    assert ref["actor"]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the adapted actor
+    for name, _ in LORA_LAYOUTS:
+        case = world2[f"{name}_lora"]
+        _assert_same_update(case, ref)
+        assert case["base_bitwise"], name
+    assert ref["base_bitwise"] and ref["trainable"] == sum(v.numel() for v in start.values())
+
+
+def test_lora_logprobs_equal_hf_with_peft(world2, hf_dir, adapter_dir):
+    """The TP=2 LoRA actor's log-probs (before its update) equal HF + peft's on the same weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    got = world2["tp2_lora"]["logits"]
+    base_hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        base = torch.log_softmax(base_hf(got["tokens"]).logits.float(), -1)
+        adapted = torch.log_softmax(PeftModel.from_pretrained(base_hf, adapter_dir)(got["tokens"]).logits.float(), -1)
+    assert (torch.log_softmax(got["adapted"], -1) - adapted).abs().max() <= 1e-5
+    assert (torch.log_softmax(got["base"], -1) - base).abs().max() <= 1e-5  # adapters off = the base model
+    assert (adapted - base).abs().max() > 1e-2  # the adapter's effect is visible
 
 
 def test_gspo_with_truncated_importance_sampling_matches_single_rank(world2):

@@ -93,6 +93,14 @@ def _unknown_key_message(e: ConfigKeyError) -> str:
     return f"{key}: unknown key.{hint}"
 
 
+def _optional_dataclass(hint):
+    """``X`` for a ``X | None`` hint whose X is a dataclass, else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and type(None) in typing.get_args(hint) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
 def _build(cls, data: dict, prefix: str):
     """Instantiate the dataclass tree bottom-up, so each __post_init__ sees final values; errors get their path.
     Every float must be finite (inf and nan parse as floats)."""
@@ -103,7 +111,9 @@ def _build(cls, data: dict, prefix: str):
         value = data[f.name]
         if isinstance(value, float) and not math.isfinite(value):  # no setting means anything at inf or NaN
             raise ConfigError(f"{prefix}{f.name}: must be a finite number, got {value}")
-        kwargs[f.name] = _build(sub, value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else value
+        sub = _optional_dataclass(sub) or sub
+        is_node = dataclasses.is_dataclass(sub) and value is not None
+        kwargs[f.name] = _build(sub, value, f"{prefix}{f.name}.") if is_node else value
     try:
         return cls(**kwargs)
     except ConfigFieldError as e:

@@ -128,6 +128,43 @@ def _check_update_shape(cfg, allow_empty: bool = False) -> None:
     _require(cfg.loss_agg_mode in modes, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the actor's linear layers (the base weights frozen; the reference is the base itself)."""
+
+    rank: int = 8
+    """Rank r of each adapter (A is r x in, B is out x r)."""
+    alpha: float | None = None
+    """Scaling numerator: the update is (alpha / rank) * B A; None means 2 x rank."""
+    dropout: float = 0.0
+    """Must be 0 for RL: dropout would make the update's log-probs differ from the old-log-prob pass and vLLM's."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """HF module names that get an adapter (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    init_from: str = ""
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; empty: A random
+    (Kaiming-uniform, as PEFT), B zero, so the first policy is the base model."""
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+    def __post_init__(self):
+        _require(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
+        _require(self.alpha is None or self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        _require(
+            self.dropout == 0,
+            "dropout",
+            f"must be 0 for RL, got {self.dropout}: dropout makes the trainer's log-probs differ from the old-log-prob "
+            "pass and from the rollout engine's",
+        )
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        _require(not unknown, "target_modules", f"unknown {unknown}; choose from {list(LORA_TARGETS)}")
+        _require(bool(self.target_modules), "target_modules", "must name at least one module")
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
     """The policy model: parallel layout, optimizer, batch shape and its RL loss."""
@@ -168,6 +205,8 @@ class ActorConfig:
     """KL-to-reference loss term coefficient; > 0 builds the frozen reference model."""
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1, k2 or k3 (low-variance)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters instead of full fine-tuning (absent or null: full fine-tuning)."""
 
     @property
     def agg_mode(self) -> str:

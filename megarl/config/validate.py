@@ -38,6 +38,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"{spec.padded_vocab_size} rows, not divisible by actor.parallel.tp={par.tp}; use a multiple of {par.tp}"
         )
     errors += _batch_errors(cfg)
+    errors += _lora_errors(cfg, spec)
     if cfg.actor.seq_length > spec.max_position_embeddings:
         errors.append(
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
@@ -271,3 +272,23 @@ def preflight(cfg: MegarlConfig, world_size: int | None = None, *, strict_paths:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
+    lora = cfg.actor.lora
+    if lora is None:
+        return []
+    errors = []
+    if cfg.model.transformer_impl != "local":
+        errors.append(
+            "actor.lora needs model.transformer_impl=local (Transformer Engine fuses the norm into linear_qkv/fc1, "
+            "so the adapters would see the un-normed input)"
+        )
+    if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
+        errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
+    errors.append(
+        "actor.lora: RL training with LoRA needs the adapter weight sync into the rollout engine, which is not built "
+        "yet (next: issue 26); the adapters train and export through the library API (megarl.lora) meanwhile"
+    )
+    return errors
+

@@ -245,7 +245,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         skip_old_logprob=skips_old_logprob(cfg),
         offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available()),
     )
-    built = ["actor"] + [n for n in ("critic", "reference") if getattr(models, n) is not None]
+    built = ["actor" + (" (LoRA)" if cfg.actor.lora else "")]
+    built += [n for n in ("critic", "reference") if getattr(models, n) is not None]
+    built += ["reference = the actor with its adapters off"] if models.reference_is_base else []
     job.say(
         f"{cfg.algorithm.adv_estimator} on {spec.family} {spec.num_layers}x{spec.hidden_size}, {layout}; models: "
         f"{', '.join(built)}; rollout: {cfg.rollout.backend} (tp {engine.tp}); {len(train)} train prompts"

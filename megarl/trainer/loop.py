@@ -23,7 +23,7 @@ from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import collect
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root
 from megarl.trainer.metrics import step_metrics, summary_lines, validation_metrics
-from megarl.trainer.models import RLModels
+from megarl.trainer.models import RLModels, reference_policy
 from megarl.trainer.preemption import StopRequests
 from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE
 from megarl.trainer.state import TrainerState
@@ -231,8 +231,8 @@ def learn(
 
     with timer("old_logprob"):
         old_logp = None if skip_old_logprob else forward(m.actor, per_token=logp_fn)
-    with timer("ref"):
-        ref_logp = forward(m.reference, per_token=logp_fn) if m.reference is not None else None
+    with timer("ref"), reference_policy(m) as reference:
+        ref_logp = forward(reference, per_token=logp_fn) if reference is not None else None
     with timer("values"):
         values = None
         if m.critic is not None:

@@ -3,6 +3,7 @@ critic (only for GAE) and the frozen reference (only when a KL term is on)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ class RLModels:
     critic_sched: object | None = None
     reference: torch.nn.Module | None = None
     """Frozen initial actor weights (no DDP, no optimizer)."""
+    reference_is_base: bool = False
+    """LoRA: the reference is the actor with its adapters off (no second copy of the weights)."""
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
@@ -57,13 +60,45 @@ def build_rl_models(
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
         return model
 
-    actor, actor_optim = wrap_for_training(chunk(load=load_weights), cfg.actor.optim)
+    actor_chunk = chunk(load=load_weights)
+    if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
+        add_adapters(actor_chunk, cfg, spec)
+    actor, actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
     models = RLModels(actor=actor, actor_optim=actor_optim, actor_sched=make_scheduler(actor_optim, cfg.actor.optim))
     if needs_critic(cfg):
         models.critic, models.critic_optim = wrap_for_training(
             chunk(value_head=True, load=load_weights), cfg.critic.optim
         )
         models.critic_sched = make_scheduler(models.critic_optim, cfg.critic.optim)
-    if needs_reference(cfg):
+    if needs_reference(cfg) and cfg.actor.lora is not None:
+        models.reference_is_base = True
+    elif needs_reference(cfg):
         models.reference = chunk(trained=False).eval().requires_grad_(False)
     return models
+
+
+def add_adapters(chunk, cfg: MegarlConfig, spec: ModelSpec) -> int:
+    """``actor.lora``: freeze ``chunk`` and hook its adapters (from ``init_from`` or fresh); their parameter count."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.lora import apply_lora, read_peft_adapter
+
+    lora = cfg.actor.lora
+    full = read_peft_adapter(lora.init_from, lora, spec) if lora.init_from else None
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    return apply_lora(chunk, spec, lora, tp_rank, tp, full=full, seed=cfg.trainer.seed)
+
+
+@contextlib.contextmanager
+def reference_policy(models: RLModels):
+    """The model whose log-probs are the reference's: the frozen copy, or (LoRA) the actor with its adapters off;
+    None when no KL term needs one."""
+    if models.reference is not None:
+        yield models.reference
+    elif models.reference_is_base:
+        from megarl.lora import adapters_off
+
+        with adapters_off(models.actor):
+            yield models.actor
+    else:
+        yield None
