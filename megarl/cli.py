@@ -67,7 +67,7 @@ def _cmd_train(args) -> int:
 
     try:
         run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
-    except (RewardFailure, DynamicSamplingExhausted) as e:
+    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:
         print(f"megarl: {e}", file=sys.stderr, flush=True)
         return 1
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
@@ -81,10 +81,11 @@ def _rank(train, *args) -> int:
     from megarl.parallel.init import describe_collective_timeout
     from megarl.rewards import RewardFailure
     from megarl.trainer.collect import DynamicSamplingExhausted
+    from megarl.trainer.resume import ResumeError
 
     try:
         train(*args)
-    except (RewardFailure, DynamicSamplingExhausted) as e:  # decided on gathered data: every rank stops alike
+    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:  # decided on gathered data: all ranks alike
         if os.environ.get("RANK", "0") == "0":
             print(f"megarl: {e}", file=sys.stderr, flush=True)
         lifetime.finish_rank()  # an agreed stop, not a death: the other ranks are not killed

@@ -140,6 +140,15 @@ def run_case(
         )
         out["adapters"] = gather_adapters(models.actor.module, spec, layout)
         out["logits"] = lora.get("logits")
+        if layout.tp == 2:  # the updated adapters as a PEFT directory, and the logits they must give
+            import tempfile
+
+            from megarl.lora import write_peft_adapter
+
+            out["after_update"] = lora_logits(models.actor.module, spec.vocab_size)
+            out["exported"] = tempfile.mkdtemp(prefix="megarl-lora-") if dist.get_rank() == 0 else None
+            if dist.get_rank() == 0:
+                write_peft_adapter(out["exported"], out["adapters"], cfg.actor.lora, hf_dir)
         out["trainable"] = sum(p.numel() for p in models.actor.parameters() if p.requires_grad)
     if algo == "ppo" and reference and split == "mbs2":
         from megarl.models.builder import build_model_chunk
@@ -248,7 +257,40 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
             "recomputed": recomputed}  # fmt: skip
 
 
+def lora_memory_overrides(hf_dir: str, layout: ParallelLayout) -> list[str]:
+    """GRPO with LoRA (rank 4 on q, v, down), Adam and the distributed optimizer, a KL loss (the reference is the
+    base): the planner reads the same."""
+    return [f"model.path={hf_dir}", f"actor.parallel.tp={layout.tp}", f"actor.parallel.pp={layout.pp}",
+            f"actor.parallel.dp={layout.dp}", "actor.optim.optimizer=adam", "actor.optim.lr=0.01",
+            "actor.optim.use_distributed_optimizer=true", "rollout.sampling.n=2", "data.train_batch_size=4",
+            *ALGOS["grpo_lora"], "actor.lora.target_modules=[q_proj,v_proj,down_proj]", *SPLITS["pack"]]  # fmt: skip
+
+
+def lora_memory_case(hf_dir: str, layout: ParallelLayout) -> dict:
+    """The bytes each planned consumer has allocated after one real LoRA update, per rank."""
+    cfg = load_config(None, lora_memory_overrides(hf_dir, layout))
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    init_distributed(layout, seed=1)
+    models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())
+    learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
+          skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
+    trainable = [p for p in models.actor.parameters() if p.requires_grad]
+    measured = {
+        "actor params": _storage_bytes(models.actor.parameters()),
+        "actor grads": _storage_bytes([p.main_grad for p in trainable]),
+        "actor optimizer": _storage_bytes(_adam_state(models.actor_optim)),
+    }
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"measured": measured, "reference": models.reference is not None})
+    return {"per_rank": per_rank}
+
+
 def run_cases(hf_dir: str, cases: list[tuple[str, dict]]) -> dict:
-    out = {name: (memory_case if "distopt" in kwargs else run_case)(hf_dir, **kwargs) for name, kwargs in cases}
+    kinds = {"distopt": memory_case, "lora_memory": lora_memory_case}
+    out = {}
+    for name, kwargs in cases:
+        kind = next((k for k in kinds if k in kwargs), None)
+        out[name] = kinds[kind](hf_dir, **{k: v for k, v in kwargs.items() if k != "lora_memory"}) if kind else (
+            run_case(hf_dir, **kwargs))  # fmt: skip
     out["tp_attribute_bug"] = tp_attribute_bug(hf_dir)
     return out

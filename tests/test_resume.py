@@ -29,6 +29,8 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_e
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
 LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", []),
+    "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",
+                                                 "actor.lora.target_modules=[q_proj,v_proj,down_proj]"]),
     "ppo_dp2_distopt": (
         "configs/tiny_ppo.yaml",
         ["actor.parallel.tp=1", "actor.parallel.dp=2", "actor.optim.use_distributed_optimizer=true",
@@ -219,6 +221,22 @@ def test_training_checkpoint_exports_to_hf_with_the_actors_logits(chain):
     verify = subprocess.run([sys.executable, "checkpoints_tools/verify.py", "--hf-dir", hf, "--ckpt", ckpt],
                             capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)  # fmt: skip
     assert verify.returncode == 0 and verify.stdout.startswith("PASS"), verify.stdout + verify.stderr[-3000:]
+
+
+@pytest.mark.parametrize("chain", ["grpo_lora_tp2"], indirect=True)
+def test_lora_checkpoints_hold_only_adapters_and_refuse_another_base(chain, tmp_path):
+    """A LoRA checkpoint holds the adapters and their optimizer state (not the frozen base); resuming it onto another
+    base model stops with one line."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    names = _tensors(str(chain["ref"] / f"checkpoints/iter_{STEPS:07d}"), chain["tmp"]).keys()
+    assert names and all(".lora_" in k for k in names), sorted(names)[:5]
+    other = make_tiny_hf_model(str(tmp_path / "other"), "llama", seed=5)
+    recipe, extra = LAYOUTS["grpo_lora_tp2"]
+    source = chain["ref"] / "checkpoints" / "iter_0000004"
+    run = _run(_cmd(recipe, other, tmp_path / "out", [*extra, f"trainer.resume={source}"]))
+    assert run.rc == 1, run.out[-3000:]
+    assert "its adapters were trained on another base model" in run.out and "Traceback" not in run.out, run.out[-3000:]
 
 
 RESHARD = {  # resume the uninterrupted run's step-4 checkpoint at another layout

@@ -13,7 +13,7 @@ from megarl.config.schema import LORA_TARGETS
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
-from tests.rl_update_worker import memory_overrides, run_cases
+from tests.rl_update_worker import lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
 ATOL_WEIGHTS = 1e-5
@@ -34,6 +34,7 @@ WORLD2 += [
 LORA_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
 WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", reference=True))]
 WORLD2 += [(f"{n}_lora", dict(layout=lay, algo="grpo_lora", split="pack")) for n, lay in LORA_LAYOUTS]
+WORLD2 += [("mem_lora_tp2", dict(layout=L(tp=2), lora_memory=True))]
 GSPO_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)))
 WORLD2 += [(f"{n}_gspo_tis", dict(layout=lay, algo="gspo_tis", split="pack")) for n, lay in GSPO_LAYOUTS]
 WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
@@ -73,7 +74,8 @@ def adapter_dir(hf_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def world2(hf_dir, adapter_dir):
     lora = {"extra": (f"actor.lora.init_from={adapter_dir}",)}
-    return run_on_ranks(run_cases, 2, hf_dir, [(n, {**kw, **lora} if "lora" in n else kw) for n, kw in WORLD2])
+    cases = [(n, {**kw, **lora} if kw.get("algo") == "grpo_lora" else kw) for n, kw in WORLD2]
+    return run_on_ranks(run_cases, 2, hf_dir, cases)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,22 @@ def test_lora_update_matches_single_rank_and_leaves_the_base_bitwise(world2, ada
     assert ref["base_bitwise"] and ref["trainable"] == sum(v.numel() for v in start.values())
 
 
+def test_planner_bytes_equal_what_a_lora_run_allocates(world2, hf_dir):
+    """LoRA (Adam, distributed optimizer, TP=2): the frozen base plus the adapters, gradient buffers and optimizer
+    state on the adapters only, no reference copy; the planner's bytes are the allocated ones, exactly."""
+    from megarl.config.loader import load_config
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.plan.memory import rank_memory
+
+    cfg = load_config(None, lora_memory_overrides(hf_dir, L(tp=2)))
+    planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), L(tp=2), gpus_per_node=2)
+    for rank, real in enumerate(world2["mem_lora_tp2"]["per_rank"]):
+        plan = planned[rank].consumers
+        assert {k: plan[k] for k in real["measured"]} == real["measured"], f"rank {rank}"
+        assert not real["reference"] and "reference params" not in plan
+        assert 0 < real["measured"]["actor grads"] < real["measured"]["actor params"] / 10
+
+
 def test_lora_logprobs_equal_hf_with_peft(world2, hf_dir, adapter_dir):
     """The TP=2 LoRA actor's log-probs (before its update) equal HF + peft's on the same weights."""
     from peft import PeftModel
@@ -155,6 +173,25 @@ def test_lora_logprobs_equal_hf_with_peft(world2, hf_dir, adapter_dir):
     assert (torch.log_softmax(got["adapted"], -1) - adapted).abs().max() <= 1e-5
     assert (torch.log_softmax(got["base"], -1) - base).abs().max() <= 1e-5  # adapters off = the base model
     assert (adapted - base).abs().max() > 1e-2  # the adapter's effect is visible
+
+
+def test_updated_adapters_export_to_a_directory_peft_loads(world2, hf_dir):
+    """gather_adapters + write_peft_adapter after the TP=2 update: peft loads it onto the HF base and gives the
+    updated actor's logits."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    case = world2["tp2_lora"]
+    try:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                          case["exported"])  # fmt: skip
+        got = case["after_update"]
+        with torch.no_grad():
+            assert (model(got["tokens"]).logits.float() - got["adapted"]).abs().max() <= 1e-5
+    finally:
+        shutil.rmtree(case["exported"])
 
 
 def test_gspo_with_truncated_importance_sampling_matches_single_rank(world2):

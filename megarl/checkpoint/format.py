@@ -102,6 +102,12 @@ def load_model(root: str, model_chunk, skip_prefixes: tuple[str, ...] = ()) -> N
     where the checkpoint holds a language-model head)."""
     from megatron.core import dist_checkpointing
 
+    meta = read_meta(root)
+    if meta.get("lora"):
+        raise CheckpointError(
+            f"{root} holds LoRA adapters, not a whole model (their base: {meta.get('source')}); use the base as "
+            "model.path and this checkpoint as trainer.resume"
+        )
     path = latest_iteration_dir(root)
     with megatron_mode():
         wanted = {k: v for k, v in model_chunk.sharded_state_dict().items() if not k.startswith(skip_prefixes)}

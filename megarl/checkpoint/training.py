@@ -153,6 +153,12 @@ def _rng_object(data):
     return ShardedObject("rng_state", data, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
+def _has_lora(model) -> bool:
+    from megarl.lora import has_lora
+
+    return has_lora(model.module)
+
+
 def _sharded_state(models, *, loading: bool, rng: bool) -> dict:
     """The dist-checkpoint state dict of the actor (plain names) and critic (``critic.`` names), their optimizers
     and schedulers, and (``rng``) this rank's RNG states."""
@@ -164,7 +170,12 @@ def _sharded_state(models, *, loading: bool, rng: bool) -> dict:
         optim = getattr(models, f"{name}_optim")
         if loading:
             prime_optimizer_state(optim)
-        model_sd = model.module.sharded_state_dict(prefix=prefix)
+        if _has_lora(model):  # only the adapters (the frozen base is model.path's; its fingerprint is checked)
+            from megarl.lora.checkpoint import adapter_sharded_state
+
+            model_sd = adapter_sharded_state(model.module, prefix)
+        else:
+            model_sd = model.module.sharded_state_dict(prefix=prefix)
         state[name] = model_sd
         state[f"{name}_optim"] = optim.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
         state[f"{name}_sched"] = getattr(models, f"{name}_sched").state_dict()
@@ -240,11 +251,16 @@ def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng:
             model = getattr(models, name)
             if model is None:
                 continue
-            weights = {k.removeprefix("critic.") if name == "critic" else k: v for k, v in state[name].items()}
-            missing, unexpected = model.module.load_state_dict(weights, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
+            if _has_lora(model):
+                from megarl.lora.checkpoint import load_adapter_state
+
+                load_adapter_state(model.module, state[name])
+            else:
+                weights = {k.removeprefix("critic.") if name == "critic" else k: v for k, v in state[name].items()}
+                missing, unexpected = model.module.load_state_dict(weights, strict=False)
+                missing = [k for k in missing if not k.endswith("_extra_state")]
+                if missing or unexpected:
+                    raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
             optim = getattr(models, f"{name}_optim")
             fix_parameter_state_load(optim)
             optim.load_state_dict(state[f"{name}_optim"])

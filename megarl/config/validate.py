@@ -286,9 +286,4 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
         )
     if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
         errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
-    errors.append(
-        "actor.lora: RL training with LoRA needs the adapter weight sync into the rollout engine, which is not built "
-        "yet (next: issue 26); the adapters train and export through the library API (megarl.lora) meanwhile"
-    )
     return errors
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -227,3 +228,60 @@ def merge_tp(spec: ModelSpec, target: str, factor: str, parts: list[torch.Tensor
     if (style == COLUMN and factor == "A") or (style == ROW and factor == "B") or len(parts) == 1:
         return parts[0]
     return torch.cat(parts, dim=0 if style == COLUMN else 1)
+
+
+def merged_delta(module) -> torch.Tensor:
+    """scaling * B A of one adapted linear, in the layout of this rank's weight shard (no communication: a
+    column-parallel shard's rows need only this rank's B rows and the whole A; a row-parallel shard's columns need
+    the whole B and this rank's A columns)."""
+    lora = module.lora
+    w = module.weight
+    if lora.style == ROW:
+        (t,) = lora.A.keys()
+        return lora.scaling * (lora.B[t] @ lora.A[t])
+    rows = {}
+    for t in lora.targets:
+        if t in lora.A:
+            rows[t] = lora.B[t] @ lora.A[t]
+        else:
+            rows[t] = w.new_zeros(lora.out_local[t], w.shape[1])
+    if lora.targets[0] == "q_proj":  # per query group [q rows; k rows; v rows]
+        parts = [rows[t].reshape(lora.groups, lora.block[t], -1) for t in lora.targets]
+        fused = torch.cat(parts, dim=1).reshape(-1, w.shape[1])
+    else:
+        fused = torch.cat([rows[t] for t in lora.targets], dim=0)
+    return lora.scaling * fused
+
+
+class MergedWeights(Mapping):
+    """The actor's parameters by Megatron local name as the rollout engine needs them: an adapted linear's weight is
+    W + scaling * B A, computed when read (one at a time, the last one kept), never written into the frozen W;
+    the adapter factors themselves are left out."""
+
+    def __init__(self, named: dict[str, torch.Tensor], adapted: dict[str, nn.Module]):
+        self._named, self._adapted, self._last = named, adapted, (None, None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._adapted:
+            return self._named[name]
+        if self._last[0] != name:
+            module = self._adapted[name]
+            with torch.no_grad():
+                self._last = (name, (module.weight + merged_delta(module).to(module.weight.dtype)).detach())
+        return self._last[1]
+
+    def __iter__(self):
+        return (n for n in self._named if ".lora." not in n)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def merged_weights(chunk) -> MergedWeights:
+    """``MergedWeights`` of a LoRA chunk (its named parameters, adapted linears merged on read)."""
+    named = {n: p.detach() for n, p in chunk.named_parameters()}
+    adapted = {}
+    for name, module in chunk.named_modules():
+        if hasattr(module, "lora") and isinstance(module.lora, LinearAdapters):
+            adapted[f"{name}.weight"] = module
+    return MergedWeights(named, adapted)

@@ -10,7 +10,15 @@ from megarl.config.validate import divisors, rollout_tp, vllm_tp_fits
 from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.plan.memory import DTYPE_BYTES, RankMemory, micro_batch_tokens, rank_memory
+from megarl.plan.memory import (
+    DTYPE_BYTES,
+    MiB,
+    RankMemory,
+    lora_params,
+    lora_sync_bytes,
+    micro_batch_tokens,
+    rank_memory,
+)
 
 
 class PlanError(ValueError):
@@ -225,6 +233,17 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         f"estimated sync time {s['est_s']:.2f} s (NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per "
         "GPU, no latency or verification)",
     ]
+    lora = cfg.actor.lora
+    if lora is not None:
+        trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])
+        lines += [
+            "",
+            f"## LoRA (rank {lora.rank}, alpha {lora.scaling * lora.rank:g}, {', '.join(lora.target_modules)})",
+            f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
+            "the frozen base in the model dtype; the reference is the base (no second copy)",
+            f"adapter bytes a sync moves into each engine: "
+            f"{lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB",
+        ]
     lines += [
         "",
         "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Estimates: activations "

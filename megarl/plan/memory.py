@@ -84,6 +84,40 @@ def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = 
     return out
 
 
+_LORA_MODULE_ORDER = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list[Param]]:
+    """Every rank's adapter parameters (the only trainable ones with ``actor.lora``), in module order: per layer of
+    its stage, each linear's A factors then its B factors (``megarl.lora.adapters``: column-parallel A whole and B
+    split on the output, row-parallel A split on the input and B whole)."""
+    from megarl.lora.adapters import COLUMN, MODULES, hf_shape
+
+    out = {}
+    for rank in range(layout.world_size):
+        params = []
+        for i in range(spec.num_layers // layout.pp):
+            for path in _LORA_MODULE_ORDER:
+                style, targets, _ = MODULES[path]
+                chosen = [t for t in targets if t in lora.target_modules]
+                for factor in ("A", "B"):
+                    for t in chosen:
+                        out_f, in_f = hf_shape(spec, t)
+                        split_in, split_out = (1, layout.tp) if style == COLUMN else (layout.tp, 1)
+                        n = lora.rank * (in_f // split_in if factor == "A" else out_f // split_out)
+                        params.append(Param(f"decoder.layers.{i}.{path}.lora.{factor}.{t}", n))
+        out[rank] = params
+    return out
+
+
+def lora_sync_bytes(spec: ModelSpec, lora, dtype: str) -> int:
+    """Bytes of all adapters in the model dtype: what an adapter-only weight sync moves into one engine."""
+    from megarl.lora.adapters import hf_shape
+
+    per_layer = sum(lora.rank * sum(hf_shape(spec, t)) for t in lora.target_modules)
+    return spec.num_layers * per_layer * DTYPE_BYTES[dtype]
+
+
 @dataclass
 class GradBuffer:
     """Megatron DDP's contiguous gradient (and, with the distributed optimizer, parameter) buffer of one rank."""
@@ -225,6 +259,7 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
 
     dtype, world = cfg.model.dtype, layout.world_size
     actor_params = model_params(spec, layout)
+    adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
     critic_params = model_params(spec, layout, value_head=True) if needs_critic(cfg) else None
     if cfg.rollout.backend == "vllm":
         engine = vllm_layout(spec, rollout_tp(cfg), world, gpus_per_node)
@@ -234,15 +269,19 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
     out = []
     for rank in range(world):
         c = layout.coords(rank)
-        actor = trained_model_bytes(actor_params[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
         m = RankMemory(rank)
+        if adapters is not None:  # LoRA: the frozen base has no gradient buffer or optimizer state
+            actor = trained_model_bytes(adapters[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
+            actor.params += sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
+        else:
+            actor = trained_model_bytes(actor_params[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
         m.consumers["actor params"] = actor.params
         m.consumers[ACTOR_GRADS] = actor.grads
         m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
         if critic_params is not None:
             critic = trained_model_bytes(critic_params[rank], dtype, cfg.critic.optim, c.dp, layout.dp)
             m.consumers[CRITIC] = critic.total
-        if needs_reference(cfg):
+        if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
             m.consumers[REFERENCE] = sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
         m.consumers["vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"] = sum(
             math.prod(s.shape) for s in engine.ranks[rank]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,7 @@ def run_sync(
     return report
 
 
-def actor_tensors(model) -> dict[str, torch.Tensor]:
+def actor_tensors(model) -> Mapping[str, torch.Tensor]:
     """The actor's current parameters by Megatron local name, read after any pending parameter all-gather.
 
     ``model`` is a Megatron model chunk or its DistributedDataParallel wrapper. With the distributed optimizer and
@@ -156,4 +156,10 @@ def actor_tensors(model) -> dict[str, torch.Tensor]:
         if model.ddp_config.use_distributed_optimizer and model.ddp_config.overlap_param_gather:
             model.start_param_sync(force_sync=True)
         model = model.module
+    from megarl.lora import has_lora
+
+    if has_lora(model):  # the engine gets W + scaling * B A, merged on read (megarl.lora.adapters.MergedWeights)
+        from megarl.lora.adapters import merged_weights
+
+        return merged_weights(model)
     return {name: p.detach() for name, p in model.named_parameters()}

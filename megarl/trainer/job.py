@@ -39,7 +39,7 @@ from megarl.reshard.sync import actor_tensors
 from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
 from megarl.trainer.models import RLModels, build_rl_models
-from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, clear_previous_run, plan_start
+from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, ResumeError, clear_previous_run, plan_start
 from megarl.trainer.state import TrainerState
 from megarl.training.init_weights import ModelSource
 from megarl.training.offload import Offloader
@@ -73,6 +73,8 @@ class Job:
     """The first reward failure is printed once per run."""
     stopped_by: str | None = None
     """The signal that stopped the run early (after a save), if one did."""
+    lora_base: dict | None = None
+    """LoRA: the frozen base's fingerprint (``megarl.lora.checkpoint.base_fingerprint``), saved in checkpoints."""
 
     def say(self, message: str) -> None:
         if self.rank == 0:
@@ -111,6 +113,7 @@ def describe_checkpoint_root(job: Job, root: str) -> None:
             "written_with": {"tp": job.layout.tp, "pp": job.layout.pp, "dp": job.layout.dp},
             "source": os.path.abspath(job.source.path),
             "kind": "training",
+            "lora": dataclasses.asdict(job.cfg.actor.lora) if job.cfg.actor.lora is not None else None,
         },
     )
 
@@ -136,6 +139,24 @@ def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout
     dist.barrier()
     src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
     return build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
+
+
+def _check_lora_base(path: str, saved: dict | None, current: dict | None) -> None:
+    """Adapters resume only onto the base they were trained on (the same decision on every rank)."""
+    from megarl.lora.checkpoint import same_base
+
+    if saved is None and current is None:
+        return
+    if saved is None or current is None:
+        kind = "full fine-tuning" if saved is None else "LoRA adapters"
+        raise ResumeError(f"{path} holds {kind} but actor.lora is {'set' if current else 'not set'}; resume it "
+                          "with the same actor.lora setting, or start a new output_dir")  # fmt: skip
+    differs = same_base(saved, current)
+    if differs is not None:
+        raise ResumeError(
+            f"{path}: its adapters were trained on another base model (model.path's {differs} differs); point "
+            "model.path at the base they were trained on"
+        )
 
 
 def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=None) -> tuple[Job, TrainerState]:
@@ -178,8 +199,14 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             f"rolled back to step {start.step}: moved the {len(abandoned)} later checkpoint(s) of the abandoned branch "
             f"to {os.path.dirname(abandoned[0])} ({', '.join(os.path.basename(p) for p in abandoned)})"
         )
+    lora_base = None
+    if cfg.actor.lora is not None:
+        from megarl.lora.checkpoint import base_fingerprint
+
+        lora_base = base_fingerprint(models.actor.module)
     if start is not None:
         saved = read_trainer_state(start.path)
+        _check_lora_base(start.path, saved.get("lora_base"), lora_base)
         same_layout = saved["layout"] == dataclasses.asdict(layout)
         loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
         rng = loaded.rng
@@ -244,6 +271,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         kl_ctrl=kl_ctrl,
         skip_old_logprob=skips_old_logprob(cfg),
         offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available()),
+        lora_base=lora_base,
     )
     built = ["actor" + (" (LoRA)" if cfg.actor.lora else "")]
     built += [n for n in ("critic", "reference") if getattr(models, n) is not None]

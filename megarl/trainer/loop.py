@@ -81,7 +81,8 @@ def save(job: Job, state: TrainerState) -> dict:
         root,
         state.step,
         job.models,
-        {"state": state.to_dict(), "layout": dataclasses.asdict(job.layout), "world_size": job.layout.world_size},
+        {"state": state.to_dict(), "layout": dataclasses.asdict(job.layout), "world_size": job.layout.world_size,
+         "lora_base": job.lora_base},  # fmt: skip
         keep_last=job.cfg.trainer.keep_last,
         before_manifest=lambda: faults.fire("save", state.step),
     )

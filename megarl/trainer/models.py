@@ -60,7 +60,7 @@ def build_rl_models(
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
         return model
 
-    actor_chunk = chunk(load=load_weights)
+    actor_chunk = chunk(load=load_weights or cfg.actor.lora is not None)  # LoRA: the base never comes from a checkpoint
     if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
         add_adapters(actor_chunk, cfg, spec)
     actor, actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
