@@ -240,6 +240,42 @@ def test_lora_checkpoints_hold_only_adapters_and_refuse_another_base(chain, tmp_
     assert len(lines) == 1 and lines[0].startswith("megarl: "), run.out[-3000:]  # once, from rank 0
 
 
+@pytest.mark.parametrize("chain", ["grpo_lora_tp2"], indirect=True)
+def test_lora_checkpoint_exports_as_a_peft_adapter_and_as_a_merged_model(chain, tiny_llama_dir):
+    """`megarl convert megatron-to-hf --lora` writes the checkpoint's adapters bitwise as a PEFT directory that peft
+    loads and init_from reads back bitwise; `--merge` gives the same logits as base + adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.loader import load_config
+    from megarl.lora import read_peft_adapter
+    from megarl.models import read_hf_config, spec_from_hf_config
+
+    ckpt = str(chain["ref"] / "checkpoints")
+    outs = {flag: str(chain["tmp"] / f"export{flag}") for flag in ("--lora", "--merge")}
+    for flag, out in outs.items():
+        cmd = [sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt, "--out", out, flag]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    every = _tensors(str(chain["ref"] / f"checkpoints/iter_{STEPS:07d}"), chain["tmp"])  # with optimizer states
+    saved = {k.removeprefix("lora."): v for k, v in every.items() if k.startswith("lora.")}
+    exported = load_file(f"{outs['--lora']}/adapter_model.safetensors")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    recipe, extra = LAYOUTS["grpo_lora_tp2"]
+    lora = load_config(recipe, [f"model.path={tiny_llama_dir}", *extra]).actor.lora
+    back = read_peft_adapter(outs["--lora"], lora, spec_from_hf_config(read_hf_config(tiny_llama_dir)))
+    assert all(torch.equal(back[k], saved[k]) for k in saved)  # init_from reads it back bitwise
+    tokens = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+        plain = base(tokens).logits
+        adapted = PeftModel.from_pretrained(base, outs["--lora"])(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(outs["--merge"], dtype=torch.float32)(tokens).logits
+    assert (merged - adapted).abs().max() <= 1e-5
+    assert (adapted - plain).abs().max() > 1e-4  # six steps moved the adapters off B = 0
+
+
 RESHARD = {  # resume the uninterrupted run's step-4 checkpoint at another layout
     "ppo_dp2_distopt": ["actor.parallel.tp=2", "actor.parallel.dp=1"],  # DP-sharded Adam states -> TP shards
 }

@@ -106,7 +106,7 @@ def load_model(root: str, model_chunk, skip_prefixes: tuple[str, ...] = ()) -> N
     if meta.get("lora"):
         raise CheckpointError(
             f"{root} holds LoRA adapters, not a whole model (their base: {meta.get('source')}); use the base as "
-            "model.path and this checkpoint as trainer.resume"
+            "model.path and this checkpoint as trainer.resume, or export it (megarl convert megatron-to-hf --merge)"
         )
     path = latest_iteration_dir(root)
     with megatron_mode():

@@ -65,11 +65,30 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (default 2 GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--lora", action="store_true", help="a LoRA checkpoint's adapters as a PEFT adapter directory")
+    kind.add_argument("--merge", action="store_true", help="a LoRA checkpoint merged into its base, as a HF model")
     args = p.parse_args(argv)
+    from megarl.lora.export import checkpoint_lora, export_adapter, export_merged
+
     try:
         read_meta(args.ckpt)
         latest_iteration_dir(args.ckpt)
         check_export_dir(args.out, args.overwrite)
+        lora = checkpoint_lora(args.ckpt)
+        if lora is not None and not (args.lora or args.merge):
+            raise ConversionError(f"{args.ckpt} holds LoRA adapters: export them with --lora (a PEFT adapter) or "
+                                  "--merge (the base with the adapters merged in)")  # fmt: skip
+        if lora is None and (args.lora or args.merge):
+            raise ConversionError(f"{args.ckpt} is a whole model, not LoRA adapters: export it without --lora/--merge")
+        if args.lora:
+            export_adapter(args.ckpt, args.out)
+            print(f"wrote PEFT adapter to {args.out}")
+            return 0
+        if args.merge:
+            export_merged(args.ckpt, args.out)
+            print(f"wrote merged HF model to {args.out}")
+            return 0
     except (CheckpointError, ConversionError) as e:
         return _fail(str(e))
     run_on_ranks(_export, 1, args.ckpt, args.out, args.overwrite, int(args.max_shard_gb * 2**30))
