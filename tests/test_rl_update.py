@@ -34,6 +34,8 @@ WORLD2 += [
 LORA_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
 WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", reference=True))]
 WORLD2 += [(f"{n}_lora", dict(layout=lay, algo="grpo_lora", split="pack")) for n, lay in LORA_LAYOUTS]
+RECOMPUTE = ("model.recompute=true",)
+WORLD2 += [("pp2_recompute_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", extra=RECOMPUTE))]
 WORLD2 += [("mem_lora_tp2", dict(layout=L(tp=2), lora_memory=True))]
 GSPO_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)))
 WORLD2 += [(f"{n}_gspo_tis", dict(layout=lay, algo="gspo_tis", split="pack")) for n, lay in GSPO_LAYOUTS]
@@ -74,7 +76,8 @@ def adapter_dir(hf_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def world2(hf_dir, adapter_dir):
     lora = {"extra": (f"actor.lora.init_from={adapter_dir}",)}
-    cases = [(n, {**kw, **lora} if kw.get("algo") == "grpo_lora" else kw) for n, kw in WORLD2]
+    with_adapter = lambda kw: {**kw, "extra": (*kw.get("extra", ()), *lora["extra"])}  # noqa: E731
+    cases = [(n, with_adapter(kw) if kw.get("algo") == "grpo_lora" else kw) for n, kw in WORLD2]
     return run_on_ranks(run_cases, 2, hf_dir, cases)
 
 
@@ -137,7 +140,7 @@ def test_lora_update_matches_single_rank_and_leaves_the_base_bitwise(world2, ada
     assert ref["adapters"].keys() == start.keys() and len(start) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
     assert max((ref["adapters"][k] - start[k]).abs().max().item() for k in start) > 100 * ATOL_WEIGHTS
     assert ref["actor"]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the adapted actor
-    for name, _ in LORA_LAYOUTS:
+    for name in [n for n, _ in LORA_LAYOUTS] + ["pp2_recompute"]:  # recompute: the first stage's adapters train too
         case = world2[f"{name}_lora"]
         _assert_same_update(case, ref)
         assert case["base_bitwise"], name

@@ -166,6 +166,9 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
     factors (``init_from``); None: fresh ones (``fresh_factors``). Returns the number of adapter parameters here."""
     for p in chunk.parameters():
         p.requires_grad_(False)
+    if getattr(chunk, "pre_process", False):  # the first stage: with the embedding frozen its output needs no grad,
+        # and activation recompute (a checkpointed layer whose inputs need no grad) would then cut every adapter off
+        chunk.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     where = TPSlice(tp_rank, tp)
     count = 0
     dtype = next(chunk.parameters()).dtype
