@@ -233,21 +233,24 @@ def merge_tp(spec: ModelSpec, target: str, factor: str, parts: list[torch.Tensor
     return torch.cat(parts, dim=0 if style == COLUMN else 1)
 
 
-def merged_delta(module) -> torch.Tensor:
+def merged_delta(module, dtype: torch.dtype | None = None) -> torch.Tensor:
     """scaling * B A of one adapted linear, in the layout of this rank's weight shard (no communication: a
     column-parallel shard's rows need only this rank's B rows and the whole A; a row-parallel shard's columns need
-    the whole B and this rank's A columns)."""
+    the whole B and this rank's A columns). ``dtype``: compute in it (default: the factors')."""
     lora = module.lora
     w = module.weight
+    dtype = dtype or w.dtype
+    A = {t: lora.A[t].to(dtype) for t in lora.A}
+    B = {t: lora.B[t].to(dtype) for t in lora.B}
     if lora.style == ROW:
-        (t,) = lora.A.keys()
-        return lora.scaling * (lora.B[t] @ lora.A[t])
+        (t,) = A.keys()
+        return lora.scaling * (B[t] @ A[t])
     rows = {}
     for t in lora.targets:
-        if t in lora.A:
-            rows[t] = lora.B[t] @ lora.A[t]
+        if t in A:
+            rows[t] = B[t] @ A[t]
         else:
-            rows[t] = w.new_zeros(lora.out_local[t], w.shape[1])
+            rows[t] = torch.zeros(lora.out_local[t], w.shape[1], dtype=dtype, device=w.device)
     if lora.targets[0] == "q_proj":  # per query group [q rows; k rows; v rows]
         parts = [rows[t].reshape(lora.groups, lora.block[t], -1) for t in lora.targets]
         fused = torch.cat(parts, dim=1).reshape(-1, w.shape[1])
@@ -269,8 +272,9 @@ class MergedWeights(Mapping):
             return self._named[name]
         if self._last[0] != name:
             module = self._adapted[name]
-            with torch.no_grad():
-                self._last = (name, (module.weight + merged_delta(module).to(module.weight.dtype)).detach())
+            with torch.no_grad():  # in fp32, rounded once: a bf16 W would swallow a small B A step by step
+                w = module.weight
+                self._last = (name, (w.float() + merged_delta(module, torch.float32)).to(w.dtype))
         return self._last[1]
 
     def __iter__(self):

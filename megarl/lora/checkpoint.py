@@ -54,8 +54,9 @@ def base_fingerprint(chunk) -> dict[str, list[float]]:
 
     local = {}
     offset = _layer_offset(chunk)
+    tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     for name, p in chunk.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad or (tied and name == "output_layer.weight"):  # a PP>1 copy of the tied embedding
             continue
         x = p.detach().double()
         split = getattr(p, "tensor_model_parallel", False)

@@ -14,6 +14,9 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save",
+               "lora_bias", "layer_replication")  # fmt: skip
+"""PEFT options that change what the adapter computes; an adapter that sets one is refused."""
 
 
 def read_peft_adapter(path: str, lora: LoraConfig, spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -28,6 +31,14 @@ def read_peft_adapter(path: str, lora: LoraConfig, spec: ModelSpec) -> dict[str,
             raise ValueError(f"actor.lora.init_from: {path} has no {name} (a PEFT adapter directory has both)")
     with open(os.path.join(path, CONFIG_FILE)) as f:
         config = json.load(f)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"actor.lora.init_from: {path} is a {config.get('peft_type')} adapter, not LoRA")
+    other_math = [k for k in UNSUPPORTED if config.get(k)]
+    if other_math:
+        raise ValueError(
+            f"actor.lora.init_from: {path} sets {', '.join(other_math)}, which megarl's adapters do not compute "
+            "(plain LoRA: scaling alpha / r, every layer, no bias)"
+        )
     alpha = lora.alpha if lora.alpha is not None else 2 * lora.rank
     if config.get("r") != lora.rank or float(config.get("lora_alpha", -1)) != float(alpha):
         raise ValueError(

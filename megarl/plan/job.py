@@ -241,8 +241,9 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             f"## LoRA (rank {lora.rank}, alpha {lora.scaling * lora.rank:g}, {', '.join(lora.target_modules)})",
             f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
             "the frozen base in the model dtype; the reference is the base (no second copy)",
-            f"adapter bytes a sync moves into each engine: "
-            f"{lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB",
+            f"adapter bytes an adapter-only sync would move into each engine: "
+            f"{lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB (today's sync sends the merged "
+            "weights: the weight-sync section)",
         ]
     lines += [
         "",

@@ -111,7 +111,8 @@ def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list
 
 
 def lora_sync_bytes(spec: ModelSpec, lora, dtype: str) -> int:
-    """Bytes of all adapters in the model dtype: what an adapter-only weight sync moves into one engine."""
+    """Bytes of all adapters in the model dtype: what an adapter-only weight sync would move into one engine (the
+    sync today sends the merged weights)."""
     from megarl.lora.adapters import hf_shape
 
     per_layer = sum(lora.rank * sum(hf_shape(spec, t)) for t in lora.target_modules)

@@ -141,12 +141,26 @@ def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout
     return build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
 
 
-def _check_lora_base(path: str, saved: dict | None, current: dict | None) -> None:
-    """Adapters resume only onto the base they were trained on (the same decision on every rank)."""
+def lora_identity(lora) -> dict | None:
+    """What must not change when adapters resume: their rank, effective alpha and targets."""
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.scaling * lora.rank, "target_modules": sorted(lora.target_modules)}
+
+
+def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> None:
+    """Adapters resume only with the same actor.lora and onto the base they were trained on (the same decision on
+    every rank)."""
     from megarl.lora.checkpoint import same_base
 
+    saved, was = saved_state.get("lora_base"), saved_state.get("lora")
     if saved is None and current is None:
         return
+    if saved is not None and current is not None and was is not None and was != lora_identity(lora):
+        raise ResumeError(
+            f"{path} holds adapters of rank {was['rank']}, alpha {was['alpha']:g}, targets {was['target_modules']}; "
+            "actor.lora must match them to resume"
+        )
     if saved is None or current is None:
         kind = "full fine-tuning" if saved is None else "LoRA adapters"
         raise ResumeError(f"{path} holds {kind} but actor.lora is {'set' if current else 'not set'}; resume it "
@@ -206,7 +220,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         lora_base = base_fingerprint(models.actor.module)
     if start is not None:
         saved = read_trainer_state(start.path)
-        _check_lora_base(start.path, saved.get("lora_base"), lora_base)
+        _check_lora(start.path, saved, cfg.actor.lora, lora_base)
         same_layout = saved["layout"] == dataclasses.asdict(layout)
         loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
         rng = loaded.rng

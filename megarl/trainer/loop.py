@@ -21,7 +21,7 @@ from megarl.rollout.protocol import rollout
 from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import collect
-from megarl.trainer.job import Job, build_job, describe_checkpoint_root
+from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import RLModels, reference_policy
 from megarl.trainer.preemption import StopRequests
@@ -82,7 +82,7 @@ def save(job: Job, state: TrainerState) -> dict:
         state.step,
         job.models,
         {"state": state.to_dict(), "layout": dataclasses.asdict(job.layout), "world_size": job.layout.world_size,
-         "lora_base": job.lora_base},  # fmt: skip
+         "lora_base": job.lora_base, "lora": lora_identity(job.cfg.actor.lora)},  # fmt: skip
         keep_last=job.cfg.trainer.keep_last,
         before_manifest=lambda: faults.fire("save", state.step),
     )

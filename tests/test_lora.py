@@ -1,0 +1,53 @@
+"""LoRA checks that need no process group: the config, what init_from refuses, what resume refuses."""
+
+import json
+
+import pytest
+
+from megarl.config import load_config
+from megarl.config.loader import ConfigError
+from megarl.lora import read_peft_adapter
+from megarl.models.spec import ModelSpec
+from megarl.trainer.job import _check_lora, lora_identity
+from megarl.trainer.resume import ResumeError
+
+
+def _lora(*overrides):
+    return load_config(None, ["model.path=x", "actor.lora.rank=4", *overrides]).actor.lora
+
+
+def test_lora_config_defaults_and_refusals():
+    lora = _lora()
+    assert lora.scaling == 2.0 and len(lora.target_modules) == 7  # alpha = 2 x rank, every linear
+    assert load_config(None, ["model.path=x"]).actor.lora is None
+    with pytest.raises(ConfigError, match=r"actor.lora.dropout: must be 0 for RL"):
+        _lora("actor.lora.dropout=0.05")
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: unknown \['qkv_proj'\]"):
+        _lora("actor.lora.target_modules=[qkv_proj]")
+
+
+@pytest.mark.parametrize("option, value", [("use_rslora", True), ("use_dora", True), ("rank_pattern", {"q_proj": 8}),
+                                           ("layers_to_transform", [0]), ("lora_bias", True)])  # fmt: skip
+def test_init_from_refuses_peft_options_that_change_the_math(tmp_path, option, value):
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], option: value}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    spec = ModelSpec(family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                     ffn_hidden_size=128, vocab_size=100, padded_vocab_size=128, max_position_embeddings=512,
+                     rope_theta=1e4, rope_scaling_factor=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     qkv_bias=False)  # fmt: skip
+    with pytest.raises(ValueError, match=f"sets {option}, which megarl's adapters do not compute"):
+        read_peft_adapter(str(tmp_path), _lora("actor.lora.target_modules=[q_proj]"), spec)
+
+
+def test_resume_refuses_other_adapters_or_a_mismatched_checkpoint():
+    lora = _lora()
+    base = {"decoder.final_layernorm.weight": [64.0, 64.0]}
+    saved = {"lora_base": base, "lora": lora_identity(lora)}
+    _check_lora("ckpt", saved, lora, base)  # the same: fine
+    with pytest.raises(ResumeError, match=r"holds adapters of rank 4, alpha 8.*actor.lora must match"):
+        _check_lora("ckpt", saved, _lora("actor.lora.alpha=16"), base)
+    with pytest.raises(ResumeError, match="trained on another base model"):
+        _check_lora("ckpt", saved, lora, {"decoder.final_layernorm.weight": [64.0, 70.0]})
+    with pytest.raises(ResumeError, match="holds full fine-tuning but actor.lora is set"):
+        _check_lora("ckpt", {}, lora, base)
