@@ -215,8 +215,11 @@ lifetime.finish_rank()
 
     def signal_when_ready(signum, frame):
         for child in psutil.Process().children():  # the agent only (it starts with SIGUSR1 ignored), not pytest's
-            if agent in child.cmdline():  # own helpers
-                child.send_signal(signal.SIGUSR1)
+            try:  # own helpers (one may be an unreaped zombie: no command line to read)
+                if agent in child.cmdline():
+                    child.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                continue
         os.kill(os.getpid(), signal.SIGUSR1)  # the supervisor forwards it to the rank
 
     said = []
