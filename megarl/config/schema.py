@@ -148,8 +148,13 @@ class LoraConfig:
     (Kaiming-uniform, as PEFT), B zero, so the first policy is the base model."""
 
     @property
+    def effective_alpha(self) -> float:
+        """``alpha``, or 2 x rank when it is not set."""
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @property
     def scaling(self) -> float:
-        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+        return self.effective_alpha / self.rank
 
     def __post_init__(self):
         _require(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")

@@ -72,10 +72,10 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
     from megarl.lora.export import checkpoint_lora, export_adapter, export_merged
 
     try:
-        read_meta(args.ckpt)
+        meta = read_meta(args.ckpt)
         latest_iteration_dir(args.ckpt)
         check_export_dir(args.out, args.overwrite)
-        lora = checkpoint_lora(args.ckpt)
+        lora = checkpoint_lora(meta)
         if lora is not None and not (args.lora or args.merge):
             raise ConversionError(f"{args.ckpt} holds LoRA adapters: export them with --lora (a PEFT adapter) or "
                                   "--merge (the base with the adapters merged in)")  # fmt: skip

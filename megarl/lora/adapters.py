@@ -29,13 +29,16 @@ from megarl.config.schema import LoraConfig
 from megarl.models.spec import ModelSpec
 
 COLUMN, ROW = "column", "row"
-MODULES = {  # Megatron linear -> (parallel style, its HF targets in fused-output order, HF parent module)
-    "self_attention.linear_qkv": (COLUMN, ("q_proj", "k_proj", "v_proj"), "self_attn"),
+MODULES = {  # Megatron linear -> (parallel style, its HF targets in fused-output order, HF parent module), in the
+    # order a layer registers them (linear_proj before linear_qkv): megarl.plan lays out the adapters' buffer by it
     "self_attention.linear_proj": (ROW, ("o_proj",), "self_attn"),
+    "self_attention.linear_qkv": (COLUMN, ("q_proj", "k_proj", "v_proj"), "self_attn"),
     "mlp.linear_fc1": (COLUMN, ("gate_proj", "up_proj"), "mlp"),
     "mlp.linear_fc2": (ROW, ("down_proj",), "mlp"),
 }
 PARENT = {t: parent for _, targets, parent in MODULES.values() for t in targets}
+STYLE = {t: style for style, targets, _ in MODULES.values() for t in targets}
+QKV = MODULES["self_attention.linear_qkv"][1]
 
 
 def hf_shape(spec: ModelSpec, target: str) -> tuple[int, int]:
@@ -66,7 +69,7 @@ class TPSlice:
 
     def rows(self, spec: ModelSpec, target: str, B: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a column-parallel target's B (the rows of its fused-output block)."""
-        if target in ("q_proj", "k_proj", "v_proj"):  # whole query groups per rank, in group order
+        if target in QKV:  # whole query groups per rank, in group order
             per_group = (spec.num_heads // spec.num_kv_heads if target == "q_proj" else 1) * spec.head_dim
             groups = spec.num_kv_heads // self.tp
             start = self.tp_rank * groups * per_group
@@ -99,8 +102,7 @@ class LinearAdapters(nn.Module):
         self.B = nn.ParameterDict({t: nn.Parameter(f["B"]) for t, f in factors.items()})
         self.enabled = True
         self.groups = spec.num_kv_heads // tp  # query groups per TP rank (linear_qkv's output blocks)
-        self.block = {t: hf_shape(spec, t)[0] // (spec.num_kv_heads if t in ("q_proj", "k_proj", "v_proj") else 1)
-                      for t in targets}  # fmt: skip
+        self.block = {t: hf_shape(spec, t)[0] // (spec.num_kv_heads if t in QKV else 1) for t in targets}
         self.out_local = {t: self._out_local(spec, t, tp) for t in targets}
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -126,19 +128,20 @@ class LinearAdapters(nn.Module):
             u = reduce_from_tensor_model_parallel_region(nn.functional.linear(x_SBH, self.A[t]))
             return self.scaling * nn.functional.linear(u, self.B[t])
         ys = {}
-        for t in self.targets:
-            if t in self.A:
-                u = copy_to_tensor_model_parallel_region(nn.functional.linear(x_SBH, self.A[t]))
-                ys[t] = nn.functional.linear(u, self.B[t])
-            else:
-                ys[t] = x_SBH.new_zeros(*x_SBH.shape[:-1], self.out_local[t])
-        if self.targets[0] == "q_proj":  # linear_qkv: per query group [q heads; k; v]
-            lead = x_SBH.shape[:-1]
-            parts = [ys[t].reshape(*lead, self.groups, self.block[t]) for t in self.targets]
-            fused = torch.cat(parts, dim=-1).reshape(*lead, -1)
-        else:  # linear_fc1: [gate; up]
-            fused = torch.cat([ys[t] for t in self.targets], dim=-1)
-        return self.scaling * fused
+        for t in self.A:
+            u = copy_to_tensor_model_parallel_region(nn.functional.linear(x_SBH, self.A[t]))
+            ys[t] = nn.functional.linear(u, self.B[t])
+        return self.scaling * self.fuse(ys, x_SBH)
+
+    def fuse(self, ys: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Per-target outputs [..., out_t] of a column-parallel linear as this rank's fused output [..., out_local]
+        (zeros in untargeted blocks): linear_qkv per query group [q heads; k; v], linear_fc1 [gate; up]."""
+        lead = like.shape[:-1]
+        parts = [ys[t] if t in ys else like.new_zeros(*lead, self.out_local[t]) for t in self.targets]
+        if self.targets == QKV:
+            parts = [p.reshape(*lead, self.groups, self.block[t]) for p, t in zip(parts, self.targets)]
+            return torch.cat(parts, dim=-1).reshape(*lead, -1)
+        return torch.cat(parts, dim=-1)
 
 
 def _add_delta(module, args, output):
@@ -227,7 +230,7 @@ def local_factors(chunk) -> dict[tuple[int, str, str], torch.Tensor]:
 
 def merge_tp(spec: ModelSpec, target: str, factor: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The full factor from TP ranks 0..tp-1's parts (inverse of ``TPSlice``)."""
-    style = COLUMN if target in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") else ROW
+    style = STYLE[target]
     if (style == COLUMN and factor == "A") or (style == ROW and factor == "B") or len(parts) == 1:
         return parts[0]
     return torch.cat(parts, dim=0 if style == COLUMN else 1)
@@ -238,25 +241,13 @@ def merged_delta(module, dtype: torch.dtype | None = None) -> torch.Tensor:
     column-parallel shard's rows need only this rank's B rows and the whole A; a row-parallel shard's columns need
     the whole B and this rank's A columns). ``dtype``: compute in it (default: the factors')."""
     lora = module.lora
-    w = module.weight
-    dtype = dtype or w.dtype
-    A = {t: lora.A[t].to(dtype) for t in lora.A}
-    B = {t: lora.B[t].to(dtype) for t in lora.B}
+    dtype = dtype or module.weight.dtype
+    products = {t: lora.B[t].to(dtype) @ lora.A[t].to(dtype) for t in lora.A}  # [out_t, in] each
     if lora.style == ROW:
-        (t,) = A.keys()
-        return lora.scaling * (B[t] @ A[t])
-    rows = {}
-    for t in lora.targets:
-        if t in A:
-            rows[t] = B[t] @ A[t]
-        else:
-            rows[t] = torch.zeros(lora.out_local[t], w.shape[1], dtype=dtype, device=w.device)
-    if lora.targets[0] == "q_proj":  # per query group [q rows; k rows; v rows]
-        parts = [rows[t].reshape(lora.groups, lora.block[t], -1) for t in lora.targets]
-        fused = torch.cat(parts, dim=1).reshape(-1, w.shape[1])
-    else:
-        fused = torch.cat([rows[t] for t in lora.targets], dim=0)
-    return lora.scaling * fused
+        (delta,) = products.values()
+        return lora.scaling * delta
+    columns = {t: d.t() for t, d in products.items()}  # [in, out_t]: the fused rows are the fused outputs' blocks
+    return lora.scaling * lora.fuse(columns, module.weight.new_empty(module.weight.shape[1], 0, dtype=dtype)).t()
 
 
 class MergedWeights(Mapping):

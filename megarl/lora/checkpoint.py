@@ -9,6 +9,8 @@ import torch
 
 from megarl.lora.adapters import COLUMN, lora_layers, peft_key
 
+KEY_PREFIX = "lora."
+"""A checkpoint's adapter keys are this + the PEFT name (layout-independent)."""
 FINGERPRINT_REL_TOL = 1e-9
 """Two fingerprints of the same weights differ only by the float64 summation order of another layout."""
 
@@ -25,7 +27,7 @@ def adapter_sharded_state(chunk, prefix: str = "") -> dict:
         ad = module.lora
         for t in ad.A:
             for factor, param in (("A", ad.A[t]), ("B", ad.B[t])):
-                key = f"{prefix}lora.{peft_key(layer, t, factor)}"
+                key = f"{prefix}{KEY_PREFIX}{peft_key(layer, t, factor)}"
                 split = (ad.style == COLUMN and factor == "B") or (ad.style != COLUMN and factor == "A")
                 out[key] = (
                     make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=0 if factor == "B" else 1)

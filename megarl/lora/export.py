@@ -11,15 +11,13 @@ import torch
 
 from megarl.checkpoint.format import CheckpointError, latest_iteration_dir, read_meta
 from megarl.config.schema import LoraConfig
+from megarl.lora.checkpoint import KEY_PREFIX
 from megarl.lora.peft_io import write_peft_adapter
 
-PREFIX = "lora."
 
-
-def checkpoint_lora(root: str) -> LoraConfig | None:
-    """The ``actor.lora`` a training checkpoint was written with (None: a whole model)."""
-    saved = read_meta(root).get("lora")
-    return LoraConfig(**saved) if saved else None
+def checkpoint_lora(meta: dict) -> LoraConfig | None:
+    """The ``actor.lora`` a training checkpoint (its ``read_meta``) was written with (None: a whole model)."""
+    return LoraConfig(**meta["lora"]) if meta.get("lora") else None
 
 
 def read_checkpoint_adapters(root: str) -> dict[str, torch.Tensor]:
@@ -29,19 +27,20 @@ def read_checkpoint_adapters(root: str) -> dict[str, torch.Tensor]:
 
     path = latest_iteration_dir(root)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith(PREFIX)}
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith(KEY_PREFIX)}
     if not state:
         raise CheckpointError(f"{path} holds no LoRA adapters")
     dcp.load(state, checkpoint_id=path, no_dist=True)
-    return {k.removeprefix(PREFIX): v for k, v in sorted(state.items())}
+    return {k.removeprefix(KEY_PREFIX): v for k, v in sorted(state.items())}
 
 
 def export_adapter(root: str, out: str) -> None:
     """``megarl convert megatron-to-hf --lora``: the checkpoint's adapters as a PEFT directory."""
-    lora = checkpoint_lora(root)
+    meta = read_meta(root)
+    lora = checkpoint_lora(meta)
     if lora is None:
         raise CheckpointError(f"{root} is a whole model, not LoRA adapters: export it without --lora")
-    write_peft_adapter(out, read_checkpoint_adapters(root), lora, read_meta(root).get("source", ""))
+    write_peft_adapter(out, read_checkpoint_adapters(root), lora, meta.get("source", ""))
 
 
 def export_merged(root: str, out: str) -> None:

@@ -39,8 +39,8 @@ def read_peft_adapter(path: str, lora: LoraConfig, spec: ModelSpec) -> dict[str,
             f"actor.lora.init_from: {path} sets {', '.join(other_math)}, which megarl's adapters do not compute "
             "(plain LoRA: scaling alpha / r, every layer, no bias)"
         )
-    alpha = lora.alpha if lora.alpha is not None else 2 * lora.rank
-    if config.get("r") != lora.rank or float(config.get("lora_alpha", -1)) != float(alpha):
+    alpha = lora.effective_alpha
+    if config.get("r") != lora.rank or float(config.get("lora_alpha", -1)) != alpha:
         raise ValueError(
             f"actor.lora.init_from: {path} has r={config.get('r')}, lora_alpha={config.get('lora_alpha')} but "
             f"actor.lora has rank={lora.rank}, alpha={alpha}; set them to the adapter's"
@@ -91,7 +91,7 @@ def write_peft_adapter(path: str, tensors: dict[str, torch.Tensor], lora: LoraCo
     os.makedirs(path, exist_ok=True)
     config = PeftLoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.rank,
+        lora_alpha=lora.effective_alpha,
         lora_dropout=0.0,
         target_modules=list(lora.target_modules),
         bias="none",

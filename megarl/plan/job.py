@@ -238,7 +238,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])
         lines += [
             "",
-            f"## LoRA (rank {lora.rank}, alpha {lora.scaling * lora.rank:g}, {', '.join(lora.target_modules)})",
+            f"## LoRA (rank {lora.rank}, alpha {lora.effective_alpha:g}, {', '.join(lora.target_modules)})",
             f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
             "the frozen base in the model dtype; the reference is the base (no second copy)",
             f"adapter bytes an adapter-only sync would move into each engine: "

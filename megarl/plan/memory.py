@@ -84,9 +84,6 @@ def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = 
     return out
 
 
-_LORA_MODULE_ORDER = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
 def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list[Param]]:
     """Every rank's adapter parameters (the only trainable ones with ``actor.lora``), in module order: per layer of
     its stage, each linear's A factors then its B factors (``megarl.lora.adapters``: column-parallel A whole and B
@@ -97,8 +94,7 @@ def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list
     for rank in range(layout.world_size):
         params = []
         for i in range(spec.num_layers // layout.pp):
-            for path in _LORA_MODULE_ORDER:
-                style, targets, _ = MODULES[path]
+            for path, (style, targets, _) in MODULES.items():  # module order
                 chosen = [t for t in targets if t in lora.target_modules]
                 for factor in ("A", "B"):
                     for t in chosen:

@@ -145,7 +145,7 @@ def lora_identity(lora) -> dict | None:
     """What must not change when adapters resume: their rank, effective alpha and targets."""
     if lora is None:
         return None
-    return {"rank": lora.rank, "alpha": lora.scaling * lora.rank, "target_modules": sorted(lora.target_modules)}
+    return {"rank": lora.rank, "alpha": lora.effective_alpha, "target_modules": sorted(lora.target_modules)}
 
 
 def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> None:
@@ -156,15 +156,15 @@ def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> Non
     saved, was = saved_state.get("lora_base"), saved_state.get("lora")
     if saved is None and current is None:
         return
-    if saved is not None and current is not None and was is not None and was != lora_identity(lora):
-        raise ResumeError(
-            f"{path} holds adapters of rank {was['rank']}, alpha {was['alpha']:g}, targets {was['target_modules']}; "
-            "actor.lora must match them to resume"
-        )
     if saved is None or current is None:
         kind = "full fine-tuning" if saved is None else "LoRA adapters"
         raise ResumeError(f"{path} holds {kind} but actor.lora is {'set' if current else 'not set'}; resume it "
                           "with the same actor.lora setting, or start a new output_dir")  # fmt: skip
+    if was is not None and was != lora_identity(lora):
+        raise ResumeError(
+            f"{path} holds adapters of rank {was['rank']}, alpha {was['alpha']:g}, targets {was['target_modules']}; "
+            "actor.lora must match them to resume"
+        )
     differs = same_base(saved, current)
     if differs is not None:
         raise ResumeError(
