@@ -570,6 +570,10 @@ class RolloutConfig:
     """Longest prompt + response in tokens the engine accepts; 0 means the model's max_position_embeddings."""
     enforce_eager: bool = True
     """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
+    lora_merge: bool = False
+    """With actor.lora: False (default) serves the adapters from vLLM's LoRA slots, so every sync after the first
+    moves only the adapters; True merges them into the weights on the trainer side and syncs whole weights (an
+    engine without LoRA kernels). README "LoRA" has the measurements behind the default."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=1, temperature=1.0))

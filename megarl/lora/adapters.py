@@ -67,18 +67,29 @@ class TPSlice:
     tp_rank: int
     tp: int
 
-    def rows(self, spec: ModelSpec, target: str, B: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a column-parallel target's B (the rows of its fused-output block)."""
+    def row_range(self, spec: ModelSpec, target: str) -> tuple[int, int]:
+        """[start, stop) of this rank's rows of a column-parallel target's B (the rows of its fused-output block)."""
+        out_f = hf_shape(spec, target)[0]
         if target in QKV:  # whole query groups per rank, in group order
             per_group = (spec.num_heads // spec.num_kv_heads if target == "q_proj" else 1) * spec.head_dim
             groups = spec.num_kv_heads // self.tp
             start = self.tp_rank * groups * per_group
-            return B[start : start + groups * per_group]
-        return B.chunk(self.tp, dim=0)[self.tp_rank]
+            return start, start + groups * per_group
+        per = out_f // self.tp
+        return self.tp_rank * per, (self.tp_rank + 1) * per
 
-    def cols(self, A: torch.Tensor) -> torch.Tensor:
-        """This rank's input columns of a row-parallel target's A."""
-        return A.chunk(self.tp, dim=1)[self.tp_rank]
+    def col_range(self, spec: ModelSpec, target: str) -> tuple[int, int]:
+        """[start, stop) of this rank's input columns of a row-parallel target's A."""
+        per = hf_shape(spec, target)[1] // self.tp
+        return self.tp_rank * per, (self.tp_rank + 1) * per
+
+    def rows(self, spec: ModelSpec, target: str, B: torch.Tensor) -> torch.Tensor:
+        start, stop = self.row_range(spec, target)
+        return B[start:stop]
+
+    def cols(self, spec: ModelSpec, target: str, A: torch.Tensor) -> torch.Tensor:
+        start, stop = self.col_range(spec, target)
+        return A[:, start:stop]
 
 
 def fresh_factors(spec: ModelSpec, target: str, rank: int, layer: int, seed: int) -> dict[str, torch.Tensor]:
@@ -186,7 +197,7 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
                 if full is not None
                 else fresh_factors(spec, t, lora.rank, layer, seed)
             )
-            A, B = (f["A"], where.rows(spec, t, f["B"])) if style == COLUMN else (where.cols(f["A"]), f["B"])
+            A, B = (f["A"], where.rows(spec, t, f["B"])) if style == COLUMN else (where.cols(spec, t, f["A"]), f["B"])
             factors[t] = {"A": A.to(dtype).clone().contiguous(), "B": B.to(dtype).clone().contiguous()}
         if not factors:
             continue

@@ -256,3 +256,52 @@ def hf_layout(spec: ModelSpec, ranks: list[int], gpus_per_node: int) -> SideLayo
         _ShardBuilder(name, _cols(shape)).add(name, (0, shape[0])).build() for name, shape in _hf_shapes(spec).items()
     ]
     return SideLayout({rank: shards for rank in ranks}, gpus_per_node)
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------------------------
+# An adapter factor's coordinate is its PEFT name (megarl.lora.adapters.peft_key): rank x in for A, out x rank for B.
+def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_per_node: int) -> SideLayout:
+    """The actor's adapter factors (Megatron local names ``decoder.layers.{i}.<linear>.lora.{A|B}.<target>``) on every
+    rank: column-parallel linears hold A whole and their rows of B, row-parallel ones their columns of A and B whole
+    (``megarl.lora.adapters.TPSlice``)."""
+    from megarl.lora.adapters import COLUMN, MODULES, TPSlice, hf_shape, peft_key
+
+    ranks = {}
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        stage, where = ms.StageInfo(c.pp, layout.pp, spec.num_layers), TPSlice(c.tp, layout.tp)
+        shards = []
+        for local in range(stage.layers_per_stage):
+            layer = stage.first_layer + local
+            for path, (style, targets, _) in MODULES.items():
+                for t in (t for t in targets if t in lora.target_modules):
+                    out_f, in_f = hf_shape(spec, t)
+                    name = f"decoder.layers.{local}.{path}.lora.{{}}.{t}"
+                    a, b = peft_key(layer, t, "A"), peft_key(layer, t, "B")
+                    A = _ShardBuilder(name.format("A"), in_f, concat_dim=0 if style == COLUMN else 1)
+                    B = _ShardBuilder(name.format("B"), lora.rank)
+                    if style == COLUMN:
+                        A.add(a, (0, lora.rank))
+                        B.add(b, where.row_range(spec, t))
+                    else:
+                        A.add(a, (0, lora.rank), where.col_range(spec, t))
+                        B.add(b, (0, out_f))
+                    shards += [A.build(), B.build()]
+        ranks[rank] = shards
+    return SideLayout(ranks, gpus_per_node)
+
+
+def peft_adapter_layout(spec: ModelSpec, lora, ranks: list[int], gpus_per_node: int) -> SideLayout:
+    """Every full adapter factor under its PEFT name on each of ``ranks`` (what vLLM's LoRA loader reads: it slices
+    the factors for its own TP rank itself)."""
+    from megarl.lora.adapters import MODULES, hf_shape, peft_key
+
+    shards = []
+    for layer in range(spec.num_layers):
+        for _, targets, _ in MODULES.values():
+            for t in (t for t in targets if t in lora.target_modules):
+                out_f, in_f = hf_shape(spec, t)
+                for factor, (rows, cols) in (("A", (lora.rank, in_f)), ("B", (out_f, lora.rank))):
+                    key = peft_key(layer, t, factor)
+                    shards.append(_ShardBuilder(key, cols).add(key, (0, rows)).build())
+    return SideLayout({rank: shards for rank in ranks}, gpus_per_node)

@@ -11,7 +11,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -69,6 +69,16 @@ class SyncReport:
     """The largest layer of destination tensors staged for the transport (outside the executor's budget)."""
     layers: int = 0
     buckets: int = 0
+
+    def __add__(self, other: SyncReport) -> SyncReport:
+        """Two syncs run one after the other (the base weights, then the adapters)."""
+        peaks = ("peak_buffer_bytes", "peak_staging_bytes")
+        merged = {
+            f.name: (max if f.name in peaks else sum)((getattr(self, f.name), getattr(other, f.name)))
+            for f in fields(self)
+            if f.name != "transport"
+        }
+        return SyncReport(transport=f"{self.transport}+{other.transport}", **merged)
 
 
 def stream_layers(
@@ -145,11 +155,13 @@ def run_sync(
     return report
 
 
-def actor_tensors(model) -> Mapping[str, torch.Tensor]:
+def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tensor]:
     """The actor's current parameters by Megatron local name, read after any pending parameter all-gather.
 
     ``model`` is a Megatron model chunk or its DistributedDataParallel wrapper. With the distributed optimizer and
-    ``overlap_param_gather`` the updated parameters arrive only at the next forward; this forces that gather first."""
+    ``overlap_param_gather`` the updated parameters arrive only at the next forward; this forces that gather first.
+    With LoRA adapters, ``merge_lora`` gives W + scaling * B A under the base names (an engine without adapter
+    slots); otherwise the frozen base and the adapter factors, each under its own name."""
     from megatron.core.distributed import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
@@ -158,8 +170,14 @@ def actor_tensors(model) -> Mapping[str, torch.Tensor]:
         model = model.module
     from megarl.lora import has_lora
 
-    if has_lora(model):  # the engine gets W + scaling * B A, merged on read (megarl.lora.adapters.MergedWeights)
+    if merge_lora and has_lora(model):  # W + scaling * B A, merged on read (megarl.lora.adapters.MergedWeights)
         from megarl.lora.adapters import merged_weights
 
         return merged_weights(model)
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def push_actor(engine, model, version: int) -> SyncReport:
+    """Collective: load the actor's current weights into ``engine`` as ``version`` (adapters merged into the weights
+    for an engine without adapter slots, ``engine.merges_lora``)."""
+    return engine.update_weights(actor_tensors(model, merge_lora=engine.merges_lora), version)

@@ -7,12 +7,15 @@ tensors are handed over in memory. vLLM is imported lazily; nothing here runs wi
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from megarl.models.spec import ModelSpec
-from megarl.reshard.layout import SideLayout, hf_layout, vllm_layout
+from megarl.reshard.executor import ReshardVerificationError
+from megarl.reshard.layout import SideLayout, hf_layout, peft_adapter_layout, vllm_layout
 
 
 def vllm_model(llm) -> torch.nn.Module:
@@ -27,7 +30,13 @@ def _holders(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, st
         for attr, param in module._parameters.items():
             if param is not None:
                 by_id.setdefault(id(param), []).append((module, attr))
-    return {name: by_id[id(p)] for name, p in model.named_parameters()}
+    return {_base_name(name): by_id[id(p)] for name, p in model.named_parameters()}
+
+
+def _base_name(name: str) -> str:
+    """The checkpoint name of an engine parameter: an engine with LoRA wraps its linears (and the embedding), which
+    puts their own parameters under ``base_layer`` (vllm/lora/layers/base_linear.py)."""
+    return name.replace(".base_layer.", ".")
 
 
 def _post_load(modules, platform_needs_it: bool) -> None:
@@ -126,3 +135,52 @@ class FullReload:
 
 
 TRANSPORTS = {t.name: t for t in (ShardWrite, FullReload)}
+"""The transports of the base weights (every sync without LoRA slots; the first one with them)."""
+
+
+class AdapterSlots:
+    """Data path: executor -> every full adapter factor (PEFT names) on every rank -> a PEFT adapter directory in
+    this run's RAM-backed shared memory -> vLLM's LoRA manager (``add_lora``) under a new adapter id; the previous
+    adapter and its directory are removed. ``request`` is what every generation must carry.
+
+    vLLM has no in-memory adapter load: its worker reads ``adapter_model.safetensors`` from the request's path and
+    slices the full factors for its own TP rank (vllm/lora/worker_manager.py), hence full factors on every rank.
+    What was written is read back and compared with what the executor verified before vLLM reads it. The whole
+    adapter is staged at once (``megarl plan``: "adapter bytes"; 8-80 MiB for a 7B model)."""
+
+    name = "lora_slots"
+
+    def __init__(self, llm, spec: ModelSpec, lora, dtype: torch.dtype, directory: str):
+        self.llm, self.spec, self.lora, self.dtype, self.directory = llm, spec, lora, dtype, directory
+        self.request = None
+        self._ids = 0
+
+    def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
+        return peft_adapter_layout(self.spec, self.lora, list(range(world_size)), gpus_per_node)
+
+    def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        from safetensors.torch import load_file
+        from vllm.lora.request import LoRARequest
+
+        from megarl.lora.peft_io import WEIGHTS_FILE, write_peft_adapter
+
+        tensors = {name: t.cpu() for layer in layers for name, t in layer.items()}
+        self.remove()
+        self._ids += 1
+        path = os.path.join(self.directory, f"adapter-{self._ids}")
+        write_peft_adapter(path, tensors, self.lora)
+        written = load_file(os.path.join(path, WEIGHTS_FILE))
+        bad = sorted(k for k, t in tensors.items() if k not in written or not torch.equal(written[k], t))
+        if bad or len(written) != len(tensors):
+            raise ReshardVerificationError(f"the adapter written to {path} differs from the one received: {bad[:3]}")
+        request = LoRARequest(f"megarl-{self._ids}", self._ids, path)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter {path}")
+        self.request = request
+
+    def remove(self) -> None:
+        """Take the current adapter out of the engine and its directory off shared memory."""
+        if self.request is not None:
+            self.llm.llm_engine.remove_lora(self.request.lora_int_id)
+            shutil.rmtree(self.request.lora_path, ignore_errors=True)
+            self.request = None

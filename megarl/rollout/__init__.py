@@ -7,7 +7,8 @@ import os
 
 from megarl.config.schema import MegarlConfig
 from megarl.models.spec import ModelSpec
-from megarl.reshard.layout import SideLayout
+from megarl.parallel.layout import ParallelLayout
+from megarl.reshard.layout import megatron_adapter_layout, megatron_layout
 
 
 def write_engine_dir(hf_config: dict, tokenizer_dir: str, out_dir: str) -> str:
@@ -23,17 +24,23 @@ def write_engine_dir(hf_config: dict, tokenizer_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def build_engine(cfg: MegarlConfig, spec: ModelSpec, src_layout: SideLayout, engine_dir: str, *, seed: int = 0):
-    """The configured engine (collective: every rank builds its part). Call ``config.validate`` first."""
+def build_engine(
+    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, engine_dir: str, *, gpus_per_node: int, seed: int = 0
+):
+    """The configured engine (collective: every rank builds its part), fed by the actor at ``layout``. Call
+    ``config.validate`` first."""
     from megarl.config.validate import rollout_tp
 
+    src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
     if cfg.rollout.backend == "hf":
         from megarl.rollout.hf_engine import HFEngine
 
         return HFEngine(cfg.rollout, engine_dir, spec, src_layout, dtype=cfg.model.dtype)
     from megarl.rollout.vllm_engine import VLLMEngine
 
+    lora = cfg.actor.lora if not cfg.rollout.lora_merge else None  # adapters into vLLM's LoRA slots
     return VLLMEngine(
         cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed,
-        collective_timeout_s=cfg.trainer.collective_timeout_s,
+        collective_timeout_s=cfg.trainer.collective_timeout_s, lora=lora,
+        adapter_layout=None if lora is None else megatron_adapter_layout(spec, lora, layout, gpus_per_node),
     )  # fmt: skip

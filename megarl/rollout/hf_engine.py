@@ -43,6 +43,7 @@ class _HFModelWrite:
 
 class HFEngine:
     tp = 1  # every rank is its own engine
+    merges_lora = True  # a plain transformers model: LoRA adapters arrive merged into the weights
 
     def __init__(
         self, cfg: RolloutConfig, engine_dir: str, spec: ModelSpec, src_layout: SideLayout, *, dtype="float32"

@@ -62,6 +62,8 @@ class RolloutEngine(Protocol):
     """The verified weight version held, or None (unhealthy: generation refused)."""
     tp: int
     """Ranks per engine (consecutive); HF engines are single-rank."""
+    merges_lora: bool
+    """Whether the actor's LoRA adapters must arrive merged into the weights (else: the base once, then adapters)."""
 
     def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int) -> SyncReport: ...
 

@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import vllm_shm
-from megarl.config.schema import RolloutConfig, SamplingConfig
+from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.launch import lifetime
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
-from megarl.reshard.transport import TRANSPORTS
+from megarl.reshard.transport import TRANSPORTS, AdapterSlots
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
 
 log = logging.getLogger("megarl.rollout")
@@ -77,6 +77,23 @@ def _gpu_memory_args() -> dict:
     return {"gpu_memory_utilization": max(0.01, 0.95 * free / total)}
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py MaxLoRARanks)."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters of rank <= {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
+
+
+def _lora_args(lora: LoraConfig | None) -> dict:
+    """One adapter slot: the engine serves the current adapter only."""
+    return {} if lora is None else {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
+
+
 def _reset_prefix_cache(llm) -> None:
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests still running); not generating from it")
@@ -96,7 +113,14 @@ class VLLMEngine:
         dtype: str = "float32",
         seed: int = 0,
         collective_timeout_s: int = 600,
+        lora: LoraConfig | None = None,
+        adapter_layout: SideLayout | None = None,
     ):
+        """``lora`` and ``adapter_layout`` (``megatron_adapter_layout``: where the actor's adapter factors live): serve
+        the adapters from vLLM's LoRA slots. None: the engine gets whole weights (merged by the trainer when the actor
+        has adapters)."""
+        if (lora is None) != (adapter_layout is None):
+            raise ValueError("VLLMEngine: lora and adapter_layout go together")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -115,6 +139,8 @@ class VLLMEngine:
         self._said_no_sleep = False
         self._said_truncation = [False]
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
+        self.base_loaded = False
+        """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
         with preserved_process_state():
             self.llm = LLM(
                 model=engine_dir,
@@ -132,9 +158,22 @@ class VLLMEngine:
                 distributed_timeout_seconds=collective_timeout_s,
                 cpu_distributed_timeout_seconds=collective_timeout_s,
                 **_gpu_memory_args(),
+                **_lora_args(lora),
             )
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
+        self.adapters: AdapterSlots | None = None
+        if lora is not None:  # one directory per rank, named after the run: removed with it, also after a kill
+            directory = os.path.join(lifetime.SHM_DIR, f"{lifetime.shm_prefix()}-lora-r{dist.get_rank()}")
+            self.adapters = AdapterSlots(self.llm, spec, lora, self.dtype, directory)
+            self._adapter_plans = split_by_layer(
+                plan(adapter_layout, self.adapters.destination(self.world, adapter_layout.gpus_per_node))
+            )
+
+    @property
+    def merges_lora(self) -> bool:
+        """Whether this engine needs the actor's adapters merged into its weights (it has no adapter slots)."""
+        return self.adapters is None
 
     @property
     def healthy(self) -> bool:
@@ -150,22 +189,36 @@ class VLLMEngine:
         self, src_tensors: dict[str, torch.Tensor], version: int, *, transport: str | None = None, on_send=None
     ) -> SyncReport:
         """Collective over the world: load this version of the actor's weights. On any failure the engine is left
-        unhealthy (no valid version) and the error propagates; a later successful sync makes it healthy again."""
+        unhealthy (no valid version) and the error propagates; a later successful sync makes it healthy again.
+
+        With adapter slots, ``src_tensors`` holds the base and the adapter factors (``actor_tensors(...,
+        merge_lora=False)``): the base goes in through ``transport`` once (the first sync), the adapters every time."""
         name = transport or self.transport
         self.weight_version = None
         self._wake("weights")  # woken before the sync writes into them; the KV cache wakes in wake()
-        report = run_sync(
-            self._sub_plans(name),
-            src_tensors,
-            self.transports[name],
-            bucket_bytes=self.cfg.bucket_mb * 1024**2,
-            verify=self.cfg.verify,
-            compare_full=self.cfg.verify_full,
-            on_send=on_send,
-        )
+        syncs = []
+        if self.adapters is None or not self.base_loaded:
+            self.base_loaded = False
+            syncs.append((self._sub_plans(name), self.transports[name]))
+        if self.adapters is not None:
+            syncs.append((self._adapter_plans, self.adapters))
+        reports = []
+        for sub_plans, target in syncs:
+            reports.append(
+                run_sync(
+                    sub_plans,
+                    src_tensors,
+                    target,
+                    bucket_bytes=self.cfg.bucket_mb * 1024**2,
+                    verify=self.cfg.verify,
+                    compare_full=self.cfg.verify_full,
+                    on_send=on_send,
+                )
+            )
+            self.base_loaded = True  # (the base is synced first; an adapter failure leaves it in place)
         _reset_prefix_cache(self.llm)
         self.weight_version = version
-        return report
+        return sum(reports[1:], reports[0])
 
     def _check_healthy(self) -> None:
         if self.asleep:
@@ -175,6 +228,10 @@ class VLLMEngine:
                 "the vLLM engine holds no complete, verified weights (the last sync failed or none ran yet); "
                 "run a successful update_weights before generating"
             )
+
+    def _lora(self):
+        """The current adapter's request (None without adapter slots): every generation carries it."""
+        return None if self.adapters is None else self.adapters.request
 
     def sampling_params(self, sampling: SamplingConfig, seed: int, **extra):
         from vllm import SamplingParams
@@ -200,7 +257,8 @@ class VLLMEngine:
         check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         params = [self.sampling_params(sampling, s) for s in seeds]
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora())
         seconds = time.perf_counter() - start
         samples = []
         for idx, prompt, out in zip(prompt_indices, prompts, outputs):
@@ -214,19 +272,25 @@ class VLLMEngine:
         """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
         self._check_healthy()
         params = self.sampling_params(SamplingConfig(max_new_tokens=1), seed, prompt_logprobs=0)
-        out = self.llm.generate([{"prompt_token_ids": token_ids}], sampling_params=params, use_tqdm=False)[0]
+        out = self.llm.generate(
+            [{"prompt_token_ids": token_ids}], sampling_params=params, use_tqdm=False, lora_request=self._lora()
+        )[0]
         return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def sleep(self) -> None:
         """Release the engine's memory while the trainer runs.
 
         CUDA: vLLM sleep level 2 frees weights and KV cache (the weights are not kept: the next sync rewrites all of
-        them, so the engine holds no valid version until then). CPU: vLLM has no sleep mode; the engine keeps its
-        memory (size the KV cache with ``kv_cache_mb``) and this says so once in the log."""
+        them, so the engine holds no valid version until then). With adapter slots, level 1: the base weights wait
+        in host memory (the syncs after the first do not resend them) and the next sync rewrites the adapter.
+        CPU: vLLM has no sleep mode; the engine keeps its memory (size the KV cache with ``kv_cache_mb``) and this
+        says so once in the log."""
         if self.sleep_mode:
-            self.llm.sleep(level=2)
+            keep_base = self.adapters is not None
+            self.llm.sleep(level=1 if keep_base else 2)
             self.asleep = {"weights", "kv_cache"}
             self.weight_version = None
+            self.base_loaded = self.base_loaded and keep_base
         elif not self._said_no_sleep:
             log.warning("vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache in memory")
             self._said_no_sleep = True

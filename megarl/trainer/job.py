@@ -34,8 +34,7 @@ from megarl.logging.jsonl import write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.reshard.layout import megatron_layout
-from megarl.reshard.sync import actor_tensors
+from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
 from megarl.trainer.models import RLModels, build_rl_models
@@ -137,8 +136,7 @@ def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout
     if rank == 0:
         write_engine_dir(source.hf_config, source.tokenizer_dir, engine_dir)
     dist.barrier()
-    src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
-    return build_engine(cfg, spec, src_layout, engine_dir, seed=cfg.trainer.seed)
+    return build_engine(cfg, spec, layout, engine_dir, gpus_per_node=gpus_per_node, seed=cfg.trainer.seed)
 
 
 def lora_identity(lora) -> dict | None:
@@ -252,7 +250,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     if engine is None:
         engine = start_engine(cfg, spec, source, layout)
-    engine.update_weights(actor_tensors(models.actor), state.step)
+    push_actor(engine, models.actor, state.step)
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 

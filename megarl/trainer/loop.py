@@ -14,7 +14,7 @@ from megarl.algos import rollout_is_weights
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import checkpoints_root, save_training
 from megarl.logging.jsonl import write_rows
-from megarl.reshard.sync import actor_tensors
+from megarl.reshard.sync import push_actor
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
@@ -120,7 +120,7 @@ def back_to_rollout(job: Job, version: int):
     switch_to(job, SYNC)
     report = None
     if job.engine.weight_version != version:
-        report = job.engine.update_weights(actor_tensors(job.models.actor), version)
+        report = push_actor(job.engine, job.models.actor, version)
     switch_to(job, ROLLOUT)
     return report
 
