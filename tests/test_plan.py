@@ -96,3 +96,23 @@ def test_a_tp_group_across_nodes_and_a_wrong_world_are_refused(seeds_job, capsys
 def test_train_dry_run_prints_the_same_verdict(tiny_llama_dir, capsys):
     assert main(["train", "configs/tiny_ppo.yaml", f"model.path={tiny_llama_dir}", "--dry-run"]) == 0
     assert "memory plan: fits on 1x2 GPUs of 80 GB" in capsys.readouterr().out
+
+
+def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
+    """Adapter slots: every later sync moves every full factor to each of the 64 ranks (vLLM's LoRA loader slices
+    them itself), except what a rank holds itself; with rollout.lora_merge the whole merged weights, every time."""
+    from megarl.plan.memory import lora_sync_bytes
+    from megarl.reshard.layout import megatron_adapter_layout
+
+    overrides = ["model.transformer_impl=local", "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"]
+    cfg = load_config(RECIPE, overrides)
+    spec = validate(cfg)
+    job = make_plan(cfg, spec, Hardware(8, 8))
+    held = megatron_adapter_layout(spec, cfg.actor.lora, job.layout, 8)
+    local = 2 * sum(b.numel for shards in held.ranks.values() for s in shards for b in s.blocks)  # bf16
+    adapters = job.sync["adapters"]
+    assert adapters["moved"] == 64 * lora_sync_bytes(spec, cfg.actor.lora, "bfloat16") - local
+    assert job.sync["moved"] > 100 * adapters["moved"] and job.sync["est_s"] > 10 * adapters["est_s"]
+    assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in format_plan(job)
+    merged = load_config(RECIPE, [*overrides, "rollout.lora_merge=true"])
+    assert "adapters" not in make_plan(merged, validate(merged), Hardware(8, 8)).sync

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import divisors, rollout_tp, vllm_tp_fits
+from megarl.config.validate import adapter_slots, divisors, rollout_tp, vllm_tp_fits
 from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
@@ -78,7 +78,13 @@ class JobPlan:
 def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = True) -> JobPlan:
     """Collective-free and GPU-free: everything is computed from shapes. ``sync=False`` skips the weight-sync
     plan (memory only)."""
-    from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+    from megarl.reshard.layout import (
+        hf_layout,
+        megatron_adapter_layout,
+        megatron_layout,
+        peft_adapter_layout,
+        vllm_layout,
+    )
     from megarl.reshard.plan import flows_of_plan, plan, summarize
 
     try:  # the launchers' own check: the job is planned on the nodes it will be launched on
@@ -95,8 +101,12 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             dst = vllm_layout(spec, rollout_tp(cfg), layout.world_size, gpn)
         else:
             dst = hf_layout(spec, list(range(layout.world_size)), gpn)
-        flows = flows_of_plan(plan(src, dst))
-        stats = summarize(flows, DTYPE_BYTES[cfg.model.dtype], gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
+        bpe, links = DTYPE_BYTES[cfg.model.dtype], (gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
+        stats = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
+        if adapter_slots(cfg):  # every sync after the first: the adapters, full factors on every engine rank
+            lora, ranks = cfg.actor.lora, list(range(layout.world_size))
+            src, dst = megatron_adapter_layout(spec, lora, layout, gpn), peft_adapter_layout(spec, lora, ranks, gpn)
+            stats["adapters"] = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
     return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats)
 
 
@@ -161,6 +171,15 @@ def suggestions(job: JobPlan) -> list[tuple[str, list[str], int, bool]]:
 
 
 # --- report --------------------------------------------------------------------------------------------------------
+def _sync_lines(s: dict, size, unit: str) -> list[str]:
+    return [
+        f"moved {size(s['moved'])} {unit} ({size(s['moved'] - s['cross'])} same node, {size(s['cross'])} across "
+        f"nodes); busiest rank sends {size(s['rank_send'])} / receives {size(s['rank_recv'])} {unit}; busiest node "
+        f"sends {size(s['node_send'])} / receives {size(s['node_recv'])} {unit} across nodes; estimated sync time "
+        f"{s['est_s']:.3f} s"
+    ]
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
@@ -224,15 +243,18 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     if max(per_node):
         lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
     s = job.sync
-    lines += [] if not s else [
-        "",
-        f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})",
-        f"moved {_gb(s['moved'])} GB ({_gb(s['moved'] - s['cross'])} same node, {_gb(s['cross'])} across nodes); "
-        f"busiest rank sends {_gb(s['rank_send'])} / receives {_gb(s['rank_recv'])} GB; busiest node sends "
-        f"{_gb(s['node_send'])} / receives {_gb(s['node_recv'])} GB across nodes",
-        f"estimated sync time {s['est_s']:.2f} s (NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per "
-        "GPU, no latency or verification)",
-    ]
+    if s:
+        lines += ["", f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})"]
+        if "adapters" in s:
+            lines += ["the first sync (the base weights):"]
+        lines += _sync_lines(s, _gb, "GB")
+        if "adapters" in s:
+            lines += ["every later sync (the LoRA adapters into vLLM's LoRA slots, full factors on every engine rank):"]
+            lines += _sync_lines(s["adapters"], lambda n: f"{n / MiB:.1f}", "MiB")
+        lines += [
+            f"estimated times: NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per GPU, no latency or "
+            "verification"
+        ]
     lora = cfg.actor.lora
     if lora is not None:
         trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])
@@ -241,9 +263,9 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             f"## LoRA (rank {lora.rank}, alpha {lora.effective_alpha:g}, {', '.join(lora.target_modules)})",
             f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
             "the frozen base in the model dtype; the reference is the base (no second copy)",
-            f"adapter bytes an adapter-only sync would move into each engine: "
-            f"{lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB (today's sync sends the merged "
-            "weights: the weight-sync section)",
+            f"adapter bytes per engine rank: {lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB ("
+            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
+               "rollout.lora_merge: every sync sends the merged whole weights instead)"),
         ]
     lines += [
         "",

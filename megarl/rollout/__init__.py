@@ -29,7 +29,7 @@ def build_engine(
 ):
     """The configured engine (collective: every rank builds its part), fed by the actor at ``layout``. Call
     ``config.validate`` first."""
-    from megarl.config.validate import rollout_tp
+    from megarl.config.validate import adapter_slots, rollout_tp
 
     src_layout = megatron_layout(spec, layout, gpus_per_node=gpus_per_node)
     if cfg.rollout.backend == "hf":
@@ -38,7 +38,7 @@ def build_engine(
         return HFEngine(cfg.rollout, engine_dir, spec, src_layout, dtype=cfg.model.dtype)
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    lora = cfg.actor.lora if not cfg.rollout.lora_merge else None  # adapters into vLLM's LoRA slots
+    lora = cfg.actor.lora if adapter_slots(cfg) else None  # adapters into vLLM's LoRA slots
     return VLLMEngine(
         cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed,
         collective_timeout_s=cfg.trainer.collective_timeout_s, lora=lora,

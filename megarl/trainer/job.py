@@ -27,6 +27,7 @@ from megarl.checkpoint.training import (
 )
 from megarl.config.loader import to_yaml
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
+from megarl.config.validate import adapter_slots
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
@@ -250,6 +251,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     if engine is None:
         engine = start_engine(cfg, spec, source, layout)
+    elif engine.merges_lora == adapter_slots(cfg):
+        raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
     push_actor(engine, models.actor, state.step)
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
