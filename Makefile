@@ -9,7 +9,7 @@ GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.megarl-installed$(if $(GPU),-gpu,-cpu)
 PINS := setup.py requirements.txt requirements-dev.txt requirements-cpu.txt requirements-gpu.txt constraints-cpu.txt
 
-.PHONY: install slurm test demo lint clean
+.PHONY: install slurm test demo demo-lora lint clean
 
 install: $(STAMP) slurm
 
@@ -59,6 +59,12 @@ demo: install
 	$(VENV)/bin/megarl tiny-model --out .cache/tiny-llama
 	@echo "[make] megarl train configs/quickstart.yaml"
 	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/quickstart.yaml trainer.resume=never trainer.overwrite=true
+
+demo-lora: install
+	@echo "[make] tiny local model with larger weights (no downloads) at .cache/tiny-llama-lora"
+	$(VENV)/bin/megarl tiny-model --out .cache/tiny-llama-lora --init-std 0.08
+	@echo "[make] megarl train configs/tiny_grpo_lora.yaml"
+	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/tiny_grpo_lora.yaml trainer.resume=never trainer.overwrite=true
 
 lint: install
 	$(PY) -m ruff check .

@@ -154,7 +154,7 @@ def _cmd_tiny_model(args) -> int:
     if os.path.isfile(os.path.join(args.out, "config.json")) and not args.overwrite:
         print(f"[megarl] tiny model already at {args.out} (use --overwrite to rebuild)")
         return 0
-    make_tiny_hf_model(args.out, args.family, tie_word_embeddings=args.tied, seed=args.seed)
+    make_tiny_hf_model(args.out, args.family, tie_word_embeddings=args.tied, seed=args.seed, init_std=args.init_std)
     print(f"[megarl] wrote a tiny random {args.family} model and byte tokenizer to {args.out}")
     return 0
 
@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral"])
     tiny.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (norms around 1)")
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_tiny_model)
     plot = sub.add_parser("plot", help="redraw OUTPUT_DIR/reward_curve.png from OUTPUT_DIR/metrics.jsonl")

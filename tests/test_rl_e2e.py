@@ -42,6 +42,8 @@ JOBS = {
     "reinforce_pp": ("configs/tiny_reinforce_pp.yaml", []),
     "reinforce_pp_baseline": ("configs/tiny_reinforce_pp_baseline.yaml", []),
     "dapo": ("configs/tiny_dapo.yaml", []),
+    # LoRA with rollout.lora_merge: whole merged weights into this plain engine (adapter slots: test_lora_sync.py)
+    "grpo_lora_merge": ("configs/tiny_grpo_lora.yaml", ["rollout.lora_merge=true"]),
     "flaky": ("configs/tiny_grpo.yaml", ["reward.function={flaky}", "reward.stop_on_error_fraction=null"]),
 }
 BASE_KEYS = [
@@ -65,6 +67,7 @@ EXPECTED = {
     "reinforce_pp": BASE_KEYS + KL_KEYS,
     "reinforce_pp_baseline": BASE_KEYS + KL_LOSS_KEYS,
     "dapo": BASE_KEYS + ["reward/overlong_penalty_mean", "dynamic_sampling/gen_rounds"],
+    "grpo_lora_merge": BASE_KEYS,
     "flaky": BASE_KEYS,
 }
 FAULT_JOBS = {  # not in the per-algorithm checks: their updates are skipped on purpose
