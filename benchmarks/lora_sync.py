@@ -128,7 +128,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scale", type=int, default=1, help="hidden, heads and FFN sizes times this (model size ~ x^2)")
     args = ap.parse_args(argv)
+    model = {**MODEL, **{k: MODEL[k] * args.scale for k in ("hidden_size", "num_heads", "num_kv_heads",
+                                                            "ffn_hidden_size")}}  # fmt: skip
 
     from megarl.models import read_hf_config
     from megarl.models.tiny import make_tiny_hf_model
@@ -136,13 +139,13 @@ def main(argv=None) -> None:
     from megarl.rollout import write_engine_dir
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = make_tiny_hf_model(os.path.join(tmp, "model"), "llama", **MODEL)
+        hf_dir = make_tiny_hf_model(os.path.join(tmp, "model"), "llama", **model)
         engine_dir = write_engine_dir(read_hf_config(hf_dir), hf_dir, os.path.join(tmp, "engine"))
         common = (args.prompts, args.new_tokens, args.repeats)
         res = {slots: run_on_ranks(_worker, 2, hf_dir, engine_dir, slots, *common) for slots in (True, False)}
 
     mib = 1024**2
-    print(f"model: llama {MODEL}, LoRA {LORA} on every linear, fp32, Megatron TP=2 -> one vLLM engine at TP=2, "
+    print(f"model: llama {model}, LoRA {LORA} on every linear, fp32, Megatron TP=2 -> one vLLM engine at TP=2, "
           "2 gloo ranks")  # fmt: skip
     print(f"\n## One sync (median of {args.repeats} after a warm-up; the first sync once), per rank")
     print(f"{'sync':30} {'rank':>4} {'seconds':>8} {'/full':>6} {'recv+local MiB':>14} {'sent MiB':>9}")

@@ -100,26 +100,37 @@ def test_merge_mode_syncs_whole_merged_weights(group):
     _check_matches_the_actor(merged)
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, hf_dir):
-    out = tmp_path_factory.mktemp("lora-run")
-    torchrun = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo_lora.yaml", f"model.path={hf_dir}",
-                f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=0",
-                "logging.wandb.mode=disabled", "logging.progress_bar=false", "data.train_batch_size=4",
-                "actor.global_batch_size=32", "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+def _train_lora(out, *overrides, timeout=600) -> list[dict]:
+    """`megarl train configs/tiny_grpo_lora.yaml` with LoRA slots (on CPU the default merges: README "LoRA")."""
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo_lora.yaml", f"trainer.output_dir={out}",
+           "rollout.lora_merge=false", "logging.wandb.mode=disabled", "logging.progress_bar=false", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
-def test_tiny_grpo_lora_recipe_runs_with_adapter_syncs(lora_run, hf_dir):
-    spec = spec_from_hf_config(read_hf_config(hf_dir))
-    assert [r["step"] for r in lora_run] == [1, 2, 3]
-    for r in lora_run:
+def test_tiny_grpo_lora_recipe_runs_with_adapter_syncs(tmp_path, hf_dir):
+    rows = _train_lora(tmp_path, f"model.path={hf_dir}", "trainer.total_steps=3", "trainer.val_every=0",
+                       "data.train_batch_size=4", "actor.global_batch_size=32", "rollout.sampling.max_new_tokens=6")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
         assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == r["step"] - 1
         assert r["rollout/logprob_mismatch_max"] < MATCH
     from megarl.config import load_config
 
-    lora = load_config("configs/tiny_grpo_lora.yaml", [f"model.path={hf_dir}"]).actor.lora
-    assert 0 < lora_run[-1]["sync/bytes_sent"] <= lora_sync_bytes(spec, lora, "float32")  # adapters only
+    lora = load_config("configs/tiny_grpo_lora.yaml", []).actor.lora
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    assert 0 < rows[-1]["sync/bytes_sent"] <= lora_sync_bytes(spec, lora, "float32")  # the adapters only
+
+
+@pytest.mark.slow
+def test_lora_quickstart_learns_with_adapter_syncs(tmp_path):
+    """`make demo-lora`'s run (200 steps, ~50 s here) with LoRA slots: last-10 mean reward >= first-10 + 0.3."""
+    model = tmp_path / "tiny-llama-lora"
+    subprocess.run([sys.executable, "-m", "megarl.cli", "tiny-model", "--out", str(model), "--init-std", "0.08"],
+                   check=True, cwd=REPO)  # fmt: skip
+    rows = _train_lora(tmp_path / "run", f"model.path={model}", "trainer.val_every=0", timeout=1200)
+    reward = [r["reward/mean"] for r in rows]
+    assert len(reward) == 200 and sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.3
+    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < MATCH

@@ -570,10 +570,15 @@ class RolloutConfig:
     """Longest prompt + response in tokens the engine accepts; 0 means the model's max_position_embeddings."""
     enforce_eager: bool = True
     """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
-    lora_merge: bool = False
-    """With actor.lora: False (default) serves the adapters from vLLM's LoRA slots, so every sync after the first
-    moves only the adapters; True merges them into the weights on the trainer side and syncs whole weights (an
-    engine without LoRA kernels). README "LoRA" has the measurements behind the default."""
+    lora_merge: str = "auto"
+    """With actor.lora: 'false' serves the adapters from vLLM's LoRA slots (every sync after the first moves only
+    the adapters); 'true' merges them into the weights on the trainer side and syncs whole weights into an engine
+    without LoRA kernels; 'auto' (default): 'false' with CUDA, 'true' on CPU, where vLLM's LoRA kernels generate 3x
+    slower (benchmarks/lora_sync.py; README "LoRA")."""
+
+    def merges_lora(self, on_gpu: bool) -> bool:
+        """``lora_merge`` with 'auto' resolved."""
+        return self.lora_merge == "true" or (self.lora_merge == "auto" and not on_gpu)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=1, temperature=1.0))
@@ -588,6 +593,9 @@ class RolloutConfig:
         _require(self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1 (vLLM needs an explicit KV-cache budget)")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
         _require(self.val_sampling.n == 1, "val_sampling.n", "must be 1 (validation scores one sample per prompt)")
+        self.lora_merge = str(self.lora_merge).lower()  # YAML true/false arrive as 'True'/'False'
+        allowed = ("auto", "true", "false")
+        _require(self.lora_merge in allowed, "lora_merge", f"must be one of {allowed}, got {self.lora_merge!r}")
 
 
 @dataclass(kw_only=True)

@@ -274,9 +274,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def adapter_slots(cfg: MegarlConfig) -> bool:
+def adapter_slots(cfg: MegarlConfig, on_gpu: bool) -> bool:
     """Whether the rollout engine serves the actor's adapters from vLLM's LoRA slots (else they arrive merged)."""
-    return cfg.actor.lora is not None and cfg.rollout.backend == "vllm" and not cfg.rollout.lora_merge
+    return cfg.actor.lora is not None and cfg.rollout.backend == "vllm" and not cfg.rollout.merges_lora(on_gpu)
 
 
 def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
@@ -284,11 +284,11 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
 
     lora = cfg.actor.lora
     if lora is None:
-        if cfg.rollout.lora_merge:
+        if cfg.rollout.lora_merge == "true":
             return ["rollout.lora_merge: true without actor.lora (there are no adapters to merge)"]
         return []
     errors = []
-    if adapter_slots(cfg) and lora.rank > VLLM_LORA_RANKS[-1]:
+    if adapter_slots(cfg, on_gpu=True) and lora.rank > VLLM_LORA_RANKS[-1]:
         errors.append(
             f"actor.lora.rank={lora.rank}: vLLM's LoRA slots hold rank <= {VLLM_LORA_RANKS[-1]}; set "
             "rollout.lora_merge=true to sync merged weights instead"

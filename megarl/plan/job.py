@@ -103,7 +103,7 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             dst = hf_layout(spec, list(range(layout.world_size)), gpn)
         bpe, links = DTYPE_BYTES[cfg.model.dtype], (gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
         stats = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
-        if adapter_slots(cfg):  # every sync after the first: the adapters, full factors on every engine rank
+        if adapter_slots(cfg, on_gpu=True):  # planned for GPUs; every later sync: full adapter factors on every rank
             lora, ranks = cfg.actor.lora, list(range(layout.world_size))
             src, dst = megatron_adapter_layout(spec, lora, layout, gpn), peft_adapter_layout(spec, lora, ranks, gpn)
             stats["adapters"] = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
@@ -264,7 +264,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
             "the frozen base in the model dtype; the reference is the base (no second copy)",
             f"adapter bytes per engine rank: {lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB ("
-            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
+            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg, on_gpu=True) else
                "rollout.lora_merge: every sync sends the merged whole weights instead)"),
         ]
     lines += [

@@ -251,7 +251,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     if engine is None:
         engine = start_engine(cfg, spec, source, layout)
-    elif engine.merges_lora == adapter_slots(cfg):
+    elif engine.merges_lora == adapter_slots(cfg, torch.cuda.is_available()):
         raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
     push_actor(engine, models.actor, state.step)
     if rng is not None:
