@@ -111,7 +111,8 @@ def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     held = megatron_adapter_layout(spec, cfg.actor.lora, job.layout, 8)
     local = 2 * sum(b.numel for shards in held.ranks.values() for s in shards for b in s.blocks)  # bf16
     adapters = job.sync["adapters"]
-    assert adapters["moved"] == 64 * lora_sync_bytes(spec, cfg.actor.lora, "bfloat16") - local
+    assert adapters["written"] == lora_sync_bytes(spec, cfg.actor.lora, "bfloat16")  # into each engine rank
+    assert adapters["moved"] == 64 * adapters["written"] - local
     assert job.sync["moved"] > 100 * adapters["moved"] and job.sync["est_s"] > 10 * adapters["est_s"]
     assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in format_plan(job)
     merged = load_config(RECIPE, [*overrides, "rollout.lora_merge=true"])

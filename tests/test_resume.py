@@ -29,8 +29,9 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_e
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
 LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", []),
-    "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",
-                                                 "actor.lora.target_modules=[q_proj,v_proj,down_proj]"]),
+    "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",  # adapter slots:
+                                                 "actor.lora.target_modules=[q_proj,v_proj,down_proj]",  # base, then
+                                                 "rollout.lora_merge=false"]),  # adapters again after the resume
     "ppo_dp2_distopt": (
         "configs/tiny_ppo.yaml",
         ["actor.parallel.tp=1", "actor.parallel.dp=2", "actor.optim.use_distributed_optimizer=true",

@@ -3,6 +3,7 @@ the settings that would make it fit, and the weight-sync plan with its estimated
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
@@ -102,11 +103,16 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
         else:
             dst = hf_layout(spec, list(range(layout.world_size)), gpn)
         bpe, links = DTYPE_BYTES[cfg.model.dtype], (gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
-        stats = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
+
+        def stats_of(p) -> dict:
+            written = max(sum(math.prod(shape) for shape in shapes.values()) for shapes in p.dst_shapes.values())
+            return {**summarize(flows_of_plan(p), bpe, *links), "written": written * bpe}
+
+        stats = stats_of(plan(src, dst))
         if adapter_slots(cfg, on_gpu=True):  # planned for GPUs; every later sync: full adapter factors on every rank
             lora, ranks = cfg.actor.lora, list(range(layout.world_size))
             src, dst = megatron_adapter_layout(spec, lora, layout, gpn), peft_adapter_layout(spec, lora, ranks, gpn)
-            stats["adapters"] = summarize(flows_of_plan(plan(src, dst)), bpe, *links)
+            stats["adapters"] = stats_of(plan(src, dst))
     return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats)
 
 
@@ -173,6 +179,7 @@ def suggestions(job: JobPlan) -> list[tuple[str, list[str], int, bool]]:
 # --- report --------------------------------------------------------------------------------------------------------
 def _sync_lines(s: dict, size, unit: str) -> list[str]:
     return [
+        f"into each engine rank {size(s['written'])} {unit} (local copies included); "
         f"moved {size(s['moved'])} {unit} ({size(s['moved'] - s['cross'])} same node, {size(s['cross'])} across "
         f"nodes); busiest rank sends {size(s['rank_send'])} / receives {size(s['rank_recv'])} {unit}; busiest node "
         f"sends {size(s['node_send'])} / receives {size(s['node_recv'])} {unit} across nodes; estimated sync time "
