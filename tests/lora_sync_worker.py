@@ -106,12 +106,20 @@ def run_lora_sync(hf_dir: str, megatron: tuple[int, int, int], vllm_tp: int, lor
         out["refused_after_corrupt"] = False
     except EngineUnhealthyError:
         out["refused_after_corrupt"] = True
-    out["recovered"] = observe(push_actor(engine, ddp, 4))
+    if rank == 1:  # one rank cannot load its copy (say /dev/shm is full): every rank stops, nothing is left behind
+        engine.adapters._add = lambda path, tensors: (_ for _ in ()).throw(OSError("No space left on device"))
+    try:
+        push_actor(engine, ddp, 4)
+        out["one_rank_failed"] = None
+    except (OSError, RuntimeError) as e:
+        out["one_rank_failed"] = _everyone((str(e), engine.healthy, sorted(os.listdir(adapter_dir))))
+    engine.adapters.__dict__.pop("_add", None)
+    out["recovered"] = observe(push_actor(engine, ddp, 5))
 
     # merge mode (rollout.lora_merge): the trainer merges the adapters and the engine gets whole weights, generating
     # without an adapter. Production starts vLLM without LoRA slots for it (the e2e job grpo_lora_merge); here the
     # same engine's slots are left unused, so one engine serves both modes.
     engine.adapters.remove()
     engine.adapters, engine.base_loaded = None, False
-    out["merged"] = observe(push_actor(engine, ddp, 5))
+    out["merged"] = observe(push_actor(engine, ddp, 6))
     return out

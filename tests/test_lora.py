@@ -51,3 +51,26 @@ def test_resume_refuses_other_adapters_or_a_mismatched_checkpoint():
         _check_lora("ckpt", saved, lora, {"decoder.final_layernorm.weight": [64.0, 70.0]})
     with pytest.raises(ResumeError, match="holds full fine-tuning but actor.lora is set"):
         _check_lora("ckpt", {}, lora, base)
+
+
+def test_lora_sync_mode_refusals():
+    from megarl.config.validate import _lora_errors, adapter_slots
+
+    spec = ModelSpec(family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                     ffn_hidden_size=128, vocab_size=100, padded_vocab_size=128, max_position_embeddings=512,
+                     rope_theta=1e4, rope_scaling_factor=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     qkv_bias=False)  # fmt: skip
+
+    def errors(*overrides):
+        cfg = load_config(None, ["model.path=x", *overrides])
+        return " | ".join(_lora_errors(cfg, spec)), adapter_slots(cfg)
+
+    assert errors("actor.lora.rank=4") == ("", False)  # auto: merged into a colocated engine
+    assert errors("actor.lora.rank=4", "rollout.lora_merge=false") == ("", True)
+    assert "rollout.lora_merge: true without actor.lora" in errors("rollout.lora_merge=true")[0]
+    assert "needs rollout.backend=vllm" in errors("actor.lora.rank=4", "rollout.lora_merge=false",
+                                                  "rollout.backend=hf")[0]  # fmt: skip
+    assert "vLLM's LoRA slots hold rank <= 512" in errors("actor.lora.rank=600", "rollout.lora_merge=false")[0]
+    assert errors("actor.lora.rank=600")[0] == ""  # merged: any rank
+    with pytest.raises(ConfigError, match="rollout.lora_merge: must be one of"):
+        load_config(None, ["model.path=x", "rollout.lora_merge=maybe"])

@@ -87,10 +87,13 @@ def test_syncs_after_the_first_move_only_the_adapters(group, hf_dir):
         assert sum(r.bytes_received + r.bytes_local for r in step["report"]) == 2 * adapter  # full factors per rank
 
 
-def test_a_corrupted_adapter_byte_is_caught(group):
+def test_a_corrupted_adapter_byte_or_a_failed_load_stops_every_rank(group):
     _, out = group
     assert "hash mismatch" in out["corrupt"] and ".lora_B.weight" in out["corrupt"]
     assert out["refused_after_corrupt"]  # unhealthy until the next good sync (checked above: out["recovered"])
+    (mine, healthy0, dirs0), (theirs, healthy1, dirs1) = out["one_rank_failed"]
+    assert "another rank could not load its copy of the adapter" in mine and "No space left" in theirs
+    assert not healthy0 and not healthy1 and dirs0 == dirs1 == []  # the old adapter removed, the new one not left
 
 
 def test_merge_mode_syncs_whole_merged_weights(group):

@@ -100,12 +100,12 @@ def test_train_dry_run_prints_the_same_verdict(tiny_llama_dir, capsys):
 
 def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     """Adapter slots: every later sync moves every full factor to each of the 64 ranks (vLLM's LoRA loader slices
-    them itself), except what a rank holds itself; with rollout.lora_merge the whole merged weights, every time."""
+    them itself), except what a rank holds itself; merged (the default when colocated) the whole weights every time."""
     from megarl.plan.memory import lora_sync_bytes
     from megarl.reshard.layout import megatron_adapter_layout
 
     overrides = ["model.transformer_impl=local", "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"]
-    cfg = load_config(RECIPE, overrides)
+    cfg = load_config(RECIPE, [*overrides, "rollout.lora_merge=false"])
     spec = validate(cfg)
     job = make_plan(cfg, spec, Hardware(8, 8))
     held = megatron_adapter_layout(spec, cfg.actor.lora, job.layout, 8)
@@ -114,6 +114,8 @@ def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     assert adapters["written"] == lora_sync_bytes(spec, cfg.actor.lora, "bfloat16")  # into each engine rank
     assert adapters["moved"] == 64 * adapters["written"] - local
     assert job.sync["moved"] > 100 * adapters["moved"] and job.sync["est_s"] > 10 * adapters["est_s"]
-    assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in format_plan(job)
-    merged = load_config(RECIPE, [*overrides, "rollout.lora_merge=true"])
+    text = format_plan(job)
+    assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in text
+    assert "host memory taken by vLLM's base weights while it sleeps (adapter slots)" in text
+    merged = load_config(RECIPE, overrides)  # lora_merge: auto merges (a colocated engine)
     assert "adapters" not in make_plan(merged, validate(merged), Hardware(8, 8)).sync

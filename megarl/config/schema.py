@@ -573,12 +573,8 @@ class RolloutConfig:
     lora_merge: str = "auto"
     """With actor.lora: 'false' serves the adapters from vLLM's LoRA slots (every sync after the first moves only
     the adapters); 'true' merges them into the weights on the trainer side and syncs whole weights into an engine
-    without LoRA kernels; 'auto' (default): 'false' with CUDA, 'true' on CPU, where vLLM's LoRA kernels generate 3x
-    slower (benchmarks/lora_sync.py; README "LoRA")."""
-
-    def merges_lora(self, on_gpu: bool) -> bool:
-        """``lora_merge`` with 'auto' resolved."""
-        return self.lora_merge == "true" or (self.lora_merge == "auto" and not on_gpu)
+    without LoRA kernels; 'auto' (default): 'true' while the engine is colocated with the trainer (on CPU vLLM's LoRA
+    kernels generate 3x slower; on CUDA the engine would have to keep its base through every sleep: README "LoRA")."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=1, temperature=1.0))

@@ -274,9 +274,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def adapter_slots(cfg: MegarlConfig, on_gpu: bool) -> bool:
-    """Whether the rollout engine serves the actor's adapters from vLLM's LoRA slots (else they arrive merged)."""
-    return cfg.actor.lora is not None and cfg.rollout.backend == "vllm" and not cfg.rollout.merges_lora(on_gpu)
+def adapter_slots(cfg: MegarlConfig) -> bool:
+    """Whether the rollout engine serves the actor's adapters from vLLM's LoRA slots (else they arrive merged):
+    ``rollout.lora_merge: false``; 'auto' merges while the engine is colocated with the trainer (always, today)."""
+    return cfg.actor.lora is not None and cfg.rollout.lora_merge == "false"
 
 
 def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
@@ -288,7 +289,9 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
             return ["rollout.lora_merge: true without actor.lora (there are no adapters to merge)"]
         return []
     errors = []
-    if adapter_slots(cfg, on_gpu=True) and lora.rank > VLLM_LORA_RANKS[-1]:
+    if adapter_slots(cfg) and cfg.rollout.backend != "vllm":
+        errors.append("rollout.lora_merge: false needs rollout.backend=vllm (the HF engine takes merged weights)")
+    if adapter_slots(cfg) and lora.rank > VLLM_LORA_RANKS[-1]:
         errors.append(
             f"actor.lora.rank={lora.rank}: vLLM's LoRA slots hold rank <= {VLLM_LORA_RANKS[-1]}; set "
             "rollout.lora_merge=true to sync merged weights instead"

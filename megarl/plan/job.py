@@ -109,7 +109,7 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             return {**summarize(flows_of_plan(p), bpe, *links), "written": written * bpe}
 
         stats = stats_of(plan(src, dst))
-        if adapter_slots(cfg, on_gpu=True):  # planned for GPUs; every later sync: full adapter factors on every rank
+        if adapter_slots(cfg):  # every sync after the first: full adapter factors on every engine rank
             lora, ranks = cfg.actor.lora, list(range(layout.world_size))
             src, dst = megatron_adapter_layout(spec, lora, layout, gpn), peft_adapter_layout(spec, lora, ranks, gpn)
             stats["adapters"] = stats_of(plan(src, dst))
@@ -249,6 +249,10 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     per_node = [sum(sum(job.ranks[r].offloaded.values()) for r in layout.node_ranks(n)) for n in range(hw.nodes)]
     if max(per_node):
         lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
+    if adapter_slots(cfg):  # vLLM sleeps at level 1: its weights go to host memory and back every step
+        engine = max(sum(job.ranks[r].consumers["vLLM weights"] for r in layout.node_ranks(n)) for n in range(hw.nodes))
+        lines.append(f"host memory taken by vLLM's base weights while it sleeps (adapter slots): {_gb(engine)} GB per "
+                     "node, copied out and back every step")  # fmt: skip
     s = job.sync
     if s:
         lines += ["", f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})"]
@@ -271,7 +275,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
             "the frozen base in the model dtype; the reference is the base (no second copy)",
             f"adapter bytes per engine rank: {lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB ("
-            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg, on_gpu=True) else
+            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
                "rollout.lora_merge: every sync sends the merged whole weights instead)"),
         ]
     lines += [

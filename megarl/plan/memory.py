@@ -249,7 +249,8 @@ GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
 
 
 def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
-    """Every rank's consumers and phases (GPU: vLLM sleeps at level 2 while Megatron trains, freeing all of it)."""
+    """Every rank's consumers and phases (GPU: vLLM sleeps while Megatron trains, freeing all of it: at level 2, or
+    at level 1 with LoRA adapter slots, its weights then waiting in host memory)."""
     from megarl.config.validate import rollout_tp
     from megarl.trainer.models import needs_critic, needs_reference
     from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, flagged_groups

@@ -177,7 +177,9 @@ def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tenso
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def push_actor(engine, model, version: int) -> SyncReport:
-    """Collective: load the actor's current weights into ``engine`` as ``version`` (adapters merged into the weights
-    for an engine without adapter slots, ``engine.merges_lora``)."""
-    return engine.update_weights(actor_tensors(model, merge_lora=engine.merges_lora), version)
+def push_actor(engine, model, version: int, *, resend_base: bool = False) -> SyncReport:
+    """Collective: load the actor's current weights into ``engine`` as ``version`` (the adapters merged into the
+    weights unless the engine has adapter slots). ``resend_base``: an engine with adapter slots also gets the base
+    again (the first sync of a job)."""
+    tensors = actor_tensors(model, merge_lora=not engine.adapter_slots)
+    return engine.update_weights(tensors, version, resend_base=resend_base)

@@ -159,15 +159,34 @@ class AdapterSlots:
         return peft_adapter_layout(self.spec, self.lora, list(range(world_size)), gpus_per_node)
 
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Collective over the world (every rank loads its engine's copy): all ranks succeed, or all raise with the
+        old adapter removed, and no directory is left behind."""
+        import torch.distributed as dist
+
+        from megarl.reshard.executor import comm_device
+
+        tensors = {name: t.cpu() for layer in layers for name, t in layer.items()}
+        self.remove()
+        self._ids += 1  # the same on every rank: every rank gets here, whatever happens below
+        path = os.path.join(self.directory, f"adapter-{self._ids}")
+        error = None
+        try:
+            self.request = self._add(path, tensors)
+        except Exception as e:  # noqa: BLE001 -- agreed on below, then raised on every rank
+            error = e
+            shutil.rmtree(path, ignore_errors=True)
+        failed = torch.tensor([float(error is not None)], device=comm_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            self.remove()  # a rank that did load it drops it again: one adapter everywhere, or none
+            raise error or RuntimeError("another rank could not load its copy of the adapter (its error is in its log)")
+
+    def _add(self, path: str, tensors: dict[str, torch.Tensor]):
         from safetensors.torch import load_file
         from vllm.lora.request import LoRARequest
 
         from megarl.lora.peft_io import WEIGHTS_FILE, write_peft_adapter
 
-        tensors = {name: t.cpu() for layer in layers for name, t in layer.items()}
-        self.remove()
-        self._ids += 1
-        path = os.path.join(self.directory, f"adapter-{self._ids}")
         write_peft_adapter(path, tensors, self.lora)
         written = load_file(os.path.join(path, WEIGHTS_FILE))
         bad = sorted(k for k, t in tensors.items() if k not in written or not torch.equal(written[k], t))
@@ -176,7 +195,7 @@ class AdapterSlots:
         request = LoRARequest(f"megarl-{self._ids}", self._ids, path)
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM did not load the adapter {path}")
-        self.request = request
+        return request
 
     def remove(self) -> None:
         """Take the current adapter out of the engine and its directory off shared memory."""

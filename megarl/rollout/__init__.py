@@ -36,11 +36,9 @@ def build_engine(
         from megarl.rollout.hf_engine import HFEngine
 
         return HFEngine(cfg.rollout, engine_dir, spec, src_layout, dtype=cfg.model.dtype)
-    import torch
-
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    lora = cfg.actor.lora if adapter_slots(cfg, torch.cuda.is_available()) else None  # into vLLM's LoRA slots
+    lora = cfg.actor.lora if adapter_slots(cfg) else None  # into vLLM's LoRA slots
     return VLLMEngine(
         cfg.rollout, engine_dir, spec, src_layout, tp=rollout_tp(cfg), dtype=cfg.model.dtype, seed=seed,
         collective_timeout_s=cfg.trainer.collective_timeout_s, lora=lora,

@@ -43,7 +43,7 @@ class _HFModelWrite:
 
 class HFEngine:
     tp = 1  # every rank is its own engine
-    merges_lora = True  # a plain transformers model: LoRA adapters arrive merged into the weights
+    adapter_slots = False  # a plain transformers model: LoRA adapters arrive merged into the weights
 
     def __init__(
         self, cfg: RolloutConfig, engine_dir: str, spec: ModelSpec, src_layout: SideLayout, *, dtype="float32"
@@ -67,8 +67,11 @@ class HFEngine:
     def healthy(self) -> bool:
         return self.weight_version is not None and self.model is not None
 
-    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int, *, on_send=None) -> SyncReport:
-        """Collective: materialise the HF model on this rank from the actor's shards (verified)."""
+    def update_weights(
+        self, src_tensors: dict[str, torch.Tensor], version: int, *, resend_base: bool = True, on_send=None
+    ) -> SyncReport:
+        """Collective: materialise the HF model on this rank from the actor's shards (verified; every sync is whole,
+        ``resend_base`` changes nothing)."""
         from transformers import AutoModelForCausalLM
 
         self.weight_version = None

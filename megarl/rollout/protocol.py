@@ -62,10 +62,13 @@ class RolloutEngine(Protocol):
     """The verified weight version held, or None (unhealthy: generation refused)."""
     tp: int
     """Ranks per engine (consecutive); HF engines are single-rank."""
-    merges_lora: bool
-    """Whether the actor's LoRA adapters must arrive merged into the weights (else: the base once, then adapters)."""
+    adapter_slots: bool
+    """Whether the engine serves the actor's LoRA adapters itself (the base once, then adapters); else they arrive
+    merged into the weights."""
 
-    def update_weights(self, src_tensors: dict[str, torch.Tensor], version: int) -> SyncReport: ...
+    def update_weights(
+        self, src_tensors: dict[str, torch.Tensor], version: int, *, resend_base: bool = False
+    ) -> SyncReport: ...
 
     def generate(
         self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig

@@ -128,7 +128,7 @@ class VLLMEngine:
         lifetime.join_run()  # the engine's shared memory belongs to this process's run: named after it, removed with it
         vllm_shm.install(lifetime.shm_prefix())
 
-        self.cfg, self.spec, self.tp = cfg, spec, tp
+        self.cfg, self.spec, self.tp, self.lora = cfg, spec, tp, lora
         self.dtype = DTYPES[dtype]
         self.src_layout = src_layout
         self.world = dist.get_world_size()
@@ -171,9 +171,9 @@ class VLLMEngine:
             )
 
     @property
-    def merges_lora(self) -> bool:
-        """Whether this engine needs the actor's adapters merged into its weights (it has no adapter slots)."""
-        return self.adapters is None
+    def adapter_slots(self) -> bool:
+        """Whether this engine serves the actor's adapters itself (else they arrive merged into the weights)."""
+        return self.adapters is not None
 
     @property
     def healthy(self) -> bool:
@@ -186,39 +186,44 @@ class VLLMEngine:
         return self._plans[transport]
 
     def update_weights(
-        self, src_tensors: dict[str, torch.Tensor], version: int, *, transport: str | None = None, on_send=None
+        self,
+        src_tensors: dict[str, torch.Tensor],
+        version: int,
+        *,
+        transport: str | None = None,
+        resend_base: bool = False,
+        on_send=None,
     ) -> SyncReport:
         """Collective over the world: load this version of the actor's weights. On any failure the engine is left
         unhealthy (no valid version) and the error propagates; a later successful sync makes it healthy again.
 
         With adapter slots, ``src_tensors`` holds the base and the adapter factors (``actor_tensors(...,
-        merge_lora=False)``): the base goes in through ``transport`` once (the first sync), the adapters every time."""
+        merge_lora=False)``): the base goes in through ``transport`` on the first sync and with ``resend_base``
+        (``transport`` is unused otherwise), the adapters every time."""
         name = transport or self.transport
         self.weight_version = None
         self._wake("weights")  # woken before the sync writes into them; the KV cache wakes in wake()
-        syncs = []
-        if self.adapters is None or not self.base_loaded:
-            self.base_loaded = False
-            syncs.append((self._sub_plans(name), self.transports[name]))
-        if self.adapters is not None:
-            syncs.append((self._adapter_plans, self.adapters))
         reports = []
-        for sub_plans, target in syncs:
-            reports.append(
-                run_sync(
-                    sub_plans,
-                    src_tensors,
-                    target,
-                    bucket_bytes=self.cfg.bucket_mb * 1024**2,
-                    verify=self.cfg.verify,
-                    compare_full=self.cfg.verify_full,
-                    on_send=on_send,
-                )
-            )
-            self.base_loaded = True  # (the base is synced first; an adapter failure leaves it in place)
+        if self.adapters is None or resend_base or not self.base_loaded:
+            self.base_loaded = False
+            reports.append(self._sync(self._sub_plans(name), src_tensors, self.transports[name], on_send))
+            self.base_loaded = True  # an adapter failure below leaves the base in place
+        if self.adapters is not None:
+            reports.append(self._sync(self._adapter_plans, src_tensors, self.adapters, on_send))
         _reset_prefix_cache(self.llm)
         self.weight_version = version
         return sum(reports[1:], reports[0])
+
+    def _sync(self, sub_plans: list, src_tensors, target, on_send) -> SyncReport:
+        return run_sync(
+            sub_plans,
+            src_tensors,
+            target,
+            bucket_bytes=self.cfg.bucket_mb * 1024**2,
+            verify=self.cfg.verify,
+            compare_full=self.cfg.verify_full,
+            on_send=on_send,
+        )
 
     def _check_healthy(self) -> None:
         if self.asleep:

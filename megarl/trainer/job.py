@@ -251,9 +251,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     if engine is None:
         engine = start_engine(cfg, spec, source, layout)
-    elif engine.merges_lora == adapter_slots(cfg, torch.cuda.is_available()):
+    elif engine.adapter_slots != adapter_slots(cfg) or (adapter_slots(cfg) and engine.lora != cfg.actor.lora):
         raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
-    push_actor(engine, models.actor, state.step)
+    push_actor(engine, models.actor, state.step, resend_base=True)  # a reused engine may hold another job's base
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 
