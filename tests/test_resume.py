@@ -247,7 +247,8 @@ def test_lora_checkpoints_hold_only_adapters_and_refuse_another_base(chain, tmp_
     other = make_tiny_hf_model(str(tmp_path / "other"), "llama", seed=5)
     recipe, extra = LAYOUTS["grpo_lora_tp2"]
     source = chain["ref"] / "checkpoints" / "iter_0000004"
-    one_rank = ["actor.parallel.tp=1", "rollout.backend=hf"]  # refused before any engine starts; one process
+    one_rank = ["actor.parallel.tp=1", "rollout.backend=hf", "rollout.lora_merge=auto"]  # refused before any engine
+    # starts; one process
     run = _run(_cmd(recipe, other, tmp_path / "out", [*extra, *one_rank, f"trainer.resume={source}"]))
     assert run.rc == 1, run.out[-3000:]
     lines = [line for line in run.out.splitlines() if "its adapters were trained on another base model" in line]
