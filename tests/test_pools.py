@@ -1,5 +1,7 @@
 """Resource pools: pool-local default process groups in one launch of 4 ranks, Megatron TP=2 on the train pool and a
-vLLM engine at TP=2 (external launcher) on the rollout pool; the two pools compute the same log-probabilities."""
+vLLM engine at TP=2 (external launcher, random weights at start) on the rollout pool; the actor's weights cross the
+pools through the resharding planner (verified, at its lower bounds), after which both pools compute the same
+log-probabilities."""
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ def pooled(tmp_path_factory):
     out = tmp / "out"
     out.mkdir()
     run_on_ranks(run_pools, 4, hf, str(out), PROMPT, 12)
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
 def test_a_vllm_engine_runs_on_a_pool_local_group_beside_megatron(pooled):
@@ -41,7 +43,19 @@ def test_a_vllm_engine_runs_on_a_pool_local_group_beside_megatron(pooled):
         assert not r["megatron_built"]  # no Megatron model on the rollout pool
     assert rollout[0]["tokens"] == rollout[1]["tokens"] and rollout[0]["logprobs"] == rollout[1]["logprobs"]
     assert len(rollout[0]["tokens"]) == 12
-    # the engine (rollout pool) and the actor (train pool) hold the same weights: the same log-probabilities
+    # after the cross-pool sync the engine (rollout pool) and the actor (train pool) hold the same weights
     for r in train:
         diff = (torch.tensor(r["actor_logprobs"]) - torch.tensor(rollout[0]["logprobs"])).abs().max().item()
         assert diff < 1e-5, diff
+
+
+def test_the_cross_pool_sync_is_verified_and_moves_the_lower_bound(pooled):
+    """Two emulated nodes (train pool: node 0, rollout pool: node 1): each byte crosses once (``node_min``), and what
+    both engine ranks need (a norm) is forwarded inside node 1, so each rank receives exactly what it lacks."""
+    bounds = pooled[0]["lower_bounds"]
+    reports = [r["report"] for r in pooled]
+    assert sum(r.bytes_received for r in reports) == sum(r.bytes_sent for r in reports) == bounds["rank_min"]
+    assert sum(r.bytes_cross_node for r in reports) == sum(r.bytes_sent for r in reports[:2]) == bounds["node_min"]
+    assert all(r.bytes_received == 0 for r in reports[:2])  # the train ranks only send
+    for r in pooled:  # a corrupted byte in transit is caught on every rank of both pools, naming the tensor
+        assert "hash mismatch" in r["corrupt"] and "gate_up_proj.weight" in r["corrupt"]

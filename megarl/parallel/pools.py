@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+_launch = {"store": None}  # torchrun's store, once this process joined its pool; not a cache
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -70,7 +72,15 @@ def init_pool_group(pools: list[Pool], backend: str, timeout_s: float = 600.0) -
         world_size=pool.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    _launch["store"] = store
     return pool
+
+
+def launch_store() -> dist.Store:
+    """The launch's store (groups across pools rendezvous on it); only after ``init_pool_group``."""
+    if _launch["store"] is None:
+        raise RuntimeError("launch_store: this process has not joined a pool (init_pool_group)")
+    return _launch["store"]
 
 
 @contextlib.contextmanager

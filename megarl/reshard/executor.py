@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from megarl.reshard.comm import WorldComm
 from megarl.reshard.plan import Plan, Transfer
 
 _MASK64 = (1 << 64) - 1
@@ -127,6 +128,7 @@ def execute(
     compare_full: bool = False,
     dtype: torch.dtype | None = None,
     on_send: Callable[[Transfer, torch.Tensor], None] | None = None,
+    comm=None,
 ) -> SyncStats:
     """Collective: fill this rank's ``dst_tensors`` (preallocated, destination dtype) from every rank's ``src_tensors``.
 
@@ -134,8 +136,10 @@ def execute(
     path (object all-gather, not the bucketed point-to-point one) and receivers compare their assembled regions
     element by element. Memory-heavy: every rank sees every piece of the plan at once.
     ``on_send`` is a test hook called on each packed piece after it was hashed (e.g. to corrupt it in transit).
+    ``comm`` (``megarl.reshard.comm``): the group the plan's rank ids refer to; default the default process group.
     """
-    rank = dist.get_rank()
+    comm = comm or WorldComm()
+    rank = comm.rank
     if dtype is None:
         dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
     device = comm_device()
@@ -173,7 +177,7 @@ def execute(
                 sends[t.dst_rank].append(t)
             elif t.dst_rank == rank:
                 recvs[t.src_rank].append(t)
-        buffers, ops = [], []
+        buffers, outgoing = [], []
         for peer, items in sorted(sends.items()):
             buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             offset = 0
@@ -185,38 +189,34 @@ def execute(
                     on_send(t, piece)
                 offset += t.numel
             buffers.append(buf)
-            ops.append(dist.P2POp(dist.isend, buf, peer))
+            outgoing.append((peer, buf))
             stats.bytes_sent += buf.numel() * esize
         incoming = []
         for peer, items in sorted(recvs.items()):
             buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
             buffers.append(buf)
-            incoming.append((buf, items))
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            incoming.append((peer, buf, items))
             stats.bytes_received += buf.numel() * esize
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() * esize for b in buffers))
-        # one batched call per bucket: NCCL needs a rank's sends and receives grouped, or two ranks that exchange
-        # pieces in the same bucket can each block in a send queued before the matching receive
-        for req in dist.batch_isend_irecv(ops) if ops else []:
-            req.wait()
-        for buf, items in incoming:
+        comm.exchange(outgoing, [(peer, buf) for peer, buf, _ in incoming])  # one exchange per bucket
+        for _, buf, items in incoming:
             offset = 0
             for t in items:
                 target = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
                 target.copy_(buf[offset : offset + t.numel].view(target.shape))
                 offset += t.numel
-        del buffers, incoming
+        del buffers, incoming, outgoing
 
     if verify:
-        _verify(plan, rank, dst_tensors, expected, device)
+        _verify(plan, comm, dst_tensors, expected, device)
     if compare_full:
-        _compare_full(rank, dst_tensors, copies)
+        _compare_full(comm, dst_tensors, copies)
     return stats
 
 
-def _compare_full(rank: int, dst_tensors, copies) -> None:
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, copies)
+def _compare_full(comm, dst_tensors, copies) -> None:
+    rank = comm.rank
+    everyone = comm.all_gather_object(copies)
     bad = []
     for sender, pieces in enumerate(everyone):
         for t, values in pieces:
@@ -225,23 +225,22 @@ def _compare_full(rank: int, dst_tensors, copies) -> None:
             got = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols).cpu()
             if not torch.equal(got.reshape(values.shape), values):
                 bad.append(f"{t.dst_shard} rows {t.dst_rows} cols {t.dst_cols} on rank {rank} (from rank {sender})")
-    failed = [None] * dist.get_world_size()
-    dist.all_gather_object(failed, bad)
-    problems = [msg for msgs in failed for msg in msgs]
+    problems = [msg for msgs in comm.all_gather_object(bad) for msg in msgs]
     if problems:
         raise ReshardVerificationError("weight sync full comparison failed: " + "; ".join(problems[:20]))
 
 
-def _verify(plan: Plan, rank: int, dst_tensors, expected: dict, device) -> None:
+def _verify(plan: Plan, comm, dst_tensors, expected: dict, device) -> None:
     """One all-reduce carries every sender's piece hashes to their destination shards (as two exact 32-bit halves,
     so the sum cannot overflow); each rank compares them with the hashes of the shards it assembled."""
+    rank = comm.rank
     keys = [(r, name) for r in sorted(plan.dst_shapes) for name in plan.dst_shapes[r]]
     index = {k: i for i, k in enumerate(keys)}
     sums = torch.zeros(len(keys), 2, dtype=torch.int64)
     for key, h in expected.items():
         sums[index[key]] = torch.tensor([h & 0xFFFFFFFF, h >> 32])
     sums = sums.to(device)
-    dist.all_reduce(sums)
+    comm.all_reduce(sums)
     sums = sums.cpu()
     bad = []
     for shard, shape in plan.dst_shapes.get(rank, {}).items():
@@ -252,9 +251,7 @@ def _verify(plan: Plan, rank: int, dst_tensors, expected: dict, device) -> None:
             senders = sorted({x.src_rank for x in plan.transfers if x.dst_rank == rank and x.dst_shard == shard})
             bad.append(f"{shard} on rank {rank} (pieces sent by ranks {senders})")
     flag = torch.tensor([len(bad)], device=device)
-    dist.all_reduce(flag)
+    comm.all_reduce(flag)
     if int(flag.item()):
-        failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, bad)
-        problems = [msg for msgs in failed for msg in msgs]
+        problems = [msg for msgs in comm.all_gather_object(bad) for msg in msgs]
         raise ReshardVerificationError("weight sync verification failed: hash mismatch for " + "; ".join(problems))

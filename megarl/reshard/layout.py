@@ -62,6 +62,10 @@ class SideLayout:
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
+    def shifted(self, offset: int) -> SideLayout:
+        """The same shards on ranks ``offset`` higher (a pool that starts at global rank ``offset``)."""
+        return SideLayout({r + offset: shards for r, shards in self.ranks.items()}, self.gpus_per_node)
+
 
 class _ShardBuilder:
     """Appends HF rectangles along dim 0 (``rows``) or dim 1 (``cols``) of a shard."""

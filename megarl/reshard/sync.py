@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megarl.reshard.comm import WorldComm
 from megarl.reshard.executor import comm_device, execute
 from megarl.reshard.plan import CROSS_NODE, Plan, Transfer
 
@@ -91,11 +92,13 @@ def stream_layers(
     verify: bool,
     compare_full: bool = False,
     on_send: Callable | None = None,
+    comm=None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collective generator: per layer group, this rank's destination tensors, filled and verified.
 
     Every rank must consume it to the end (the executor's collectives run inside)."""
-    rank, device = torch.distributed.get_rank(), comm_device()
+    comm = comm or WorldComm()
+    rank, device = comm.rank, comm_device()
     for sub in sub_plans:
         shapes = sub.dst_shapes.get(rank, {})
         dst = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
@@ -108,6 +111,7 @@ def stream_layers(
             compare_full=compare_full,
             dtype=dtype,
             on_send=on_send,
+            comm=comm,
         )
         report.layers += 1
         report.buckets += stats.buckets
@@ -133,22 +137,31 @@ def run_sync(
     verify: bool = True,
     compare_full: bool = False,
     on_send: Callable | None = None,
+    comm=None,
+    dtype: torch.dtype | None = None,
 ) -> SyncReport:
-    """Collective: fill the engine behind ``transport`` from ``src_tensors`` (this rank's actor parameters)."""
-    report = SyncReport(transport=transport.name)
+    """Collective over ``comm`` (default: the default process group): fill the engine behind ``transport`` from
+    ``src_tensors`` (this rank's actor parameters). ``transport`` None: this rank holds no engine and only sends
+    (a rank of another pool than the engines'); ``dtype`` is then the engines'."""
+    report = SyncReport(transport=transport.name if transport is not None else "send")
     start = time.perf_counter()
     layers = stream_layers(
         sub_plans,
         src_tensors,
-        transport.dtype,
+        transport.dtype if transport is not None else dtype,
         report,
         bucket_bytes=bucket_bytes,
         verify=verify,
         compare_full=compare_full,
         on_send=on_send,
+        comm=comm,
     )
     try:
-        transport.load(layers)
+        if transport is None:
+            for _ in layers:  # the collectives run as the generator is consumed
+                pass
+        else:
+            transport.load(layers)
     finally:
         layers.close()
     report.seconds = time.perf_counter() - start

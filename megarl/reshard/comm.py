@@ -1,0 +1,75 @@
+"""The executor's communication: this rank's id in the plan, the point-to-point exchange of one bucket, and the small
+collectives of verification.
+
+- ``WorldComm``: the default process group (colocated: the plan's rank ids are the torchrun ranks).
+- ``GroupComm``: a gloo group over the ranks of several pools (resource pools: every process's default group holds
+  only its pool, ``megarl.parallel.pools``), built on torchrun's store under a prefix. Such a group is not
+  registered with ``torch.distributed``, so ``batch_isend_irecv`` and the object collectives refuse it
+  (facts/pools-and-async.md section 1.2): it posts raw sends and receives and moves objects as byte tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+class WorldComm:
+    """The default process group."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size()
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Send and receive one bucket's buffers (one batched call: NCCL needs a rank's sends and receives grouped,
+        or two ranks that exchange pieces can each block in a send queued before the matching receive)."""
+        ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t)
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+class GroupComm:
+    """A gloo group ``name`` over the launch's ranks 0..size-1 (every pool), on the launch's store."""
+
+    def __init__(self, name: str, store: dist.Store, rank: int, size: int, timeout_s: float = 600.0):
+        self.rank, self.size = rank, size
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"megarl/x/{name}", store), rank, size, timeout)
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Gloo's point-to-point calls are asynchronous: post everything, then wait."""
+        works = [self.pg.send([t], peer, 0) for peer, t in sends]
+        works += [self.pg.recv([t], peer, 0) for peer, t in recvs]
+        for w in works:
+            w.wait()
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.pg.allreduce([t]).wait()
+
+    def all_gather_object(self, obj) -> list:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self.pg.allgather([everyone], [padded]).wait()
+        return [pickle.loads(t[: int(s.item())].numpy().tobytes()) for t, s in zip(everyone, sizes)]
