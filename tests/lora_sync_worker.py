@@ -48,7 +48,10 @@ def random_adapter(spec, lora: LoraConfig, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
-def run_lora_sync(hf_dir: str, megatron: tuple[int, int, int], vllm_tp: int, lora: LoraConfig, seq, prompt) -> dict:
+def run_lora_sync(
+    hf_dir: str, megatron: tuple[int, int, int], vllm_tp: int, lora: LoraConfig, transport: str, seq, prompt
+) -> dict:
+    """``transport``: how the base enters the engine (the first sync; vLLM's full reload resets its LoRA state)."""
     tp, pp, dp = megatron
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
     init_distributed(layout, seed=7)
@@ -63,6 +66,7 @@ def run_lora_sync(hf_dir: str, megatron: tuple[int, int, int], vllm_tp: int, lor
         ROLLOUT, hf_dir, spec, megatron_layout(spec, layout, world), tp=vllm_tp, seed=0, lora=lora,
         adapter_layout=megatron_adapter_layout(spec, lora, layout, world),
     )  # fmt: skip
+    engine.transport = transport
 
     def actor(ids: list[int]) -> list[float]:
         return token_logprobs(ddp, torch.tensor([ids]), temperature=1.0, true_vocab=spec.vocab_size)[0].tolist()

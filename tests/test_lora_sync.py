@@ -2,7 +2,8 @@
 adapters start random (B != 0: a visible effect) and then take real updates.
 
 Two 2-rank spawns, one engine each: vLLM TP=1 (two engines) fed by Megatron TP=2, rank 4 on every linear (vLLM's
-max_lora_rank 8: padded); vLLM TP=2 fed by Megatron PP=2, rank 16 on q/v/down_proj (the fused qkv with k absent).
+max_lora_rank 8: padded), the base through the shard write; vLLM TP=2 fed by Megatron PP=2, rank 16 on
+q/v/down_proj (the fused qkv with k absent), the base through vLLM's full reload (which resets vLLM's LoRA state).
 After every sync the engine's log-probabilities of a fixed sequence and of its own generated tokens equal the adapted
 Megatron actor's (fp32, 1e-4) and differ from the base's by far more. Then one `megarl train` run of
 configs/tiny_grpo_lora.yaml (adapter slots, TP=2) for 3 steps.
@@ -21,17 +22,18 @@ from megarl.models import read_hf_config, spec_from_hf_config
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
 from megarl.plan.memory import lora_sync_bytes
-from megarl.reshard.layout import vllm_layout
+from megarl.reshard.layout import hf_layout, vllm_layout
 from tests.lora_sync_worker import run_lora_sync
 
 MATCH = 1e-4
 VISIBLE = 0.1  # the adapters change the base's log-probabilities by at least this much
 SEQ = [int(x) for x in torch.randint(3, 259, (180,), generator=torch.Generator().manual_seed(0))]
 PROMPT = [int(x) for x in torch.randint(3, 259, (200,), generator=torch.Generator().manual_seed(1))]
-GROUPS = {  # name: (Megatron (tp, pp, dp), vLLM TP, adapters, vLLM max_lora_rank)
-    "vllm_tp1": ((2, 1, 1), 1, LoraConfig(rank=4, alpha=16), 8),
-    "vllm_tp2": ((1, 2, 1), 2, LoraConfig(rank=16, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]), 16),
-}
+GROUPS = {  # name: (Megatron (tp, pp, dp), vLLM TP, adapters, vLLM max_lora_rank, the base's transport)
+    "vllm_tp1": ((2, 1, 1), 1, LoraConfig(rank=4, alpha=16), 8, "shard_write"),
+    "vllm_tp2": ((1, 2, 1), 2, LoraConfig(rank=16, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]), 16,
+                 "full_reload"),
+}  # fmt: skip
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,8 +44,8 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(GROUPS))
 def group(request, hf_dir):
-    megatron, vllm_tp, lora, _ = GROUPS[request.param]
-    return request.param, run_on_ranks(run_lora_sync, 2, hf_dir, megatron, vllm_tp, lora, SEQ, PROMPT)
+    megatron, vllm_tp, lora, _, transport = GROUPS[request.param]
+    return request.param, run_on_ranks(run_lora_sync, 2, hf_dir, megatron, vllm_tp, lora, transport, SEQ, PROMPT)
 
 
 def _diff(a, b) -> float:
@@ -74,13 +76,14 @@ def test_every_generation_uses_the_current_adapter(group):
 
 def test_syncs_after_the_first_move_only_the_adapters(group, hf_dir):
     name, out = group
-    _, vllm_tp, lora, _ = GROUPS[name]
+    _, vllm_tp, lora, _, transport = GROUPS[name]
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     adapter = lora_sync_bytes(spec, lora, "float32")
-    shards = [s for rank_shards in vllm_layout(spec, vllm_tp, 2, 2).ranks.values() for s in rank_shards]
+    side = vllm_layout(spec, vllm_tp, 2, 2) if transport == "shard_write" else hf_layout(spec, [0, 1], 2)
+    shards = [s for rank_shards in side.ranks.values() for s in rank_shards]
     base = 4 * sum(b.numel for s in shards for b in s.blocks if b.hf is not None)  # fp32, padding excluded
     first, *later = out["steps"]
-    assert first["report"][0].transport == "shard_write+lora_slots"  # the base once, then the adapters
+    assert first["report"][0].transport == f"{transport}+lora_slots"  # the base once, then the adapters
     assert sum(r.bytes_received + r.bytes_local for r in first["report"]) == base + 2 * adapter
     for step in later:
         assert step["report"][0].transport == "lora_slots"
@@ -97,9 +100,9 @@ def test_a_corrupted_adapter_byte_or_a_failed_load_stops_every_rank(group):
 
 
 def test_merge_mode_syncs_whole_merged_weights(group):
-    _, out = group
+    name, out = group
     merged = out["merged"]
-    assert merged["report"][0].transport == "shard_write" and merged["adapter"] == [None, None]
+    assert merged["report"][0].transport == GROUPS[name][4] and merged["adapter"] == [None, None]
     _check_matches_the_actor(merged)
 
 
