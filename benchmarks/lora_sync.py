@@ -18,9 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from rollout import MODEL, tp2_actor  # benchmarks/rollout.py (this script's folder is on sys.path)
 
-MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, ffn_hidden_size=1408, init_std=0.05)
-"""benchmarks/rollout.py's model."""
 LORA = dict(rank=16, alpha=32)
 
 
@@ -40,25 +39,15 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
 
 def _worker(hf_dir: str, engine_dir: str, slots: bool, num_prompts: int, new_tokens: int, repeats: int) -> dict:
     from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
-    from megarl.convert.hf_to_megatron import load_hf_into_chunk
     from megarl.lora import apply_lora
-    from megarl.models import read_hf_config, spec_from_hf_config
-    from megarl.models.builder import build_model_chunk
-    from megarl.parallel.init import init_distributed
-    from megarl.parallel.layout import ParallelLayout
     from megarl.reshard.layout import megatron_adapter_layout, megatron_layout
     from megarl.reshard.sync import actor_tensors, push_actor
     from megarl.rollout.protocol import rollout
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    layout = ParallelLayout(tp=2)
-    init_distributed(layout, seed=1)
-    rank = dist.get_rank()
-    spec = spec_from_hf_config(read_hf_config(hf_dir))
-    chunk = build_model_chunk(spec, layout, init_weights=False)
-    load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=False)
+    layout, spec, chunk = tp2_actor(hf_dir)
     lora = LoraConfig(**LORA)
-    apply_lora(chunk, spec, lora, rank, 2, full=None, seed=0)
+    apply_lora(chunk, spec, lora, dist.get_rank(), 2, full=None, seed=0)
     with torch.no_grad():  # a non-zero adapter (a fresh one has B = 0)
         for name, p in chunk.named_parameters():
             if ".lora.B." in name:

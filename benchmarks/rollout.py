@@ -52,25 +52,31 @@ class PeakRSS:
         self.growth = self.peak - self.base
 
 
-def _worker(hf_dir: str, engine_dir: str, num_prompts: int, new_tokens: int, repeats: int) -> dict:
-    from megarl.config.schema import RolloutConfig, SamplingConfig
+def tp2_actor(hf_dir: str):
+    """Collective over 2 ranks: (layout, spec, chunk) of the benchmark's Megatron actor at TP=2, loaded from HF."""
     from megarl.convert.hf_to_megatron import load_hf_into_chunk
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=2)
+    init_distributed(layout, seed=1)
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    chunk = build_model_chunk(spec, layout, init_weights=False)
+    load_hf_into_chunk(chunk, hf_dir, spec, layout, dist.get_rank(), progress=False)
+    return layout, spec, chunk
+
+
+def _worker(hf_dir: str, engine_dir: str, num_prompts: int, new_tokens: int, repeats: int) -> dict:
+    from megarl.config.schema import RolloutConfig, SamplingConfig
     from megarl.reshard.layout import megatron_layout
     from megarl.reshard.sync import actor_tensors
     from megarl.rollout.hf_engine import HFEngine
     from megarl.rollout.protocol import rollout
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    layout = ParallelLayout(tp=2)
-    init_distributed(layout, seed=1)
-    rank = dist.get_rank()
-    spec = spec_from_hf_config(read_hf_config(hf_dir))
-    chunk = build_model_chunk(spec, layout, init_weights=False)
-    load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=False)
+    layout, spec, chunk = tp2_actor(hf_dir)
     src = megatron_layout(spec, layout, gpus_per_node=2)
     cfg = RolloutConfig(kv_cache_mb=256, max_model_len=512, bucket_mb=16)
     vllm = VLLMEngine(cfg, engine_dir, spec, src, tp=2)

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import LoraConfig, OptimConfig, RolloutConfig, SamplingConfig
+from megarl.config.schema import LoraConfig, OptimConfig
 from megarl.convert.hf_to_megatron import load_hf_into_chunk
 from megarl.launch import lifetime
 from megarl.lora import adapters_off, apply_lora
@@ -25,15 +25,7 @@ from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.training.logprobs import token_logprobs
 from megarl.training.setup import wrap_for_training
 from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
-
-ROLLOUT = RolloutConfig(kv_cache_mb=32, max_model_len=512, bucket_mb=1)
-GEN = SamplingConfig(temperature=1.0, max_new_tokens=8)
-
-
-def _everyone(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+from tests.vllm_sync_worker import GEN, ROLLOUT, _everyone
 
 
 def random_adapter(spec, lora: LoraConfig, seed: int) -> dict[str, torch.Tensor]:

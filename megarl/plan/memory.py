@@ -23,7 +23,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
 from megarl.parallel.layout import ParallelLayout
-from megarl.reshard.layout import hf_layout, megatron_layout, vllm_layout
+from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, vllm_layout
 
 GiB = 1024**3
 MiB = 1024**2
@@ -85,25 +85,10 @@ def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = 
 
 
 def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list[Param]]:
-    """Every rank's adapter parameters (the only trainable ones with ``actor.lora``), in module order: per layer of
-    its stage, each linear's A factors then its B factors (``megarl.lora.adapters``: column-parallel A whole and B
-    split on the output, row-parallel A split on the input and B whole)."""
-    from megarl.lora.adapters import COLUMN, MODULES, hf_shape
-
-    out = {}
-    for rank in range(layout.world_size):
-        params = []
-        for i in range(spec.num_layers // layout.pp):
-            for path, (style, targets, _) in MODULES.items():  # module order
-                chosen = [t for t in targets if t in lora.target_modules]
-                for factor in ("A", "B"):
-                    for t in chosen:
-                        out_f, in_f = hf_shape(spec, t)
-                        split_in, split_out = (1, layout.tp) if style == COLUMN else (layout.tp, 1)
-                        n = lora.rank * (in_f // split_in if factor == "A" else out_f // split_out)
-                        params.append(Param(f"decoder.layers.{i}.{path}.lora.{factor}.{t}", n))
-        out[rank] = params
-    return out
+    """Every rank's adapter parameters (the only trainable ones with ``actor.lora``), in module order: the layout
+    description's (``megatron_adapter_layout``: per layer of its stage, each linear's A factors then its B factors)."""
+    side = megatron_adapter_layout(spec, lora, layout, gpus_per_node=layout.world_size)
+    return {rank: [Param(s.name, math.prod(s.shape)) for s in shards] for rank, shards in side.ranks.items()}
 
 
 def lora_sync_bytes(spec: ModelSpec, lora, dtype: str) -> int:

@@ -266,7 +266,8 @@ def hf_layout(spec: ModelSpec, ranks: list[int], gpus_per_node: int) -> SideLayo
 # An adapter factor's coordinate is its PEFT name (megarl.lora.adapters.peft_key): rank x in for A, out x rank for B.
 def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_per_node: int) -> SideLayout:
     """The actor's adapter factors (Megatron local names ``decoder.layers.{i}.<linear>.lora.{A|B}.<target>``) on every
-    rank: column-parallel linears hold A whole and their rows of B, row-parallel ones their columns of A and B whole
+    rank, in the order the model registers them (per linear its A factors, then its B factors): column-parallel
+    linears hold A whole and their rows of B, row-parallel ones their columns of A and B whole
     (``megarl.lora.adapters.TPSlice``)."""
     from megarl.lora.adapters import COLUMN, MODULES, TPSlice, hf_shape, peft_key
 
@@ -278,6 +279,7 @@ def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_
         for local in range(stage.layers_per_stage):
             layer = stage.first_layer + local
             for path, (style, targets, _) in MODULES.items():
+                a_shards, b_shards = [], []
                 for t in (t for t in targets if t in lora.target_modules):
                     out_f, in_f = hf_shape(spec, t)
                     name = f"decoder.layers.{local}.{path}.lora.{{}}.{t}"
@@ -290,7 +292,9 @@ def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_
                     else:
                         A.add(a, (0, lora.rank), where.col_range(spec, t))
                         B.add(b, (0, out_f))
-                    shards += [A.build(), B.build()]
+                    a_shards.append(A.build())
+                    b_shards.append(B.build())
+                shards += a_shards + b_shards
         ranks[rank] = shards
     return SideLayout(ranks, gpus_per_node)
 
