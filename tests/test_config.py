@@ -1,5 +1,7 @@
 """Config loading (YAML + dotted overrides) and validation: every error names the key and the fix."""
 
+import re
+
 import pytest
 
 from megarl.config import ConfigError, load_config, validate
@@ -161,3 +163,34 @@ def test_old_logprobs_are_computed_when_the_kl_in_reward_or_sequence_rejection_n
     assert skips_old_logprob(load_config(recipe, one))
     assert not skips_old_logprob(load_config(recipe, [*one, "algorithm.kl_in_reward=true"]))
     assert not skips_old_logprob(load_config(recipe, [*one, "algorithm.rollout_is=seq_mask"]))
+
+
+def _pools(*items):
+    out = []
+    for name, ranks, roles in items:
+        out += [f"placement.pools.{name}.ranks={ranks}", f"placement.pools.{name}.roles=[{','.join(roles)}]"]
+    return out
+
+
+@pytest.mark.parametrize("pools, message", [
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "3-4", ["rollout"])), "pools.rollout.ranks: rank 2 in no pool"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "1-2", ["rollout"])), "1-2 overlaps another pool"),
+    (_pools(("train", "0-2", ["actor"]), ("rollout", "3-4", ["rollout"])), "3 ranks, but actor.parallel needs"),
+    (_pools(("train", "0-1", ["actor"])), "no pool hosts the rollout"),
+    (_pools(("train", "0-1", ["actor", "critic"]), ("rollout", "2-3", ["rollout"])), "builds no critic"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "2-4", ["rollout"])), "3 ranks are not whole engines"),
+    (_pools(("train", "0-1", ["actr"])), "placement.pools.train.roles: unknown ['actr']"),
+    (_pools(("train", "1-0", ["actor"])), "placement.pools.train.ranks: '1-0' is not an increasing range"),
+])  # fmt: skip
+def test_placement_mistakes_are_named_before_launch(tiny_llama_dir, pools, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config("configs/tiny_grpo.yaml", [f"model.path={tiny_llama_dir}", *pools]), world_size=4)
+
+
+def test_a_valid_placement_sizes_the_launch(tiny_llama_dir):
+    from megarl.config.validate import launch_world_size, pools_of
+
+    pools = _pools(("rollout", "2-3", ["rollout"]), ("train", "0-1", ["actor"]))
+    cfg = load_config("configs/tiny_grpo.yaml", [f"model.path={tiny_llama_dir}", *pools])
+    validate(cfg, world_size=4)
+    assert [p.name for p in pools_of(cfg)] == ["train", "rollout"] and launch_world_size(cfg) == 4

@@ -101,6 +101,13 @@ def _optional_dataclass(hint):
     return None
 
 
+def _dict_of_dataclass(hint):
+    """``X`` for a ``dict[str, X]`` hint whose X is a dataclass, else None."""
+    if typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
+        return typing.get_args(hint)[1]
+    return None
+
+
 def _build(cls, data: dict, prefix: str):
     """Instantiate the dataclass tree bottom-up, so each __post_init__ sees final values; errors get their path.
     Every float must be finite (inf and nan parse as floats)."""
@@ -114,6 +121,9 @@ def _build(cls, data: dict, prefix: str):
         sub = _optional_dataclass(sub) or sub
         is_node = dataclasses.is_dataclass(sub) and value is not None
         kwargs[f.name] = _build(sub, value, f"{prefix}{f.name}.") if is_node else value
+        item = _dict_of_dataclass(sub)
+        if item is not None:  # e.g. placement.pools: name -> PoolConfig
+            kwargs[f.name] = {k: _build(item, v, f"{prefix}{f.name}.{k}.") for k, v in value.items()}
     try:
         return cls(**kwargs)
     except ConfigFieldError as e:

@@ -620,6 +620,39 @@ class OffloadConfig:
         return self.enable == "true" or (self.enable == "auto" and on_gpu)
 
 
+ROLES = ("actor", "reference", "critic", "rollout")
+"""What a pool can host."""
+
+
+@dataclass(kw_only=True)
+class PoolConfig:
+    """One resource pool: a contiguous range of ranks with one parallel layout, and the roles it hosts."""
+
+    ranks: str = "0"
+    """'a-b' (inclusive) or a single rank."""
+    roles: list[str] = field(default_factory=list)
+    """Roles hosted here: actor, reference, critic, rollout."""
+
+    def __post_init__(self):
+        from megarl.parallel.pools import parse_ranks
+
+        try:
+            parse_ranks(self.ranks)
+        except ValueError as e:
+            raise ConfigFieldError("ranks", str(e).removeprefix("ranks: ")) from None
+        unknown = [r for r in self.roles if r not in ROLES]
+        _require(not unknown, "roles", f"unknown {unknown}; choose from {list(ROLES)}")
+        _require(bool(self.roles), "roles", "must name at least one role")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Where roles run. No pools: every role on every rank (colocated, the default)."""
+
+    pools: dict[str, PoolConfig] = field(default_factory=dict)
+    """Pool name -> its ranks and roles; the pools are disjoint, contiguous and cover the launch."""
+
+
 @dataclass(kw_only=True)
 class MegarlConfig:
     """A whole megarl job."""
@@ -644,3 +677,5 @@ class MegarlConfig:
     """Metrics sinks."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Host offloading of training state during generation (GPU)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resource pools (absent: colocated)."""

@@ -25,8 +25,11 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             raise ConfigError(f"model.path: {e}") from None
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
-    errors = []
-    if world_size is not None and world_size != layout.world_size:
+    errors = placement_errors(cfg)
+    pools = pools_of(cfg)
+    if world_size is not None and pools and world_size != launch_world_size(cfg):
+        errors.append(f"placement.pools cover {launch_world_size(cfg)} ranks, but {world_size} were launched")
+    elif world_size is not None and not pools and world_size != layout.world_size:
         errors.append(
             f"actor.parallel: tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}, but {world_size} "
             f"ranks were launched; launch {layout.world_size} ranks or change tp/pp/dp so their product is {world_size}"
@@ -44,7 +47,8 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
-    errors += _rollout_errors(cfg, spec, layout.world_size)
+    rollout_pool = [p for p in pools if "rollout" in p.roles]
+    errors += _rollout_errors(cfg, spec, rollout_pool[0].size if rollout_pool else layout.world_size)
     from megarl.rewards.scorer import in_workers
 
     need = 2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S  # a call that times out, then its samples one by one
@@ -303,4 +307,74 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
         )
     if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
         errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
+    return errors
+
+
+def pools_of(cfg: MegarlConfig) -> list:
+    """``placement.pools`` as ``megarl.parallel.pools.Pool``s in rank order ([] when colocated)."""
+    from megarl.parallel.pools import Pool, parse_ranks
+
+    pools = [Pool(name, parse_ranks(p.ranks), tuple(p.roles)) for name, p in cfg.placement.pools.items()]
+    return sorted(pools, key=lambda p: p.ranks.start)
+
+
+def launch_world_size(cfg: MegarlConfig) -> int:
+    """Ranks to launch: every pool's, or the actor's layout when colocated."""
+    pools = pools_of(cfg)
+    if pools:
+        return pools[-1].ranks.stop
+    par = cfg.actor.parallel
+    return par.tp * par.pp * par.dp
+
+
+def placement_errors(cfg: MegarlConfig) -> list[str]:
+    """Pools disjoint, contiguous from rank 0, every needed role in exactly one pool, sizes that fit the layouts."""
+    from megarl.trainer.models import needs_critic, needs_reference
+
+    pools = pools_of(cfg)
+    if not pools:
+        return []
+    errors = []
+    start = 0
+    for p in pools:
+        if p.ranks.start < start:
+            errors.append(f"placement.pools.{p.name}.ranks: {p.ranks.start}-{p.ranks.stop - 1} overlaps another pool")
+        elif p.ranks.start > start:
+            gap = f"rank {start}" if p.ranks.start == start + 1 else f"ranks {start}-{p.ranks.start - 1}"
+            errors.append(f"placement.pools.{p.name}.ranks: {gap} in no pool")
+        start = max(start, p.ranks.stop)
+    needed = {"actor", "rollout"}
+    if needs_reference(cfg):
+        needed.add("reference")
+    if needs_critic(cfg):
+        needed.add("critic")
+    hosts = {role: [p.name for p in pools if role in p.roles] for role in ("actor", "reference", "critic", "rollout")}
+    for role, names in hosts.items():
+        if role in needed and not names:
+            errors.append(f"placement.pools: no pool hosts the {role}; add it to a pool's roles")
+        if len(names) > 1:
+            errors.append(f"placement.pools: the {role} is in several pools ({', '.join(names)}); put it in one")
+        if role not in needed and names:
+            errors.append(f"placement.pools.{names[0]}.roles: this recipe builds no {role}; remove it")
+    by_name = {p.name: p for p in pools}
+    par = cfg.actor.parallel
+    if hosts["actor"]:
+        train = by_name[hosts["actor"][0]]
+        if train.size != par.tp * par.pp * par.dp:
+            errors.append(
+                f"placement.pools.{train.name}: {train.size} ranks, but actor.parallel needs tp x pp x dp = "
+                f"{par.tp * par.pp * par.dp}; change the pool's ranks or actor.parallel"
+            )
+        for role in ("reference", "critic"):
+            if hosts[role] and hosts[role][0] != train.name:
+                errors.append(f"placement.pools: the {role} shares the actor's pool (its own pool: not built yet)")
+    if hosts["rollout"]:
+        rollout = by_name[hosts["rollout"][0]]
+        if len(rollout.roles) > 1:
+            errors.append(f"placement.pools.{rollout.name}: the rollout pool hosts only the rollout")
+        if rollout.size % rollout_tp(cfg):
+            errors.append(
+                f"placement.pools.{rollout.name}: {rollout.size} ranks are not whole engines of rollout.tp="
+                f"{rollout_tp(cfg)}"
+            )
     return errors

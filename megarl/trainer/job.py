@@ -178,6 +178,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
     from transformers import AutoTokenizer
 
+    if cfg.placement.pools:  # TODO(issue 27): the loop across pools (wip/issue27)
+        raise ValueError("placement.pools: the trainer does not run on resource pools yet; remove placement")
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     init_distributed(layout, seed=cfg.trainer.seed, timeout_s=cfg.trainer.collective_timeout_s)
