@@ -95,7 +95,7 @@ def run_pools(hf_dir: str, out_dir: str, prompt: list[int], new_tokens: int) -> 
         out["logprobs"] = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]
         out["megatron_built"] = "megatron.core.parallel_state" in sys.modules and _mcore_initialized()
         out["vllm_world"] = _vllm_world()
-    tokens = across.all_gather_object(out.get("tokens"))[2]  # the rollout pool's tokens, scored by the actor
+    tokens = across.broadcast_object(out.get("tokens"), src=2)  # the rollout pool's tokens, scored by the actor
     if pool.name == "train":
         ids = torch.tensor([prompt + tokens])
         out["actor_logprobs"] = token_logprobs(chunk, ids, temperature=1.0, true_vocab=spec.vocab_size)[

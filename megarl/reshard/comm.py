@@ -44,6 +44,11 @@ class WorldComm:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj, src: int):
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
 
 class GroupComm:
     """A gloo group ``name`` over the launch's ranks 0..size-1 (every pool), on the launch's store."""
@@ -73,3 +78,12 @@ class GroupComm:
         everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
         self.pg.allgather([everyone], [padded]).wait()
         return [pickle.loads(t[: int(s.item())].numpy().tobytes()) for t, s in zip(everyone, sizes)]
+
+    def broadcast_object(self, obj, src: int):
+        """``obj`` from rank ``src`` to every rank (a step's batch from the rollout pool to the train pool)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.rank == src else None
+        size = torch.tensor([data.numel() if data is not None else 0])
+        self.pg.broadcast(size, src).wait()
+        buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.broadcast(buf, src).wait()
+        return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
