@@ -33,8 +33,10 @@ def _cmd_train(args) -> int:
         except ResumeError as e:
             print(f"megarl: {e}", file=sys.stderr)
             return 2
+    from megarl.config.validate import launch_world_size
+
     par = cfg.actor.parallel
-    world = par.tp * par.pp * par.dp
+    world = launch_world_size(cfg)
     if args.dry_run:
         print(
             f"[megarl] dry run: config, model ({spec.family} {spec.num_layers}x{spec.hidden_size}), data and reward "

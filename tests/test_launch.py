@@ -363,3 +363,18 @@ def test_slurm_job_writes_one_log_per_node(preempted_job):
     # --env: not on disk, the script owner-only; the job saw it (the script's `${MEGARL_TEST_SECRET?}` check passed)
     assert SECRET not in script.read_text() and ': "${MEGARL_TEST_SECRET?' in script.read_text()
     assert script.stat().st_mode & 0o777 == 0o600
+
+
+def test_pools_size_the_launch_and_keep_each_pools_tp_groups_in_a_node(tiny_llama_dir):
+    from megarl.config import load_config
+    from megarl.launch.topology import check_nodes
+
+    pools = ["placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
+             "placement.pools.rollout.ranks=2-3", "placement.pools.rollout.roles=[rollout]"]  # fmt: skip
+    cfg = load_config("configs/tiny_grpo.yaml", [f"model.path={tiny_llama_dir}", *pools])
+    check_nodes(cfg, 2, 2, "--nnodes", "--nproc-per-node")  # train pool on node 0, rollout pool on node 1
+    check_nodes(cfg, 1, 4, "--nnodes", "--nproc-per-node")
+    with pytest.raises(LaunchError, match=r"= 2 ranks, but placement.pools cover 4"):
+        check_nodes(cfg, 1, 2, "--nnodes", "--nproc-per-node")
+    with pytest.raises(LaunchError, match=r"placement.pools.train: the TP group of ranks \[0, 1\] would span"):
+        check_nodes(cfg, 4, 1, "--nnodes", "--nproc-per-node")

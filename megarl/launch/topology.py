@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from megarl.config import MegarlConfig
-from megarl.config.validate import divisors
+from megarl.config.validate import divisors, launch_world_size, pools_of, rollout_tp
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -26,6 +26,9 @@ def check_nodes(cfg: MegarlConfig, nnodes: int, ranks_per_node: int, nodes_opt: 
     """Refuse a node count or size the recipe's layout cannot use; ``*_opt`` name the options in messages."""
     layout = recipe_layout(cfg, ranks_per_node)
     launched = nnodes * ranks_per_node
+    if pools_of(cfg):
+        _check_pool_nodes(cfg, launched, ranks_per_node, nodes_opt, ranks_opt)
+        return
     if launched != layout.world_size:
         raise LaunchError(
             f"{nodes_opt} {nnodes} x {ranks_opt} {ranks_per_node} = {launched} ranks, but the recipe's actor.parallel "
@@ -39,6 +42,32 @@ def check_nodes(cfg: MegarlConfig, nnodes: int, ranks_per_node: int, nodes_opt: 
             f"span nodes {sorted({layout.node(r) for r in spanning})}; use a tp that divides {ranks_opt} "
             f"({divisors(ranks_per_node)}) and raise dp or pp instead"
         )
+
+
+def _check_pool_nodes(cfg: MegarlConfig, launched: int, ranks_per_node: int, nodes_opt: str, ranks_opt: str) -> None:
+    """Resource pools: the launch is every pool's ranks; each pool's TP groups (the actor's layout, offset to the
+    pool's first rank; the rollout engines, blocks of rollout.tp) stay inside a node."""
+    world = launch_world_size(cfg)
+    if launched != world:
+        raise LaunchError(
+            f"{nodes_opt} x {ranks_opt} = {launched} ranks, but placement.pools cover {world}: change "
+            f"{nodes_opt}/{ranks_opt} or the pools' ranks"
+        )
+    for pool in pools_of(cfg):
+        if "actor" in pool.roles:
+            groups = [[pool.ranks.start + r for r in g] for g in recipe_layout(cfg).tp_groups()]
+        elif "rollout" in pool.roles:
+            tp = rollout_tp(cfg)
+            groups = [list(pool.ranks[i : i + tp]) for i in range(0, pool.size, tp)]
+        else:
+            groups = []
+        for g in groups:
+            nodes = sorted({r // ranks_per_node for r in g})
+            if len(nodes) > 1:
+                raise LaunchError(
+                    f"placement.pools.{pool.name}: the TP group of ranks {g} would span nodes {nodes} with "
+                    f"{ranks_opt} {ranks_per_node}; start the pool at a node boundary or use a smaller tp"
+                )
 
 
 def positive(value: int, option: str) -> None:

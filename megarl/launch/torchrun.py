@@ -10,9 +10,9 @@ import sys
 from dataclasses import dataclass, field
 
 from megarl.config import MegarlConfig, load_config
-from megarl.config.validate import preflight
+from megarl.config.validate import launch_world_size, preflight
 from megarl.launch import lifetime
-from megarl.launch.topology import LaunchError, check_nodes, positive, recipe_layout, train_args
+from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
 from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE
 
 
@@ -57,14 +57,13 @@ class TorchrunOptions:
 def ranks_per_node(opts: TorchrunOptions, cfg: MegarlConfig) -> int:
     if opts.nproc_per_node is not None:
         return opts.nproc_per_node
-    layout = recipe_layout(cfg)
-    if layout.world_size % opts.nnodes:
+    world = launch_world_size(cfg)
+    if world % opts.nnodes:
         raise LaunchError(
-            f"--nnodes {opts.nnodes} does not divide the {layout.world_size} ranks of the recipe's actor.parallel "
-            f"(tp={layout.tp} x pp={layout.pp} x dp={layout.dp}): change --nnodes, give --nproc-per-node, or change "
-            "actor.parallel.{tp,pp,dp}"
+            f"--nnodes {opts.nnodes} does not divide the {world} ranks of the recipe (actor.parallel, or "
+            "placement.pools): change --nnodes, give --nproc-per-node, or change the layout"
         )
-    return layout.world_size // opts.nnodes
+    return world // opts.nnodes
 
 
 def torchrun_command(opts: TorchrunOptions, cfg: MegarlConfig, python: str = sys.executable) -> list[str]:
