@@ -181,6 +181,10 @@ def _pools(*items):
     (_pools(("train", "0-1", ["actor"]), ("rollout", "2-4", ["rollout"])), "3 ranks are not whole engines"),
     (_pools(("train", "0-1", ["actr"])), "placement.pools.train.roles: unknown ['actr']"),
     (_pools(("train", "1-0", ["actor"])), "placement.pools.train.ranks: '1-0' is not an increasing range"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + ["rollout.backend=hf"],
+     "rollout.backend=hf generates on the actor's ranks"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + ["offload.enable=true"],
+     "offload.enable=true: with a rollout pool"),
 ])  # fmt: skip
 def test_placement_mistakes_are_named_before_launch(tiny_llama_dir, pools, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

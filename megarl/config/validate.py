@@ -368,6 +368,10 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
         for role in ("reference", "critic"):
             if hosts[role] and hosts[role][0] != train.name:
                 errors.append(f"placement.pools: the {role} shares the actor's pool (its own pool: not built yet)")
+    if cfg.rollout.backend != "vllm":
+        errors.append("placement.pools: rollout.backend=hf generates on the actor's ranks; use vllm on a rollout pool")
+    if cfg.offload.enable == "true":
+        errors.append("offload.enable=true: with a rollout pool no engine shares the actor's devices; set it to auto")
     if hosts["rollout"]:
         rollout = by_name[hosts["rollout"][0]]
         if len(rollout.roles) > 1:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 _launch = {"store": None}  # torchrun's store, once this process joined its pool; not a cache
@@ -61,6 +62,8 @@ def init_pool_group(pools: list[Pool], backend: str, timeout_s: float = 600.0) -
     """Join this process's pool: its default process group holds only the pool's ranks (collective over the pool).
     Returns the pool."""
     store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     covered = sorted(r for p in pools for r in p.ranks)
     if covered != list(range(world)):
         raise ValueError(f"the pools cover ranks {covered}, the launch has {world}")
@@ -96,3 +99,82 @@ def pool_rank_env(pool: Pool, rank: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@dataclass
+class Placement:
+    """Where this process's work is, and how values cross to the ranks of other roles.
+
+    Colocated (no pools): every role on every rank; ``share`` hands a value through unchanged, ``barrier`` and
+    ``any`` are the default group's. With pools: this rank hosts its pool's roles; ``comm`` spans every rank of the
+    launch (``megarl.reshard.comm.GroupComm``) and carries what one pool computed to the others."""
+
+    rank: int
+    """This process's rank in the launch."""
+    world: int
+    """Ranks in the launch."""
+    pools: list[Pool] = field(default_factory=list)
+    """[] when colocated."""
+    comm: object = None
+    """Every rank of the launch: ``WorldComm`` colocated, a ``GroupComm`` across pools."""
+
+    @classmethod
+    def colocated(cls) -> Placement:
+        from megarl.reshard.comm import WorldComm
+
+        return cls(dist.get_rank(), dist.get_world_size(), [], WorldComm())
+
+    @classmethod
+    def join(cls, pools: list[Pool], backend: str, timeout_s: float = 600.0) -> Placement:
+        """Collective over the launch: join this rank's pool (``init_pool_group``; once per process) and the group
+        across pools."""
+        from megarl.reshard.comm import GroupComm
+
+        if _launch["store"] is None:
+            init_pool_group(pools, backend, timeout_s)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        comm = GroupComm("placement", launch_store(), rank, world, timeout_s)
+        return cls(rank, world, pools, comm)
+
+    @property
+    def pooled(self) -> bool:
+        return bool(self.pools)
+
+    @property
+    def pool(self) -> Pool | None:
+        return pool_of(self.pools, self.rank) if self.pools else None
+
+    def hosts(self, role: str) -> bool:
+        return not self.pools or role in self.pool.roles
+
+    def ranks(self, role: str) -> range:
+        """The launch ranks of ``role``'s pool (colocated: all)."""
+        return next((p.ranks for p in self.pools if role in p.roles), range(self.world))
+
+    @property
+    def leader(self) -> bool:
+        """The rank that prints, tracks and writes the run's files: the actor's pool's first rank."""
+        return self.rank == self.ranks("actor").start
+
+    def share(self, value, role: str):
+        """``value`` as computed on ``role``'s pool (its first rank's), on every rank; colocated: ``value``."""
+        if not self.pooled:
+            return value
+        return self.comm.broadcast_object(value, src=self.ranks(role).start)
+
+    def barrier(self) -> None:
+        if not self.pooled:
+            dist.barrier()
+        else:
+            self.comm.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """Collective: whether ``flag`` is set on any rank."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        if self.world > 1:
+            self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def engine_env(self):
+        """The environment vLLM builds an engine in: the pool's ranks when pooled (``pool_rank_env``)."""
+        return pool_rank_env(self.pool, self.rank) if self.pooled else contextlib.nullcontext()

@@ -6,6 +6,8 @@ collectives of verification.
   only its pool, ``megarl.parallel.pools``), built on torchrun's store under a prefix. Such a group is not
   registered with ``torch.distributed``, so ``batch_isend_irecv`` and the object collectives refuse it
   (facts/pools-and-async.md section 1.2): it posts raw sends and receives and moves objects as byte tensors.
+  Gloo moves host memory: CUDA tensors are staged through the host (correct on GPU, not fast; an NCCL group is
+  the GPU variant still to build).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class WorldComm:
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t)
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        dist.all_reduce(t, op=op)
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.size
@@ -60,13 +62,25 @@ class GroupComm:
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
         """Gloo's point-to-point calls are asynchronous: post everything, then wait."""
-        works = [self.pg.send([t], peer, 0) for peer, t in sends]
-        works += [self.pg.recv([t], peer, 0) for peer, t in recvs]
+        staged = [(peer, t, t.cpu()) for peer, t in recvs]
+        works = [self.pg.send([t.cpu()], peer, 0) for peer, t in sends]
+        works += [self.pg.recv([host], peer, 0) for peer, _, host in staged]
         for w in works:
             w.wait()
+        for _, t, host in staged:
+            if host is not t:
+                t.copy_(host)
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        self.pg.allreduce([t]).wait()
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        host = t.cpu()
+        self.pg.allreduce([host], opts).wait()
+        if host is not t:
+            t.copy_(host)
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
 
     def all_gather_object(self, obj) -> list:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)

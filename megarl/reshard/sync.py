@@ -17,7 +17,9 @@ import torch
 
 from megarl.reshard.comm import WorldComm
 from megarl.reshard.executor import comm_device, execute
-from megarl.reshard.plan import CROSS_NODE, Plan, Transfer
+from megarl.reshard.layout import SideLayout
+from megarl.reshard.plan import CROSS_NODE, Plan, Transfer, plan
+from megarl.reshard.transport import destination_layout
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -51,6 +53,36 @@ def split_by_layer(p: Plan) -> list[Plan]:
         )
         for g in groups
     ]
+
+
+class SyncPlans:
+    """The per-layer plans of every sync into one set of engines: the engines on ranks ``offset`` ..
+    ``offset + world - 1`` (their pool's), fed by the actor at ``src`` (its ranks in the launch). The same on the ranks
+    that send and on those that receive, colocated or across pools, so every rank walks the same plans."""
+
+    def __init__(self, spec, src: SideLayout, *, tp: int, world: int, offset: int = 0, lora=None, adapter_src=None):
+        """``lora`` and ``adapter_src`` (the actor's adapter factors, ``megatron_adapter_layout``): adapter slots."""
+        self.spec, self.src, self.tp, self.world, self.offset, self.lora = spec, src, tp, world, offset, lora
+        self._base: dict[str, list[Plan]] = {}
+        self.adapters = None if lora is None else split_by_layer(plan(adapter_src, self._dst("lora_slots")))
+        """The adapters' plans (slots only)."""
+
+    def _dst(self, transport: str) -> SideLayout:
+        gpus_per_node = self.src.gpus_per_node
+        dst = destination_layout(transport, self.spec, self.tp, self.world, gpus_per_node, self.lora)
+        return dst.shifted(self.offset)
+
+    def base(self, transport: str) -> list[Plan]:
+        """The plans of the (whole or base) weights through ``transport``."""
+        if transport not in self._base:
+            self._base[transport] = split_by_layer(plan(self.src, self._dst(transport)))
+        return self._base[transport]
+
+
+def sends_base(adapter_slots: bool, base_loaded: bool, resend_base: bool) -> bool:
+    """Whether a sync moves the (base) weights: always without adapter slots; with them, the first time and when
+    asked to (the same decision on the engines' ranks and on the ranks that send to them)."""
+    return not adapter_slots or resend_base or not base_loaded
 
 
 @dataclass
@@ -193,6 +225,6 @@ def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tenso
 def push_actor(engine, model, version: int, *, resend_base: bool = False) -> SyncReport:
     """Collective: load the actor's current weights into ``engine`` as ``version`` (the adapters merged into the
     weights unless the engine has adapter slots). ``resend_base``: an engine with adapter slots also gets the base
-    again (the first sync of a job)."""
-    tensors = actor_tensors(model, merge_lora=not engine.adapter_slots)
+    again (the first sync of a job). ``model`` None: this rank holds no actor (the rollout pool) and only receives."""
+    tensors = {} if model is None else actor_tensors(model, merge_lora=not engine.adapter_slots)
     return engine.update_weights(tensors, version, resend_base=resend_base)

@@ -18,6 +18,20 @@ from megarl.reshard.executor import ReshardVerificationError
 from megarl.reshard.layout import SideLayout, hf_layout, peft_adapter_layout, vllm_layout
 
 
+def destination_layout(
+    transport: str, spec: ModelSpec, tp: int, world_size: int, gpus_per_node: int, lora=None
+) -> SideLayout:
+    """What ``transport`` fills on engine ranks 0..world_size-1 (engines of ``tp`` ranks). It needs no engine, so
+    ranks that only send (the actor's pool, when the engines have their own) plan the same sync."""
+    if transport == "shard_write":  # each rank its own vLLM TP shard
+        return vllm_layout(spec, tp, world_size, gpus_per_node)
+    if transport == "full_reload":  # every full HF tensor on every rank
+        return hf_layout(spec, list(range(world_size)), gpus_per_node)
+    if transport == "lora_slots":  # every full adapter factor (PEFT names) on every rank
+        return peft_adapter_layout(spec, lora, list(range(world_size)), gpus_per_node)
+    raise ValueError(f"unknown transport {transport!r}")
+
+
 def vllm_model(llm) -> torch.nn.Module:
     """The engine's model object (in-process worker; ``apply_model`` calls the function directly)."""
     return llm.apply_model(lambda model: model)[0]
@@ -81,7 +95,7 @@ class ShardWrite:
             )
 
     def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
-        return vllm_layout(self.spec, self.tp, world_size, gpus_per_node)
+        return destination_layout(self.name, self.spec, self.tp, world_size, gpus_per_node)
 
     @torch.no_grad()
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
@@ -122,7 +136,7 @@ class FullReload:
         self.shared = [m for holders in _holders(vllm_model(llm)).values() if len(holders) > 1 for m, _ in holders]
 
     def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
-        return hf_layout(self.spec, list(range(world_size)), gpus_per_node)
+        return destination_layout(self.name, self.spec, 1, world_size, gpus_per_node)
 
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
         def named() -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,7 +170,7 @@ class AdapterSlots:
         self._ids = 0
 
     def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
-        return peft_adapter_layout(self.spec, self.lora, list(range(world_size)), gpus_per_node)
+        return destination_layout(self.name, self.spec, 1, world_size, gpus_per_node, self.lora)
 
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
         """Collective over the world (every rank loads its engine's copy): all ranks succeed, or all raise with the

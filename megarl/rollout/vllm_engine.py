@@ -35,8 +35,7 @@ from megarl.launch import lifetime
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout
-from megarl.reshard.plan import plan
-from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
+from megarl.reshard.sync import SyncPlans, SyncReport, run_sync, sends_base
 from megarl.reshard.transport import TRANSPORTS, AdapterSlots
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
 
@@ -100,7 +99,8 @@ def _reset_prefix_cache(llm) -> None:
 
 
 class VLLMEngine:
-    """One vLLM engine per rank group of ``tp`` consecutive ranks; every rank of the world builds its part."""
+    """One vLLM engine per rank group of ``tp`` consecutive ranks; every rank of the world (colocated) or of the
+    rollout pool builds its part."""
 
     def __init__(
         self,
@@ -115,10 +115,17 @@ class VLLMEngine:
         collective_timeout_s: int = 600,
         lora: LoraConfig | None = None,
         adapter_layout: SideLayout | None = None,
+        pool: str | None = None,
+        offset: int = 0,
+        comm=None,
     ):
         """``lora`` and ``adapter_layout`` (``megatron_adapter_layout``: where the actor's adapter factors live): serve
         the adapters from vLLM's LoRA slots. None: the engine gets whole weights (merged by the trainer when the actor
-        has adapters)."""
+        has adapters).
+
+        Resource pools: ``pool`` names the rollout pool this engine lives on (the default process group is the
+        pool's; its shared memory is named after the pool too), ``offset`` is the pool's first rank in the launch,
+        ``comm`` spans the launch (the actor's ranks send from their own pool; ``src_layout`` has their ranks)."""
         if (lora is None) != (adapter_layout is None):
             raise ValueError("VLLMEngine: lora and adapter_layout go together")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -126,14 +133,13 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         lifetime.join_run()  # the engine's shared memory belongs to this process's run: named after it, removed with it
-        vllm_shm.install(lifetime.shm_prefix())
+        vllm_shm.install(lifetime.shm_prefix() + (f"-{pool}" if pool else ""))
 
         self.cfg, self.spec, self.tp, self.lora = cfg, spec, tp, lora
         self.dtype = DTYPES[dtype]
-        self.src_layout = src_layout
         self.world = dist.get_world_size()
+        self.comm = comm
         self.weight_version: int | None = None
-        self._plans: dict[str, list] = {}
         self.sleep_mode = current_platform.is_sleep_mode_available()
         self.asleep: set[str] = set()
         self._said_no_sleep = False
@@ -166,9 +172,9 @@ class VLLMEngine:
         if lora is not None:  # one directory per rank, named after the run: removed with it, also after a kill
             directory = os.path.join(lifetime.SHM_DIR, f"{lifetime.shm_prefix()}-lora-r{dist.get_rank()}")
             self.adapters = AdapterSlots(self.llm, spec, lora, self.dtype, directory)
-            self._adapter_plans = split_by_layer(
-                plan(adapter_layout, self.adapters.destination(self.world, adapter_layout.gpus_per_node))
-            )
+        self.plans = SyncPlans(
+            spec, src_layout, tp=tp, world=self.world, offset=offset, lora=lora, adapter_src=adapter_layout
+        )
 
     @property
     def adapter_slots(self) -> bool:
@@ -178,12 +184,6 @@ class VLLMEngine:
     @property
     def healthy(self) -> bool:
         return self.weight_version is not None
-
-    def _sub_plans(self, transport: str) -> list:
-        if transport not in self._plans:
-            dst = self.transports[transport].destination(self.world, self.src_layout.gpus_per_node)
-            self._plans[transport] = split_by_layer(plan(self.src_layout, dst))
-        return self._plans[transport]
 
     def update_weights(
         self,
@@ -204,12 +204,12 @@ class VLLMEngine:
         self.weight_version = None
         self._wake("weights")  # woken before the sync writes into them; the KV cache wakes in wake()
         reports = []
-        if self.adapters is None or resend_base or not self.base_loaded:
+        if sends_base(self.adapter_slots, self.base_loaded, resend_base):
             self.base_loaded = False
-            reports.append(self._sync(self._sub_plans(name), src_tensors, self.transports[name], on_send))
+            reports.append(self._sync(self.plans.base(name), src_tensors, self.transports[name], on_send))
             self.base_loaded = True  # an adapter failure below leaves the base in place
         if self.adapters is not None:
-            reports.append(self._sync(self._adapter_plans, src_tensors, self.adapters, on_send))
+            reports.append(self._sync(self.plans.adapters, src_tensors, self.adapters, on_send))
         _reset_prefix_cache(self.llm)
         self.weight_version = version
         return sum(reports[1:], reports[0])
@@ -223,6 +223,7 @@ class VLLMEngine:
             verify=self.cfg.verify,
             compare_full=self.cfg.verify_full,
             on_send=on_send,
+            comm=self.comm,
         )
 
     def _check_healthy(self) -> None:

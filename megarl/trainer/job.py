@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megarl.algos import kl_controller
 from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import (
     abandon_later,
     checkpoints_root,
@@ -27,14 +28,15 @@ from megarl.checkpoint.training import (
 )
 from megarl.config.loader import to_yaml
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
-from megarl.config.validate import adapter_slots
+from megarl.config.validate import adapter_slots, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
 from megarl.logging.jsonl import write_rows
 from megarl.models.spec import ModelSpec
-from megarl.parallel.init import init_distributed
+from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.pools import Placement
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
@@ -55,14 +57,20 @@ class Job:
     source: ModelSource
     spec: ModelSpec
     layout: ParallelLayout
+    """The actor's layout (on its pool)."""
+    place: Placement
+    """Where each role runs (colocated: everywhere) and how values cross between pools."""
     rank: int
     tokenizer: object
     sampler: PromptSampler
     val_prompts: list[Prompt]
     rewards: object
-    """The reward, ready to score (``megarl.rewards.scorer``: in this process, or a pool of worker processes)."""
-    models: RLModels
+    """The reward, ready to score (``megarl.rewards.scorer``: in this process, or a pool of worker processes); None
+    outside the rollout's pool (rewards are scored where the samples are generated)."""
+    models: RLModels | None
+    """None outside the actor's pool."""
     engine: object
+    """The rollout engine; outside the rollout's pool, a ``RemoteEngine`` (the weight syncs' sending half)."""
     tracker: Tracker
     kl_ctrl: object
     skip_old_logprob: bool
@@ -77,7 +85,7 @@ class Job:
     """LoRA: the frozen base's fingerprint (``megarl.lora.checkpoint.base_fingerprint``), saved in checkpoints."""
 
     def say(self, message: str) -> None:
-        if self.rank == 0:
+        if self.place.leader:
             print(f"[megarl] {message}", flush=True)
 
 
@@ -128,16 +136,46 @@ def skips_old_logprob(cfg: MegarlConfig) -> bool:
     return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
 
 
-def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout):
+def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout, place: Placement):
     """Collective: the rollout engine, started from a directory with the HF config and tokenizer only (the weights
     arrive through the first sync)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the launcher's ranks per node
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", place.world))  # the launcher's ranks per node
     engine_dir = os.path.join(cfg.trainer.output_dir, "engine")
-    if rank == 0:
+    if place.leader:
         write_engine_dir(source.hf_config, source.tokenizer_dir, engine_dir)
-    dist.barrier()
-    return build_engine(cfg, spec, layout, engine_dir, gpus_per_node=gpus_per_node, seed=cfg.trainer.seed)
+    place.barrier()
+    return build_engine(cfg, spec, layout, engine_dir, gpus_per_node=gpus_per_node, seed=cfg.trainer.seed, place=place)
+
+
+PLACEMENT_FILE = "placement.json"
+
+
+def record_placement(job: Job) -> None:
+    """Collective over the launch: what each rank really built, in output_dir/placement.json (the leader writes it)
+    and one line per pool in the log."""
+    import json
+    import socket
+    import sys
+
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    mine = {
+        "rank": job.place.rank,
+        "pool": job.place.pool.name,
+        "roles": list(job.place.pool.roles),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "megatron_models": [] if job.models is None else sorted(
+            n for n in ("actor", "critic", "reference") if getattr(job.models, n) is not None
+        ),
+        "vllm_engine": isinstance(job.engine, VLLMEngine),
+        "vllm_imported": "vllm" in sys.modules,
+    }  # fmt: skip
+    everyone = job.place.comm.all_gather_object(mine)
+    if job.place.leader:
+        atomic_write(os.path.join(job.cfg.trainer.output_dir, PLACEMENT_FILE), json.dumps(everyone, indent=1) + "\n")
+    for p in job.place.pools:
+        job.say(f"pool {p.name}: ranks {p.ranks.start}-{p.ranks.stop - 1}, roles {', '.join(p.roles)}")
 
 
 def lora_identity(lora) -> dict | None:
@@ -178,12 +216,14 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
     from transformers import AutoTokenizer
 
-    if cfg.placement.pools:  # TODO(issue 27): the loop across pools (wip/issue27)
-        raise ValueError("placement.pools: the trainer does not run on resource pools yet; remove placement")
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
-    init_distributed(layout, seed=cfg.trainer.seed, timeout_s=cfg.trainer.collective_timeout_s)
-    rank = dist.get_rank()
+    timeout_s = cfg.trainer.collective_timeout_s
+    place = Placement.join(pools_of(cfg), default_backend(), timeout_s) if cfg.placement.pools else None
+    if place is None or place.hosts("actor"):  # Megatron's groups, inside the actor's pool when pooled
+        init_distributed(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
+    place = place or Placement.colocated()
+    rank = place.rank
     out_dir = cfg.trainer.output_dir
 
     start = plan_start(cfg, spec)
@@ -193,9 +233,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     rolled_back = (
         explicit and start is not None and os.path.dirname(os.path.abspath(start.path)) == os.path.abspath(root)
     )
-    dist.barrier()  # every rank has read the checkpoints before rank 0 cleans up
+    place.barrier()  # every rank has read the checkpoints before the leader cleans up
     abandoned = []
-    if rank == 0:
+    if place.leader:
         if rolled_back:  # resumed from an older checkpoint of this run: its later ones are another branch
             abandoned = abandon_later(root, start.step)
         if start is None and cfg.trainer.overwrite:
@@ -204,9 +244,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(os.path.join(out_dir, STOPPED_FILE)):
             os.remove(os.path.join(out_dir, STOPPED_FILE))
-    dist.barrier()
+    place.barrier()
 
-    models = build_rl_models(cfg, spec, layout, source, rank, load_weights=start is None)
+    models = None
+    if place.hosts("actor"):
+        models = build_rl_models(cfg, spec, layout, source, dist.get_rank(), load_weights=start is None)
     state, rng = TrainerState(seed=cfg.trainer.seed), None
     notes = [f"removed an interrupted save: {d}" for d in interrupted]
     if abandoned:
@@ -215,11 +257,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             f"to {os.path.dirname(abandoned[0])} ({', '.join(os.path.basename(p) for p in abandoned)})"
         )
     lora_base = None
-    if cfg.actor.lora is not None:
+    if cfg.actor.lora is not None and models is not None:
         from megarl.lora.checkpoint import base_fingerprint
 
         lora_base = base_fingerprint(models.actor.module)
-    if start is not None:
+    if start is not None and models is None:  # the rollout's pool: where the prompts stopped
+        state = TrainerState.from_dict(read_trainer_state(start.path)["state"])
+    elif start is not None:
         saved = read_trainer_state(start.path)
         _check_lora(start.path, saved, cfg.actor.lora, lora_base)
         same_layout = saved["layout"] == dataclasses.asdict(layout)
@@ -238,7 +282,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
                 "from trainer.seed); floating-point results differ from an uninterrupted run in the last bits "
                 "(another reduction order)"
             )
-        if rank == 0:
+        if place.leader:
             write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
@@ -252,10 +296,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         kl_ctrl.load_state_dict(state.kl_ctrl)
 
     if engine is None:
-        engine = start_engine(cfg, spec, source, layout)
+        engine = start_engine(cfg, spec, source, layout, place)
     elif engine.adapter_slots != adapter_slots(cfg) or (adapter_slots(cfg) and engine.lora != cfg.actor.lora):
         raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
-    push_actor(engine, models.actor, state.step, resend_base=True)  # a reused engine may hold another job's base
+    actor = models.actor if models is not None else None
+    push_actor(engine, actor, state.step, resend_base=True)  # a reused engine may hold another job's base
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
 
@@ -264,19 +309,22 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         out_dir,
         run_config=dataclasses.asdict(cfg),
         total_steps=cfg.trainer.total_steps,
-        enabled=rank == 0,
+        enabled=place.leader,
         run_id=state.wandb_run_id,
         start_step=state.step,
         log_every=cfg.trainer.log_every,
     )
     tracker.write_text("config.yaml", to_yaml(cfg))
     state.wandb_run_id = tracker.run_id
-    rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)  # last
+    rewards = None
+    if place.hosts("rollout"):  # scored where the samples are generated; last
+        rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
     job = Job(
         cfg=cfg,
         source=source,
         spec=spec,
         layout=layout,
+        place=place,
         rank=rank,
         tokenizer=tokenizer,
         sampler=sampler,
@@ -287,12 +335,15 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         tracker=tracker,
         kl_ctrl=kl_ctrl,
         skip_old_logprob=skips_old_logprob(cfg),
-        offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available()),
+        offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled),
         lora_base=lora_base,
     )
+    reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
+    if place.pooled:
+        record_placement(job)
     built = ["actor" + (" (LoRA)" if cfg.actor.lora else "")]
-    built += [n for n in ("critic", "reference") if getattr(models, n) is not None]
-    built += ["reference = the actor with its adapters off"] if models.reference_is_base else []
+    built += [n for n in ("critic", "reference") if models is not None and getattr(models, n) is not None]
+    built += ["reference = the actor with its adapters off"] if models is not None and models.reference_is_base else []
     job.say(
         f"{cfg.algorithm.adv_estimator} on {spec.family} {spec.num_layers}x{spec.hidden_size}, {layout}; models: "
         f"{', '.join(built)}; rollout: {cfg.rollout.backend} (tp {engine.tp}); {len(train)} train prompts"
@@ -302,7 +353,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             else ""
         )
         + (f", {len(val_prompts)} validation prompts" if val_prompts else "")
-        + f"; reward: {rewards.describe()}"
+        + f"; reward: {reward_text}"
     )
     for note in notes:
         job.say(note)

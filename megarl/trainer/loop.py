@@ -1,8 +1,14 @@
 """The RL loop: rollout -> rewards -> reference / old log-probs / values -> advantages -> critic and actor updates ->
-weight sync -> metrics. Every rank runs the same code on the same global batch; each phase is timed."""
+weight sync -> metrics. Every rank runs the same code on the same global batch; each phase is timed.
+
+With resource pools (``placement.pools``) each rank does the phases of the roles its pool hosts: the rollout pool
+samples the prompts, generates and scores; the batch (and the sampler's position) crosses to the actor's pool, which
+learns; the weights cross back through the resharding engine. Colocated, every rank does every phase and nothing
+crosses (``Placement.share`` hands values through unchanged)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -22,7 +28,7 @@ from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import collect
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
-from megarl.trainer.metrics import step_metrics, summary_lines, validation_metrics
+from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import RLModels, reference_policy
 from megarl.trainer.preemption import StopRequests
 from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE
@@ -41,7 +47,8 @@ def train(cfg, spec, source, engine=None) -> Job:
     A SIGTERM/SIGUSR1 stops it at the next step boundary, after a save; ``job.stopped_by`` then names the signal."""
     job, state = build_job(cfg, spec, source, engine=engine)
     t = cfg.trainer
-    with job.rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
+    rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
+    with rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
         job.offloader.offload()  # the engine is awake: generation comes first
         for step in range(state.step + 1, t.total_steps + 1):
             metrics = rl_step(job, state, step)
@@ -49,7 +56,7 @@ def train(cfg, spec, source, engine=None) -> Job:
                 metrics.update(validate(job, step))
             job.tracker.log(step, metrics)
             state.history.append({"step": step, **metrics})
-            stopping = stop.agreed()
+            stopping = stop.agreed(job.place)
             last = step == t.total_steps
             if stopping or (t.save_every and (step % t.save_every == 0 or last)):
                 save(job, state)
@@ -58,7 +65,7 @@ def train(cfg, spec, source, engine=None) -> Job:
                 job.say(f"{by} during the last step: saved; the run is complete")
             elif stopping:
                 job.stopped_by = by
-                if job.rank == 0:
+                if job.place.leader:
                     atomic_write(
                         os.path.join(t.output_dir, STOPPED_FILE), f"step {step}: stopped by {job.stopped_by}\n"
                     )
@@ -71,9 +78,12 @@ def train(cfg, spec, source, engine=None) -> Job:
 
 
 def save(job: Job, state: TrainerState) -> dict:
-    """Collective: a training checkpoint of this step under ``output_dir/checkpoints``."""
+    """Collective over the actor's pool: a training checkpoint of this step under ``output_dir/checkpoints`` (the
+    rollout pool saves nothing: the sampler's position crossed with the batch and is in the trainer state)."""
+    if job.models is None:
+        return {}
     root = checkpoints_root(job.cfg.trainer.output_dir)
-    if job.rank == 0:
+    if job.place.leader:
         describe_checkpoint_root(job, root)
     if job.offloader.enabled:  # the optimizer state is on the host: bring it back, with the engine asleep
         switch_to(job, TRAIN)
@@ -120,19 +130,25 @@ def back_to_rollout(job: Job, version: int):
     switch_to(job, SYNC)
     report = None
     if job.engine.weight_version != version:
-        report = push_actor(job.engine, job.models.actor, version)
+        report = push_actor(job.engine, job.models.actor if job.models is not None else None, version)
     switch_to(job, ROLLOUT)
     return report
 
 
 def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
-    """One RL step; afterwards the engine holds weight version ``step``."""
-    timer = PhaseTimer()
+    """One RL step; afterwards the engine holds weight version ``step``. With pools, ``pool/<name>/busy_s`` is the
+    time each pool spent on its own phases and ``wait_s`` the time it waited for the other (the sync aside)."""
+    timer, pool_time, place = PhaseTimer(), PhaseTimer(), job.place
     faults.fire("sigterm", step)
     with timer("step"):
         faults.fire("generate", step, after_s=0.05)
-        batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
-        if job.cfg.trainer.save_samples and job.rank == 0:
+        batch = None
+        if place.hosts("rollout"):
+            with pool_time("busy"):
+                batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
+        with pool_time("wait"):
+            batch = share_batch(job, batch, timer)
+        if job.cfg.trainer.save_samples and place.leader:
             save_samples(job, batch, step)
         stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
         if batch.first_error and not job.said_reward_error:
@@ -141,38 +157,66 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
                 f"in reward/timeouts). The first failure: {batch.first_error}"
             )
             job.said_reward_error = True
-        switch_to(job, TRAIN)
-        learned = learn(
-            job.cfg,
-            job.spec,
-            job.models,
-            batch,
-            kl_ctrl=job.kl_ctrl,
-            skip_old_logprob=job.skip_old_logprob,
-            timer=timer,
-            poison_loss=faults.at("nan_loss", step),
-        )
+        learned = None
+        if place.hosts("actor"):
+            with pool_time("busy"):
+                switch_to(job, TRAIN)
+                learned = learn(
+                    job.cfg,
+                    job.spec,
+                    job.models,
+                    batch,
+                    kl_ctrl=job.kl_ctrl,
+                    skip_old_logprob=job.skip_old_logprob,
+                    timer=timer,
+                    poison_loss=faults.at("nan_loss", step),
+                )
+        if place.pooled:
+            with pool_time("wait"):
+                place.barrier()  # the rollout pool waits here for the update
         with timer("sync"):
             report = back_to_rollout(job, step)  # the engine holds step - 1: always a sync
     state.step = step
     state.data = job.sampler.state_dict()
     state.kl_ctrl = job.kl_ctrl.state_dict()
-    if learned.skipped:
+    sums, maxes = rank_values(report)
+    if place.pooled:
+        maxes.update({f"pool/{place.pool.name}/{k}_s": pool_time.seconds[k] for k in ("busy", "wait")})
+    per_rank = reduce_ranks(place.comm if place.pooled else None, sums, maxes)
+    metrics, skipped = None, None
+    if learned is not None:
+        metrics = {**step_metrics(job, batch, learned, timer=timer), **per_rank}
+        metrics["train/skipped_steps"] = float(state.skipped_steps + bool(learned.skipped))
+        skipped = learned.skipped
+    metrics, skipped = place.share((metrics, skipped), "actor")
+    if skipped:
         state.skipped_steps += 1
         state.consecutive_skips += 1
-        job.say(f"step {step}: update skipped ({'; '.join(learned.skipped)}); weights and optimizer unchanged")
+        job.say(f"step {step}: update skipped ({'; '.join(skipped)}); weights and optimizer unchanged")
         if state.consecutive_skips >= job.cfg.trainer.max_consecutive_skips:
             raise FloatingPointError(
                 f"{state.consecutive_skips} consecutive RL step(s) had a non-finite loss or gradients (last: "
-                f"{'; '.join(learned.skipped)}); stopping (trainer.max_consecutive_skips="
+                f"{'; '.join(skipped)}); stopping (trainer.max_consecutive_skips="
                 f"{job.cfg.trainer.max_consecutive_skips}). Lower the learning rate or check the reward function; "
                 "the last checkpoint is intact"
             )
     else:
         state.consecutive_skips = 0
-    metrics = step_metrics(job, batch, learned, sync=report, timer=timer)
-    metrics["train/skipped_steps"] = float(state.skipped_steps)
     return metrics
+
+
+def share_batch(job: Job, batch, timer: PhaseTimer):
+    """The rollout pool's batch on every rank, with the sampler's position and the generation timings; colocated,
+    ``batch`` itself (every rank generated it)."""
+    place = job.place
+    if not place.pooled:
+        return batch
+    rollout_seconds = {k: v for k, v in timer.seconds.items() if k in ("generate", "reward")}
+    batch, data, rollout_seconds = place.share((batch, job.sampler.state_dict(), rollout_seconds), "rollout")
+    if not place.hosts("rollout"):
+        job.sampler.load_state_dict(data)
+        timer.seconds.update(rollout_seconds)
+    return batch
 
 
 def save_samples(job: Job, batch, step: int) -> None:
@@ -348,21 +392,26 @@ def _applied(name: str, skipped: list[str], update, *args, **kwargs) -> dict[str
 
 
 def validate(job: Job, step: int) -> dict[str, float]:
-    """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored; ``val/*`` metrics."""
-    prompts = job.val_prompts
-    samples, _ = rollout(
-        job.engine,
-        [p.prompt_ids for p in prompts],
-        step=step,
-        sampling=job.cfg.rollout.val_sampling,
-        seed=job.cfg.trainer.seed,
-    )
-    result = score_on_ranks(
-        job.rewards,
-        [p.prompt_text for p in prompts],
-        [job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
-        [p.ground_truth for p in prompts],
-        [p.extras for p in prompts],
-    )
-    stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
-    return validation_metrics(result, samples)
+    """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored (on the rollout's pool);
+    ``val/*`` metrics on every rank."""
+    metrics = None
+    if job.place.hosts("rollout"):
+        prompts = job.val_prompts
+        samples, _ = rollout(
+            job.engine,
+            [p.prompt_ids for p in prompts],
+            step=step,
+            sampling=job.cfg.rollout.val_sampling,
+            seed=job.cfg.trainer.seed,
+        )
+        result = score_on_ranks(
+            job.rewards,
+            [p.prompt_text for p in prompts],
+            [job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
+            [p.ground_truth for p in prompts],
+            [p.extras for p in prompts],
+        )
+        where = f"in step {step}'s validation"
+        stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, where)
+        metrics = validation_metrics(result, samples)
+    return job.place.share(metrics, "rollout")

@@ -20,13 +20,33 @@ def _peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def _world_reduce(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
-    keys_s, keys_m = sorted(sums), sorted(maxes)
-    s = torch.tensor([sums[k] for k in keys_s], dtype=torch.float64)
-    m = torch.tensor([maxes[k] for k in keys_m], dtype=torch.float64)
-    dist.all_reduce(s)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    return {**dict(zip(keys_s, s.tolist())), **dict(zip(keys_m, m.tolist()))}
+def rank_values(sync) -> tuple[dict[str, float], dict[str, float]]:
+    """This rank's share of the step's per-rank metrics: what sums over ranks (sync bytes) and what is the largest
+    over ranks (sync time, peak memory)."""
+    memory = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
+    if torch.cuda.is_available():
+        memory["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    sums = {"sync/bytes_sent": float(sync.bytes_sent), "sync/bytes_cross_node": float(sync.bytes_cross_node)}
+    return sums, {"sync/seconds": sync.seconds, **memory}
+
+
+def reduce_ranks(comm, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+    """Collective: ``sums`` summed and ``maxes`` maximised over the default group (``comm`` None) or over ``comm``'s
+    ranks (every pool; a key only some ranks have, such as ``pool/<name>/*``, is reduced over those)."""
+    if comm is None:
+        keys_s, keys_m = sorted(sums), sorted(maxes)
+        s = torch.tensor([sums[k] for k in keys_s], dtype=torch.float64)
+        m = torch.tensor([maxes[k] for k in keys_m], dtype=torch.float64)
+        dist.all_reduce(s)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return {**dict(zip(keys_s, s.tolist())), **dict(zip(keys_m, m.tolist()))}
+    out: dict[str, float] = {}
+    for rank_sums, rank_maxes in comm.all_gather_object((sums, maxes)):
+        for k, v in rank_sums.items():
+            out[k] = out.get(k, 0.0) + v
+        for k, v in rank_maxes.items():
+            out[k] = max(out.get(k, v), v)
+    return out
 
 
 def _model_metrics(prefix: str, update: dict[str, float]) -> dict[str, float]:
@@ -42,7 +62,8 @@ def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([r.double() for r in rows])
 
 
-def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
+def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
+    """The step's metrics on the actor's ranks, but the per-rank ones (``rank_values``, reduced by the caller)."""
     cfg, seqs = job.cfg, learned.seqs
     lengths = [len(s.token_ids) for s in batch.samples]
     scores = batch.scores
@@ -87,15 +108,6 @@ def step_metrics(job, batch, learned, *, sync, timer) -> dict[str, float]:
     if peak:
         params = sum(p.numel() for p in job.models.actor.parameters()) * job.layout.tp * job.layout.pp
         m["perf/mfu"] = 6 * params * tokens * cfg.actor.ppo_epochs / (step_seconds * peak * job.layout.world_size)
-    memory = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
-    if torch.cuda.is_available():
-        memory["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1024**3
-    m.update(
-        _world_reduce(
-            {"sync/bytes_sent": float(sync.bytes_sent), "sync/bytes_cross_node": float(sync.bytes_cross_node)},
-            {"sync/seconds": sync.seconds, **memory},
-        )
-    )
     return m
 
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import signal
 import threading
 
-import torch
-import torch.distributed as dist
-
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -32,9 +29,7 @@ class StopRequests:
             signal.signal(s, handler)
         return False
 
-    def agreed(self) -> bool:
-        """Collective: whether any rank was asked to stop."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, place) -> bool:
+        """Collective over the launch (``place``: ``megarl.parallel.pools.Placement``, every pool): whether any rank
+        was asked to stop."""
+        return place.any(self.signal_name is not None)
