@@ -27,8 +27,11 @@ STEPS = 6
 COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_every=0", "logging.wandb.mode=disabled",
           "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=32",
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+TWO_MINIBATCHES = "actor.global_batch_size=16"
+"""The old log-probs are computed (``rollout/logprob_mismatch_*`` is logged)."""
 LAYOUTS = {
-    "grpo_tp2": ("configs/tiny_grpo.yaml", []),
+    "grpo_tp2": ("configs/tiny_grpo.yaml", [TWO_MINIBATCHES]),
+    "grpo_pools": ("configs/tiny_grpo_pools.yaml", [TWO_MINIBATCHES]),  # grpo_tp2 with rollout on ranks 2-3
     "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",  # adapter slots:
                                                  "actor.lora.target_modules=[q_proj,v_proj,down_proj]",  # base, then
                                                  "rollout.lora_merge=false"]),  # adapters again after the resume
@@ -38,10 +41,10 @@ LAYOUTS = {
          "critic.optim.use_distributed_optimizer=true", "data.train_batch_size=8", "actor.global_batch_size=16"],
     ),
 }  # fmt: skip
-SHORT = ("grpo_lora_tp2",)
+SHORT = ("grpo_lora_tp2", "grpo_pools")
 """Chains of one kill and one resume (the others are stopped five ways)."""
 FULL = [name for name in LAYOUTS if name not in SHORT]
-NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s")
+NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
 
 
 def _cmd(recipe, hf_dir, out_dir, extra):
@@ -127,6 +130,10 @@ def _tensors(iter_dir, tmp):
     return {k: v for k, v in torch.load(path, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
+UNINTERRUPTED = {}
+"""Layout name -> the output dir of its uninterrupted run (the pooled run is compared with the colocated one)."""
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def chain(request, tiny_llama_dir, tmp_path_factory):
     """The uninterrupted run, and one run stopped five times and resumed each time; each run is looked at (`ps`,
@@ -137,6 +144,7 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     ref, cut = tmp / "uninterrupted", tmp / "interrupted"
     runs = {"uninterrupted": _run(_cmd(recipe, tiny_llama_dir, ref, extra))}
     assert runs["uninterrupted"].rc == 0, runs["uninterrupted"].out[-4000:]
+    UNINTERRUPTED[name] = ref
     cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
     if name in SHORT:  # one kill: rank 0 SIGKILLed in step 5's generation (saved at 2 and 4), then resumed from 4
         runs["generate@5"] = _run(cmd, "generate@5")
@@ -311,3 +319,60 @@ def test_resume_at_another_layout_reshards_and_says_so(chain, tiny_llama_dir):
     for a, b in zip(ref[4:], new[4:]):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+POOLED = ("timing/", "perf/", "memory/", "sync/", "pool/", "rollout/tokens_per_s")
+"""What placement may change: times, throughputs, memory, the sync's bytes (across pools every byte moves)."""
+
+
+@pytest.mark.parametrize("chain", ["grpo_pools"], indirect=True)
+def test_placement_does_not_change_the_algorithm(chain, tiny_llama_dir, tmp_path):
+    """configs/tiny_grpo_pools.yaml (actor on ranks 0-1, the engine on ranks 2-3) against tiny_grpo.yaml colocated
+    on 2 ranks: every other metric equal as floats, at every step (6 >= 3)."""
+    colocated = UNINTERRUPTED.get("grpo_tp2")
+    if colocated is None:  # this test alone (-k): run the colocated reference here
+        colocated = tmp_path / "colocated"
+        assert _run(_cmd(*LAYOUTS["grpo_tp2"][:1], tiny_llama_dir, colocated, LAYOUTS["grpo_tp2"][1])).rc == 0
+    pooled, ref = _metrics(chain["ref"]), _metrics(colocated)
+    assert len(pooled) == len(ref) == STEPS
+    for a, b in zip(ref, pooled):
+        keys = {k for k in a if not k.startswith(POOLED)}
+        assert keys == {k for k in b if not k.startswith(POOLED)} and "rollout/logprob_mismatch_max" in keys
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"step {a['step']}"
+        assert {"pool/train/busy_s", "pool/train/wait_s", "pool/rollout/busy_s", "pool/rollout/wait_s"} <= b.keys()
+
+
+@pytest.mark.parametrize("chain", ["grpo_pools"], indirect=True)
+def test_placement_really_happened(chain):
+    """No train rank imported vLLM, no rollout rank built Megatron's groups or a model (what each rank built, as it
+    recorded it in placement.json); the rollout pool's busy time covers its generation."""
+    ranks = json.loads((chain["ref"] / "placement.json").read_text())
+    assert [(r["rank"], r["pool"]) for r in ranks] == [(0, "train"), (1, "train"), (2, "rollout"), (3, "rollout")]
+    for r in ranks[:2]:
+        assert r["megatron_models"] == ["actor"] and r["megatron_initialized"], r
+        assert not r["vllm_engine"] and not r["vllm_imported"], r
+    for r in ranks[2:]:
+        assert r["vllm_engine"] and r["megatron_models"] == [] and not r["megatron_initialized"], r
+    assert len({r["pid"] for r in ranks}) == 4
+    for row in _metrics(chain["ref"]):
+        assert row["pool/rollout/busy_s"] >= row["timing/generate"] > 0, row
+        assert row["pool/train/busy_s"] >= row["timing/update_actor"] > 0, row
+
+
+@pytest.mark.parametrize("chain", ["grpo_pools"], indirect=True)
+def test_the_cross_pool_sync_moves_the_planners_lower_bound(chain, tiny_llama_dir):
+    """Every sync (verified by hash, as every sync) moves exactly ``rank_min`` bytes for this placement (one node:
+    every weight crosses from the train ranks to the engine ranks once, each piece to the rank that holds it), and
+    the engine's samples score the same under the actor (fp32)."""
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.reshard.layout import megatron_layout, vllm_layout
+    from megarl.reshard.plan import theoretical_minimum
+
+    spec = spec_from_hf_config(read_hf_config(tiny_llama_dir))
+    src, dst = megatron_layout(spec, ParallelLayout(tp=2), 4), vllm_layout(spec, 2, 2, 4).shifted(2)
+    bounds = theoretical_minimum(src, dst, 4)
+    assert bounds["node_min"] == 0  # one node
+    for row in _metrics(chain["ref"]):
+        assert row["sync/bytes_sent"] == bounds["rank_min"] > 0, (row["sync/bytes_sent"], bounds)
+        assert row["rollout/logprob_mismatch_max"] < 1e-4, row

@@ -168,6 +168,8 @@ def record_placement(job: Job) -> None:
         "megatron_models": [] if job.models is None else sorted(
             n for n in ("actor", "critic", "reference") if getattr(job.models, n) is not None
         ),
+        "megatron_initialized": "megatron.core.parallel_state" in sys.modules
+        and sys.modules["megatron.core.parallel_state"].model_parallel_is_initialized(),
         "vllm_engine": isinstance(job.engine, VLLMEngine),
         "vllm_imported": "vllm" in sys.modules,
     }  # fmt: skip
