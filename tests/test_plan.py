@@ -119,3 +119,30 @@ def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     assert "host memory taken by vLLM's base weights while it sleeps (adapter slots)" in text
     merged = load_config(RECIPE, overrides)  # lora_merge: auto merges (a colocated engine)
     assert "adapters" not in make_plan(merged, validate(merged), Hardware(8, 8)).sync
+
+
+def test_a_rollout_pool_is_planned_on_its_own_ranks():
+    """The 70B recipe with 4 nodes of engines beside its 8 training nodes: the engines' ranks hold only vLLM's
+    weights and KV cache, the actor's only training state (nothing offloaded: no engine shares their devices), and
+    the cross-pool sync moves exactly the lower bounds: ``rank_min`` in all, ``node_min`` across nodes (each byte
+    crosses into a rollout node once; what several of its ranks need is forwarded inside it)."""
+    from megarl.reshard.layout import vllm_layout
+    from megarl.reshard.plan import theoretical_minimum
+
+    pools = ["placement.pools.train.ranks=0-63", "placement.pools.train.roles=[actor,critic,reference]",
+             "placement.pools.rollout.ranks=64-95", "placement.pools.rollout.roles=[rollout]",
+             "offload.enable=auto"]  # fmt: skip
+    cfg = load_config(RECIPE, pools)
+    job = make_plan(cfg, validate(cfg), Hardware(12, 8))
+    assert [m.rank for m in job.ranks] == list(range(96))
+    for m in job.ranks:
+        training = sum(v for k, v in m.consumers.items() if k.startswith(("actor", "critic", "reference")))
+        engine = m.consumers["vLLM weights"] + m.consumers["KV cache (configured)"]
+        assert (training > 0, engine > 0) == ((True, False) if m.rank < 64 else (False, True)), m.rank
+        assert m.offloaded == {}
+    assert job.sync["written"] == job.ranks[64].consumers["vLLM weights"]
+    src = megatron_layout(job.spec, job.layout, 8)
+    bounds = theoretical_minimum(src, vllm_layout(job.spec, 8, 32, 8).shifted(64), 2)  # bf16
+    assert (job.sync["moved"], job.sync["cross"]) == (bounds["rank_min"], bounds["node_min"])
+    text = format_plan(job)
+    assert "pool train: ranks 0-63, roles actor, critic, reference" in text and "pool rollout: ranks 64-95" in text

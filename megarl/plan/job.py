@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import adapter_slots, divisors, rollout_tp, vllm_tp_fits
+from megarl.config.validate import adapter_slots, divisors, pools_of, rollout_tp, vllm_tp_fits
 from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
@@ -96,10 +96,13 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=hw.gpus_per_node)
     gpn = hw.gpus_per_node
     stats = {}
+    pools = pools_of(cfg)  # the actor's ranks send to the rollout pool's (colocated: the same ranks)
+    actor_at = next((p.ranks for p in pools if "actor" in p.roles), range(layout.world_size))
+    engines_at = next((p.ranks for p in pools if "rollout" in p.roles), range(layout.world_size))
     if sync:
-        src = megatron_layout(spec, layout, gpn)
+        src = megatron_layout(spec, layout, gpn).shifted(actor_at.start)
         if cfg.rollout.backend == "vllm":
-            dst = vllm_layout(spec, rollout_tp(cfg), layout.world_size, gpn)
+            dst = vllm_layout(spec, rollout_tp(cfg), len(engines_at), gpn).shifted(engines_at.start)
         else:
             dst = hf_layout(spec, list(range(layout.world_size)), gpn)
         bpe, links = DTYPE_BYTES[cfg.model.dtype], (gpn, hw.ib_gbps / 8, hw.nvlink_gbps / 8)
@@ -110,8 +113,9 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
 
         stats = stats_of(plan(src, dst))
         if adapter_slots(cfg):  # every sync after the first: full adapter factors on every engine rank
-            lora, ranks = cfg.actor.lora, list(range(layout.world_size))
-            src, dst = megatron_adapter_layout(spec, lora, layout, gpn), peft_adapter_layout(spec, lora, ranks, gpn)
+            lora, ranks = cfg.actor.lora, list(range(len(engines_at)))
+            src = megatron_adapter_layout(spec, lora, layout, gpn).shifted(actor_at.start)
+            dst = peft_adapter_layout(spec, lora, ranks, gpn).shifted(engines_at.start)
             stats["adapters"] = stats_of(plan(src, dst))
     return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats)
 
@@ -202,9 +206,11 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-def placement_lines(layout: ParallelLayout) -> list[str]:
-    """Rank -> node map with (tp, pp, dp) coordinates, one line per node."""
-    lines = [f"rank = tp + {layout.tp} * (dp + {layout.dp} * pp)   (TP innermost: a TP group is consecutive ranks)"]
+def placement_lines(layout: ParallelLayout, pools=()) -> list[str]:
+    """Rank -> node map with (tp, pp, dp) coordinates, one line per node; with pools, one line per pool first (the
+    actor's coordinates are then counted from its pool's first rank)."""
+    lines = [f"pool {p.name}: ranks {_ranges(list(p.ranks))}, roles {', '.join(p.roles)}" for p in pools]
+    lines += [f"rank = tp + {layout.tp} * (dp + {layout.dp} * pp)   (TP innermost: a TP group is consecutive ranks)"]
     for node in range(layout.num_nodes):
         ranks = layout.node_ranks(node)
         coords = [layout.coords(r) for r in ranks]
@@ -222,7 +228,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         f"NVLink {hw.nvlink_gbps:g} Gb/s per GPU",
         "",
         "## Placement",
-        *placement_lines(layout),
+        *placement_lines(layout, pools_of(cfg)),
         "",
         f"## Memory per rank (GB; offload {'on' if job.ranks[0].offloaded else 'off'})",
     ]
@@ -246,11 +252,13 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
                     f"  {'would fit' if fits else 'still over'} with {desc} ({' '.join(overrides)}): peak "
                     f"{_gb(new_peak)} GB"
                 )
-    per_node = [sum(sum(job.ranks[r].offloaded.values()) for r in layout.node_ranks(n)) for n in range(hw.nodes)]
+    per_node = [sum(sum(m.offloaded.values()) for m in job.ranks if m.rank // hw.gpus_per_node == n)
+                for n in range(hw.nodes)]  # fmt: skip
     if max(per_node):
         lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
     if adapter_slots(cfg):  # vLLM sleeps at level 1: its weights go to host memory and back every step
-        engine = max(sum(job.ranks[r].consumers["vLLM weights"] for r in layout.node_ranks(n)) for n in range(hw.nodes))
+        engine = max(sum(m.consumers["vLLM weights"] for m in job.ranks if m.rank // hw.gpus_per_node == n)
+                     for n in range(hw.nodes))  # fmt: skip
         lines.append(f"host memory taken by vLLM's base weights while it sleeps (adapter slots): {_gb(engine)} GB per "
                      "node, copied out and back every step")  # fmt: skip
     s = job.sync

@@ -234,52 +234,70 @@ GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
 
 
 def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
-    """Every rank's consumers and phases (GPU: vLLM sleeps while Megatron trains, freeing all of it: at level 2, or
-    at level 1 with LoRA adapter slots, its weights then waiting in host memory)."""
-    from megarl.config.validate import rollout_tp
+    """Every rank's consumers and phases. Colocated (GPU): vLLM sleeps while Megatron trains, freeing all of it (at
+    level 2, or at level 1 with LoRA adapter slots, its weights then waiting in host memory), and the ``offload.*``
+    state leaves for generation. With a rollout pool (``placement.pools``) nothing sleeps or moves: the actor's
+    ranks hold their training state and the engines' ranks their weights and KV cache in every phase."""
+    from megarl.config.validate import pools_of, rollout_tp
     from megarl.trainer.models import needs_critic, needs_reference
     from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, flagged_groups
 
-    dtype, world = cfg.model.dtype, layout.world_size
+    dtype, pools = cfg.model.dtype, pools_of(cfg)
+    actor_ranks = next((p.ranks for p in pools if "actor" in p.roles), range(layout.world_size))
+    engine_ranks = next((p.ranks for p in pools if "rollout" in p.roles), range(layout.world_size))
     actor_params = model_params(spec, layout)
     adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
     critic_params = model_params(spec, layout, value_head=True) if needs_critic(cfg) else None
     if cfg.rollout.backend == "vllm":
-        engine = vllm_layout(spec, rollout_tp(cfg), world, gpus_per_node)
+        engine = vllm_layout(spec, rollout_tp(cfg), len(engine_ranks), gpus_per_node)
     else:
-        engine = hf_layout(spec, list(range(world)), gpus_per_node)
-    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) else []  # planned for GPUs
+        engine = hf_layout(spec, list(range(len(engine_ranks))), gpus_per_node)
+    engine_key = "vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"
+    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) and not pools else []  # for GPUs
     out = []
-    for rank in range(world):
-        c = layout.coords(rank)
+    for rank in sorted(set(actor_ranks) | set(engine_ranks)):
         m = RankMemory(rank)
-        if adapters is not None:  # LoRA: the frozen base has no gradient buffer or optimizer state
-            actor = trained_model_bytes(adapters[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
-            actor.params += sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
-        else:
-            actor = trained_model_bytes(actor_params[rank], dtype, cfg.actor.optim, c.dp, layout.dp)
+        trains, generates = rank in actor_ranks, rank in engine_ranks
+        local = rank - actor_ranks.start
+        c = layout.coords(local) if trains else None
+        actor = ModelBytes(0, 0, 0)
+        if trains and adapters is not None:  # LoRA: the frozen base has no gradient buffer or optimizer state
+            actor = trained_model_bytes(adapters[local], dtype, cfg.actor.optim, c.dp, layout.dp)
+            actor.params += sum(p.numel for p in actor_params[local]) * DTYPE_BYTES[dtype]
+        elif trains:
+            actor = trained_model_bytes(actor_params[local], dtype, cfg.actor.optim, c.dp, layout.dp)
         m.consumers["actor params"] = actor.params
         m.consumers[ACTOR_GRADS] = actor.grads
         m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
         if critic_params is not None:
-            critic = trained_model_bytes(critic_params[rank], dtype, cfg.critic.optim, c.dp, layout.dp)
+            critic = ModelBytes(0)
+            if trains:
+                critic = trained_model_bytes(critic_params[local], dtype, cfg.critic.optim, c.dp, layout.dp)
             m.consumers[CRITIC] = critic.total
         if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
-            m.consumers[REFERENCE] = sum(p.numel for p in actor_params[rank]) * DTYPE_BYTES[dtype]
-        m.consumers["vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"] = sum(
-            math.prod(s.shape) for s in engine.ranks[rank]
-        ) * DTYPE_BYTES[dtype]
-        m.consumers["KV cache (configured)"] = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" else 0
-        m.consumers["reshard buffers"] = 2 * cfg.rollout.bucket_mb * MiB + _largest_layer_bytes(engine, rank, dtype)
-        m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, layout, c.pp)
+            m.consumers[REFERENCE] = sum(p.numel for p in actor_params[local]) * DTYPE_BYTES[dtype] if trains else 0
+        e = rank - engine_ranks.start
+        engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
+        m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
+        kv = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" and generates else 0
+        m.consumers["KV cache (configured)"] = kv
+        staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
+        m.consumers["reshard buffers"] = 2 * cfg.rollout.bucket_mb * MiB + staged
+        m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, layout, c.pp) if trains else 0
         m.consumers["reserve (estimate)"] = RESERVE_BYTES
         training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
         m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
         resident = [k for k in training_state if k not in m.offloaded]
-        weights = [k for k in m.consumers if k.endswith("engine weights") or k == "vLLM weights"]
-        m.phases[GENERATION] = resident + weights + ["KV cache (configured)", "reserve (estimate)"]
-        m.phases[SYNC] = resident + weights + ["reshard buffers", "reserve (estimate)"]
-        m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
+        engine_state = [engine_key, "KV cache (configured)"]
+        if pools:  # dedicated pools: every phase holds all of its own state
+            held = training_state + engine_state + ["reserve (estimate)"]
+            m.phases[GENERATION] = held
+            m.phases[SYNC] = held + ["reshard buffers"]
+            m.phases[TRAINING] = held + ["activations (estimate)"]
+        else:
+            m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
+            m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
+            m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
         out.append(m)
     return out
 
