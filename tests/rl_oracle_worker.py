@@ -286,6 +286,7 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     from megarl.rollout.protocol import Sample
     from megarl.trainer.collect import Collected
     from megarl.trainer.loop import learn
+    from megarl.trainer.roles import make_roles
     from megarl.trainer.timer import PhaseTimer
 
     cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "algorithm.adv_estimator=grpo",
@@ -297,7 +298,7 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
         batch.samples.append(Sample(i // 2, i % 2, seq[:p], seq[p:], engine_logp.tolist(), "stop", 0))
     batch.rewards = batch.scores = rewards
     actor_only = dataclasses.replace(models, critic=None, reference=None)
-    learned = learn(cfg, spec, actor_only, batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
+    learned = learn(cfg, make_roles(cfg, spec, actor_only), batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
                     skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
     hf.zero_grad()
     accepted = [abs(float((c - torch.tensor(s.logprobs)).sum())) <= math.log(IS_CAP)

@@ -23,6 +23,7 @@ from megarl.rollout.protocol import Sample
 from megarl.trainer.collect import Collected
 from megarl.trainer.loop import learn
 from megarl.trainer.models import build_rl_models
+from megarl.trainer.roles import make_roles
 from megarl.trainer.timer import PhaseTimer
 from megarl.training import update
 from megarl.training.init_weights import model_source
@@ -116,8 +117,8 @@ def run_case(
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
     with everything:
-        learned = learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl, skip_old_logprob=skip,
-                        timer=PhaseTimer())  # fmt: skip
+        learned = learn(cfg, make_roles(cfg, spec, models), fixed_batch(spec.vocab_size), kl_ctrl=kl,
+                        skip_old_logprob=skip, timer=PhaseTimer())  # fmt: skip
     if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
         for metrics in (learned.actor, learned.critic):
             for k in metrics:
@@ -214,8 +215,8 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
         return build_rl_models(c, spec, layout, model_source(hf_dir), dist.get_rank())
 
     def step(models):
-        learned = learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl, skip_old_logprob=False,
-                        timer=PhaseTimer())  # fmt: skip
+        learned = learn(cfg, make_roles(cfg, spec, models), fixed_batch(spec.vocab_size), kl_ctrl=kl,
+                        skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
         return {"actor": learned.actor, "critic": learned.critic}
 
     a = build()
@@ -272,8 +273,8 @@ def lora_memory_case(hf_dir: str, layout: ParallelLayout) -> dict:
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     init_distributed(layout, seed=1)
     models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())
-    learn(cfg, spec, models, fixed_batch(spec.vocab_size), kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
-          skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
+    learn(cfg, make_roles(cfg, spec, models), fixed_batch(spec.vocab_size),
+          kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000), skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
     trainable = [p for p in models.actor.parameters() if p.requires_grad]
     measured = {
         "actor params": _storage_bytes(models.actor.parameters()),

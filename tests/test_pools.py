@@ -3,6 +3,11 @@ vLLM engine at TP=2 (external launcher, random weights at start) on the rollout 
 pools through the resharding planner (verified, at its lower bounds), after which both pools compute the same
 log-probabilities."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -59,3 +64,82 @@ def test_the_cross_pool_sync_is_verified_and_moves_the_lower_bound(pooled):
     assert all(r.bytes_received == 0 for r in reports[:2])  # the train ranks only send
     for r in pooled:  # a corrupted byte in transit is caught on every rank of both pools, naming the tensor
         assert "hash mismatch" in r["corrupt"] and "gate_up_proj.weight" in r["corrupt"]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PPO = ["trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=0", "logging.wandb.mode=disabled",
+       "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=8",
+       "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+RTOL = 1e-5
+"""The parity tests' tolerances (tests/test_rl_update.py; relative to values of at least 1e-2: a loss near zero is a
+difference of larger terms): the critic's TP differs, so the order of its sums does."""
+ATOL_WEIGHTS = 1e-5
+POOLED = ("timing/", "perf/", "memory/", "sync/", "pool/", "rollout/tokens_per_s")
+
+
+def _train(recipe, hf_dir, out, extra=()):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "megarl.cli", "train", recipe, f"model.path={hf_dir}", f"trainer.output_dir={out}",
+           *PPO, *extra]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def _checkpoint(iter_dir, tmp):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(tmp, f"{abs(hash(str(iter_dir)))}.pt")
+    dcp_to_torch_save(str(iter_dir), path)
+    return {k: v for k, v in torch.load(path, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tiny_llama_dir, tmp_path_factory):
+    """PPO for 2 steps colocated at TP=2, and with the critic and the reference on their own 1-rank pool at TP=1
+    (configs/tiny_ppo_pools.yaml: 5 ranks)."""
+    tmp = tmp_path_factory.mktemp("ppo-pools")
+    colocated = _train("configs/tiny_ppo.yaml", tiny_llama_dir, tmp / "colocated")
+    pooled = _train("configs/tiny_ppo_pools.yaml", tiny_llama_dir, tmp / "pooled")
+    return {"tmp": tmp, "colocated": colocated, "pooled": pooled}
+
+
+def test_a_critic_on_its_own_pool_and_layout_trains_as_colocated(ppo_runs):
+    """The same samples (their rewards are equal), losses and values within the parity tolerances."""
+    for a, b in zip(ppo_runs["colocated"], ppo_runs["pooled"], strict=True):
+        keys = {k for k in a if not k.startswith(POOLED)}
+        assert keys == {k for k in b if not k.startswith(POOLED)}
+        assert {"critic/vf_loss", "critic/values_mean", "actor/pg_loss", "actor/ppo_kl"} <= keys
+        assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
+        noise = {"rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max"}  # float noise itself (~1e-6)
+        assert all(b[k] < 1e-4 for k in noise)
+        far = {k: (a[k], b[k]) for k in keys - noise if abs(a[k] - b[k]) > RTOL * max(abs(a[k]), 1e-2)}
+        assert not far, far
+        assert {"pool/train/busy_s", "pool/critic/busy_s", "pool/rollout/busy_s"} <= b.keys()
+
+
+def test_the_updated_weights_of_both_models_match_colocated(ppo_runs):
+    """The checkpoint after 2 steps: the actor (train pool, iter_N) and the critic (critic pool, iter_N/critic) equal
+    the colocated run's within the parity tolerance."""
+    tmp, it = ppo_runs["tmp"], "checkpoints/iter_0000002"
+    ref = _weights(_checkpoint(tmp / "colocated" / it, tmp))
+    actor = _weights(_checkpoint(tmp / "pooled" / it, tmp))
+    critic = _weights(_checkpoint(tmp / "pooled" / it / "critic", tmp))
+    assert actor and not any(k.startswith("critic.") for k in actor)  # no critic on the train pool
+    assert critic and all(k.startswith("critic.") for k in critic)  # no actor on the critic pool
+    assert actor.keys() | critic.keys() == ref.keys()
+    for k, v in {**actor, **critic}.items():
+        diff = (v.float() - ref[k].float()).abs().max().item()
+        assert diff <= ATOL_WEIGHTS, f"{k}: max |w - w_colocated| = {diff}"
+
+
+def _weights(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith(("optimizer", "rng"))}
+
+
+def test_placement_of_the_critic_pool_really_happened(ppo_runs):
+    ranks = json.loads((ppo_runs["tmp"] / "pooled" / "placement.json").read_text())
+    assert [(r["pool"], r["megatron_models"], r["vllm_engine"]) for r in ranks] == [
+        ("train", ["actor"], False), ("train", ["actor"], False), ("critic", ["critic", "reference"], False),
+        ("rollout", [], True), ("rollout", [], True)]  # fmt: skip

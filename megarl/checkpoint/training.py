@@ -10,6 +10,10 @@ converted one. Each ``iter_N/`` holds one Megatron distributed checkpoint with
 - ``trainer_state.json`` (plain JSON: the trainer state, the layout, and the metrics history for the curve);
 - ``manifest.json``: every file's size and SHA-256, written last.
 
+With resource pools a pool other than the actor's writes its models (the critic, and the reference's nothing: it is
+always the initial weights) as its own distributed checkpoint in ``iter_N/critic/``, with its ranks' RNG states;
+loading reads the critic from there when it exists, else from ``iter_N/`` (a colocated save), at any layout.
+
 A save writes ``iter_N.tmp/``, the manifest, then renames it and replaces ``latest``; a directory without a complete
 manifest is never loaded.
 """
@@ -34,6 +38,8 @@ from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import fix_parameter_state_load, prime_optimizer_state, unshare_optimizer_steps
 
 CHECKPOINTS = "checkpoints"
+CRITIC_DIR = "critic"
+"""The critic's own distributed checkpoint inside ``iter_N`` (written by a critic pool)."""
 TRAINER_STATE = "trainer_state.json"
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -159,13 +165,13 @@ def _has_lora(model) -> bool:
     return has_lora(model.module)
 
 
-def _sharded_state(models, *, loading: bool, rng: bool) -> dict:
-    """The dist-checkpoint state dict of the actor (plain names) and critic (``critic.`` names), their optimizers
-    and schedulers, and (``rng``) this rank's RNG states."""
+def _sharded_state(models, *, loading: bool, rng: bool, names=("actor", "critic")) -> dict:
+    """The dist-checkpoint state dict of the actor (plain names) and critic (``critic.`` names) among ``names``,
+    their optimizers and schedulers, and (``rng``) this rank's RNG states."""
     state = {}
     for name, prefix in (("actor", ""), ("critic", "critic.")):
         model = getattr(models, name)
-        if model is None:
+        if model is None or name not in names:
             continue
         optim = getattr(models, f"{name}_optim")
         if loading:
@@ -185,47 +191,59 @@ def _sharded_state(models, *, loading: bool, rng: bool) -> dict:
 
 
 def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0,
-                  before_manifest=None) -> dict:  # fmt: skip
+                  before_manifest=None, finishes: bool = True, barrier=None) -> dict:  # fmt: skip
     """Collective: write ``<root>/iter_<step>`` (see the module docstring) and point ``latest`` at it; then delete
     all but the newest ``keep_last`` complete checkpoints. The root's ``megarl_checkpoint.json`` must exist.
-    ``before_manifest()`` runs between the shards and the manifest (fault injection). Returns sizes/times."""
+    ``before_manifest()`` runs between the shards and the manifest (fault injection). Returns sizes/times.
+
+    Resource pools: every rank of the launch calls it; ``barrier`` spans the launch; the actor's pool ``finishes``
+    (its rank 0 writes the trainer state, the manifest, the rename); another pool writes its models (``models``;
+    None: nothing) into ``iter_N/critic``."""
     from megatron.core import dist_checkpointing
 
+    barrier = barrier or dist.barrier
     t0 = time.perf_counter()
-    rank = dist.get_rank()
+    lead = finishes and dist.get_rank() == 0
     final = os.path.join(root, ckpt.iter_dirname(step))
     tmp = final + ".tmp"
-    if rank == 0:
+    if lead:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
-    with megatron_mode():
-        dist_checkpointing.save(
-            _sharded_state(models, loading=False, rng=True),
-            tmp,
-            content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
-        )
-    if rank == 0:
+    barrier()
+    if models is not None:
+        target = tmp if finishes else os.path.join(tmp, CRITIC_DIR)
+        os.makedirs(target, exist_ok=True)
+        with megatron_mode():
+            dist_checkpointing.save(
+                _sharded_state(models, loading=False, rng=True),
+                target,
+                content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
+            )
+    if lead:
         ckpt.atomic_write(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state))
-    dist.barrier()
-    if before_manifest is not None:
-        before_manifest()
-    t_write = time.perf_counter() - t0
-    write_manifest(tmp)
-    t_hash = time.perf_counter() - t0 - t_write
-    dist.barrier()
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
-        if keep_last:
-            for _, old in complete_iterations(root)[0][keep_last:]:
-                if os.path.abspath(old) != os.path.abspath(final):  # never the checkpoint just written
-                    shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
-    return {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
+    barrier()
+    report = {}
+    if finishes:
+        if before_manifest is not None:
+            before_manifest()
+        t_write = time.perf_counter() - t0
+        write_manifest(tmp)
+        t_hash = time.perf_counter() - t0 - t_write
+        dist.barrier()
+        if lead:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
+            if keep_last:
+                for _, old in complete_iterations(root)[0][keep_last:]:
+                    if os.path.abspath(old) != os.path.abspath(final):  # never the checkpoint just written
+                        shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
+        report = {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
+    barrier()
+    return report
 
 
 @dataclass
@@ -239,32 +257,45 @@ class Loaded:
 
 def load_training(path: str, models, *, verify_hashes: bool = True, restore_rng: bool = True) -> Loaded:
     """Collective: verify ``path``'s manifest, then load weights, optimizers and schedulers into ``models`` at
-    whatever layout they were built with."""
+    whatever layout they were built with (the critic from ``path/critic`` when a critic pool wrote it there). The RNG
+    states come from the directory this rank's first model is read from."""
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
     verify_manifest(path, hashes=verify_hashes)
     t_verify = time.perf_counter() - t0
+    own_critic = os.path.isdir(os.path.join(path, CRITIC_DIR))
+    sources = {"actor": path, "critic": os.path.join(path, CRITIC_DIR) if own_critic else path}
+    present = [n for n in ("actor", "critic") if getattr(models, n) is not None]
+    rng = None
     with megatron_mode():
-        state = dist_checkpointing.load(_sharded_state(models, loading=True, rng=restore_rng), path)
-        for name in ("actor", "critic"):
-            model = getattr(models, name)
-            if model is None:
-                continue
-            if _has_lora(model):
-                from megarl.lora.checkpoint import load_adapter_state
-
-                load_adapter_state(model.module, state[name])
-            else:
-                weights = {k.removeprefix("critic.") if name == "critic" else k: v for k, v in state[name].items()}
-                missing, unexpected = model.module.load_state_dict(weights, strict=False)
-                missing = [k for k in missing if not k.endswith("_extra_state")]
-                if missing or unexpected:
-                    raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
-            optim = getattr(models, f"{name}_optim")
-            fix_parameter_state_load(optim)
-            optim.load_state_dict(state[f"{name}_optim"])
-            unshare_optimizer_steps(optim)
-            getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])
+        for directory in dict.fromkeys(sources[n] for n in present):  # one load per directory, the actor's first
+            names = [n for n in present if sources[n] == directory]
+            want_rng = restore_rng and rng is None
+            state = dist_checkpointing.load(
+                _sharded_state(models, loading=True, rng=want_rng, names=names), directory
+            )
+            rng = state["rng"] if want_rng else rng
+            for name in names:
+                _load_model(path, models, name, state)
     dist.barrier()
-    return Loaded(state["rng"] if restore_rng else None, t_verify, time.perf_counter() - t0)
+    return Loaded(rng, t_verify, time.perf_counter() - t0)
+
+
+def _load_model(path: str, models, name: str, state: dict) -> None:
+    model = getattr(models, name)
+    if _has_lora(model):
+        from megarl.lora.checkpoint import load_adapter_state
+
+        load_adapter_state(model.module, state[name])
+    else:
+        weights = {k.removeprefix("critic.") if name == "critic" else k: v for k, v in state[name].items()}
+        missing, unexpected = model.module.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ckpt.CheckpointError(f"{path}: {name} missing {missing}, unexpected {unexpected}")
+    optim = getattr(models, f"{name}_optim")
+    fix_parameter_state_load(optim)
+    optim.load_state_dict(state[f"{name}_optim"])
+    unshare_optimizer_steps(optim)
+    getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])

@@ -244,8 +244,11 @@ class ActorConfig:
 
 @dataclass(kw_only=True)
 class CriticConfig:
-    """The value model (PPO with GAE only): same layout as the actor, its own optimizer and micro-batches."""
+    """The value model (PPO with GAE only): its own layout, optimizer and micro-batches."""
 
+    parallel: ParallelConfig | None = None
+    """Its split over ranks (absent: the actor's). Another layout than the actor's needs a pool of its own
+    (``placement.pools``): a pool has one layout."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer."""
     micro_batch_size: int = 1

@@ -47,6 +47,11 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
+    if not pools and critic_parallel(cfg) != cfg.actor.parallel:
+        errors.append(
+            "critic.parallel differs from actor.parallel: colocated models share one layout; give the critic a pool "
+            "of its own (placement.pools) or drop critic.parallel"
+        )
     rollout_pool = [p for p in pools if "rollout" in p.roles]
     errors += _rollout_errors(cfg, spec, rollout_pool[0].size if rollout_pool else layout.world_size)
     from megarl.rewards.scorer import in_workers
@@ -318,6 +323,17 @@ def pools_of(cfg: MegarlConfig) -> list:
     return sorted(pools, key=lambda p: p.ranks.start)
 
 
+def critic_parallel(cfg: MegarlConfig):
+    """The critic's layout: ``critic.parallel``, or the actor's."""
+    return cfg.critic.parallel or cfg.actor.parallel
+
+
+def pool_layout_role(pool) -> str | None:
+    """Whose layout a pool's Megatron models take: the actor's, else the critic's; None for a pool without either
+    (the rollout pool)."""
+    return next((role for role in ("actor", "critic") if role in pool.roles), None)
+
+
 def launch_world_size(cfg: MegarlConfig) -> int:
     """Ranks to launch: every pool's, or the actor's layout when colocated."""
     pools = pools_of(cfg)
@@ -357,17 +373,28 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
         if role not in needed and names:
             errors.append(f"placement.pools.{names[0]}.roles: this recipe builds no {role}; remove it")
     by_name = {p.name: p for p in pools}
-    par = cfg.actor.parallel
-    if hosts["actor"]:
-        train = by_name[hosts["actor"][0]]
-        if train.size != par.tp * par.pp * par.dp:
+    for p in pools:
+        layout_of = pool_layout_role(p)
+        if layout_of is None:
+            if "reference" in p.roles:
+                errors.append(f"placement.pools.{p.name}: the reference runs beside the actor or the critic (it "
+                              "takes their pool's layout); add it to one of their pools")  # fmt: skip
+            continue
+        par = cfg.actor.parallel if layout_of == "actor" else critic_parallel(cfg)
+        if p.size != par.tp * par.pp * par.dp:
             errors.append(
-                f"placement.pools.{train.name}: {train.size} ranks, but actor.parallel needs tp x pp x dp = "
-                f"{par.tp * par.pp * par.dp}; change the pool's ranks or actor.parallel"
+                f"placement.pools.{p.name}: {p.size} ranks, but {layout_of}.parallel needs tp x pp x dp = "
+                f"{par.tp * par.pp * par.dp}; change the pool's ranks or {layout_of}.parallel"
             )
-        for role in ("reference", "critic"):
-            if hosts[role] and hosts[role][0] != train.name:
-                errors.append(f"placement.pools: the {role} shares the actor's pool (its own pool: not built yet)")
+    if hosts["actor"] and hosts["critic"] and hosts["actor"] == hosts["critic"]:
+        if critic_parallel(cfg) != cfg.actor.parallel:
+            errors.append(
+                f"placement.pools.{hosts['actor'][0]}: the critic's layout (critic.parallel) differs from the "
+                "actor's; a pool has one layout: give the critic a pool of its own"
+            )
+    if cfg.actor.lora is not None and hosts["reference"] and hosts["reference"] != hosts["actor"]:
+        errors.append("placement.pools: with actor.lora the reference is the actor with its adapters off: put it in "
+                      "the actor's pool")  # fmt: skip
     if cfg.rollout.backend != "vllm":
         errors.append("placement.pools: rollout.backend=hf generates on the actor's ranks; use vllm on a rollout pool")
     if cfg.offload.enable == "true":

@@ -28,7 +28,7 @@ from megarl.checkpoint.training import (
 )
 from megarl.config.loader import to_yaml
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
-from megarl.config.validate import adapter_slots, pools_of
+from megarl.config.validate import adapter_slots, critic_parallel, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
@@ -40,8 +40,10 @@ from megarl.parallel.pools import Placement
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
-from megarl.trainer.models import RLModels, build_rl_models
+from megarl.trainer.models import ALL_ROLES, RLModels, build_rl_models
+from megarl.trainer.phases import Phases
 from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, ResumeError, clear_previous_run, plan_start
+from megarl.trainer.roles import Roles, make_roles
 from megarl.trainer.state import TrainerState
 from megarl.training.init_weights import ModelSource
 from megarl.training.offload import Offloader
@@ -77,6 +79,10 @@ class Job:
     """One mini-batch and one epoch: the policy before the update is the current one, so no separate forward."""
     offloader: Offloader
     """Moves training state to host memory while the engine generates (``offload.*``)."""
+    roles: Roles
+    """The step's models as roles (``actor.logprobs``, ``critic.update``, ...), wherever they live."""
+    phases: Phases
+    """Switches between generation and training (sleep, offload) and pushes the weights."""
     said_reward_error: bool = False
     """The first reward failure is printed once per run."""
     stopped_by: str | None = None
@@ -222,8 +228,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     timeout_s = cfg.trainer.collective_timeout_s
     place = Placement.join(pools_of(cfg), default_backend(), timeout_s) if cfg.placement.pools else None
-    if place is None or place.hosts("actor"):  # Megatron's groups, inside the actor's pool when pooled
-        init_distributed(layout, seed=cfg.trainer.seed, timeout_s=timeout_s)
+    layout_of = "actor" if place is None else pool_layout_role(place.pool)  # whose layout this rank's models take
+    here = layout
+    if layout_of == "critic":
+        cp = critic_parallel(cfg)
+        here = ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp)
+    if layout_of is not None:  # Megatron's groups, inside this rank's pool when pooled
+        init_distributed(here, seed=cfg.trainer.seed, timeout_s=timeout_s)
     place = place or Placement.colocated()
     rank = place.rank
     out_dir = cfg.trainer.output_dir
@@ -249,8 +260,10 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     place.barrier()
 
     models = None
-    if place.hosts("actor"):
-        models = build_rl_models(cfg, spec, layout, source, dist.get_rank(), load_weights=start is None)
+    if layout_of is not None:
+        roles = place.pool.roles if place.pooled else ALL_ROLES
+        models = build_rl_models(cfg, spec, here, source, dist.get_rank(), load_weights=start is None, roles=roles)
+    trains_actor = models is not None and models.actor is not None
     state, rng = TrainerState(seed=cfg.trainer.seed), None
     notes = [f"removed an interrupted save: {d}" for d in interrupted]
     if abandoned:
@@ -259,7 +272,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             f"to {os.path.dirname(abandoned[0])} ({', '.join(os.path.basename(p) for p in abandoned)})"
         )
     lora_base = None
-    if cfg.actor.lora is not None and models is not None:
+    if cfg.actor.lora is not None and trains_actor:
         from megarl.lora.checkpoint import base_fingerprint
 
         lora_base = base_fingerprint(models.actor.module)
@@ -267,8 +280,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         state = TrainerState.from_dict(read_trainer_state(start.path)["state"])
     elif start is not None:
         saved = read_trainer_state(start.path)
-        _check_lora(start.path, saved, cfg.actor.lora, lora_base)
-        same_layout = saved["layout"] == dataclasses.asdict(layout)
+        if trains_actor:
+            _check_lora(start.path, saved, cfg.actor.lora, lora_base)
+        same_layout = saved.get("layout" if trains_actor else "critic_layout") == dataclasses.asdict(here)
         loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
         rng = loaded.rng
         state = TrainerState.from_dict(saved["state"])
@@ -321,6 +335,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     rewards = None
     if place.hosts("rollout"):  # scored where the samples are generated; last
         rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
+    offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
     job = Job(
         cfg=cfg,
         source=source,
@@ -337,7 +352,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         tracker=tracker,
         kl_ctrl=kl_ctrl,
         skip_old_logprob=skips_old_logprob(cfg),
-        offloader=Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled),
+        offloader=offloader,
+        roles=make_roles(cfg, spec, models, place),
+        phases=Phases(engine, offloader, models.actor if models is not None else None, shared=not place.pooled),
         lora_base=lora_base,
     )
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")

@@ -105,7 +105,7 @@ def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
     tokens = sum(len(s.tokens) for s in seqs)
     m["perf/tokens_per_s"] = tokens / step_seconds
     peak = _peak_flops()
-    if peak:
+    if peak and job.models is not None and job.models.actor is not None:  # the actor's pool (it logs)
         params = sum(p.numel() for p in job.models.actor.parameters()) * job.layout.tp * job.layout.pp
         m["perf/mfu"] = 6 * params * tokens * cfg.actor.ppo_epochs / (step_seconds * peak * job.layout.world_size)
     return m

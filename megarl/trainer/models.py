@@ -1,5 +1,6 @@
-"""The Megatron models of an RL job, colocated on every rank at the actor's layout: the trainable actor, the
-critic (only for GAE) and the frozen reference (only when a KL term is on)."""
+"""The Megatron models of an RL job: the trainable actor, the critic (only for GAE) and the frozen reference (only
+when a KL term is on). Colocated, every rank builds all of them at the actor's layout; with pools, each pool builds
+the models of the roles it hosts, at its own layout."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from megarl.training.setup import make_scheduler, wrap_for_training
 
 @dataclass
 class RLModels:
-    actor: torch.nn.Module
-    """The actor, wrapped in Megatron DDP."""
-    actor_optim: object
-    actor_sched: object
+    actor: torch.nn.Module | None
+    """The actor, wrapped in Megatron DDP (None on a pool without it)."""
+    actor_optim: object | None
+    actor_sched: object | None
     """The actor's learning-rate scheduler (Megatron's OptimizerParamScheduler)."""
     critic: torch.nn.Module | None = None
     critic_optim: object | None = None
@@ -40,11 +41,22 @@ def needs_critic(cfg: MegarlConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
+ALL_ROLES = ("actor", "critic", "reference")
+
+
 def build_rl_models(
-    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, source: ModelSource, rank: int, *, load_weights=True
+    cfg: MegarlConfig,
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    source: ModelSource,
+    rank: int,
+    *,
+    load_weights=True,
+    roles=ALL_ROLES,
 ):
-    """Collective: every model this job needs, initialised from ``source``. ``load_weights=False`` (resuming: a
-    checkpoint fills actor and critic next) loads only the reference, which is always the initial weights."""
+    """Collective: every model this job needs among ``roles`` (this rank's pool's), initialised from ``source`` at
+    ``layout``. ``load_weights=False`` (resuming: a checkpoint fills actor and critic next) loads only the reference,
+    which is always the initial weights."""
 
     def chunk(value_head: bool = False, load: bool = True, trained: bool = True):
         model = build_model_chunk(
@@ -60,19 +72,21 @@ def build_rl_models(
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
         return model
 
-    actor_chunk = chunk(load=load_weights or cfg.actor.lora is not None)  # LoRA: the base never comes from a checkpoint
-    if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
-        add_adapters(actor_chunk, cfg, spec)
-    actor, actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
-    models = RLModels(actor=actor, actor_optim=actor_optim, actor_sched=make_scheduler(actor_optim, cfg.actor.optim))
-    if needs_critic(cfg):
+    models = RLModels(actor=None, actor_optim=None, actor_sched=None)
+    if "actor" in roles:
+        actor_chunk = chunk(load=load_weights or cfg.actor.lora is not None)  # LoRA: the base is never in a checkpoint
+        if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
+            add_adapters(actor_chunk, cfg, spec)
+        models.actor, models.actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
+        models.actor_sched = make_scheduler(models.actor_optim, cfg.actor.optim)
+    if needs_critic(cfg) and "critic" in roles:
         models.critic, models.critic_optim = wrap_for_training(
             chunk(value_head=True, load=load_weights), cfg.critic.optim
         )
         models.critic_sched = make_scheduler(models.critic_optim, cfg.critic.optim)
-    if needs_reference(cfg) and cfg.actor.lora is not None:
+    if needs_reference(cfg) and "reference" in roles and cfg.actor.lora is not None:
         models.reference_is_base = True
-    elif needs_reference(cfg):
+    elif needs_reference(cfg) and "reference" in roles:
         models.reference = chunk(trained=False).eval().requires_grad_(False)
     return models
 
