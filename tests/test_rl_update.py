@@ -252,3 +252,32 @@ def test_recompute_gives_the_same_update(request, hf_dir, name):
     for group in ("actor", "critic"):
         for k, v in case["never_offloaded"][group].items():
             assert _close(case["recomputed"][group][k], v), (group, k)
+
+
+def test_per_pool_planner_bytes_equal_what_each_pools_layout_allocates(request, hf_dir):
+    """Pools: the actor at TP=2 on ranks 0-1, the critic and the reference at PP=2 on ranks 2-3 (critic.parallel),
+    the engines on 4-5. Each pool's ranks hold only their roles' state, at their pool's layout: exactly the bytes the
+    real TP=2 and PP=2 runs allocated for those roles; nothing is offloaded."""
+    from megarl.config.loader import load_config
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.plan.memory import rank_memory
+
+    pools = ["placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
+             "placement.pools.critic.ranks=2-3", "placement.pools.critic.roles=[critic,reference]",
+             "placement.pools.rollout.ranks=4-5", "placement.pools.rollout.roles=[rollout]",
+             "critic.parallel.pp=2", "offload.enable=auto"]  # fmt: skip
+    cfg = load_config(None, memory_overrides(hf_dir, L(tp=2), False) + pools)
+    planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), L(tp=2), gpus_per_node=6)
+    actor_run, critic_run = _memory_case(request, hf_dir, "mem_tp2")[0], _memory_case(request, hf_dir, "mem_pp2")[0]
+    roles = {"train": ("actor params", "actor grads", "actor optimizer"),
+             "critic": ("critic params+grads+optimizer", "reference params")}  # fmt: skip
+    for m in planned:
+        assert m.offloaded == {} and m.pool == ("train", "train", "critic", "critic", "rollout", "rollout")[m.rank]
+        held = roles.get(m.pool, ())
+        if held:
+            run = actor_run if m.pool == "train" else critic_run
+            real = run["per_rank"][m.rank % 2]["measured"]
+            assert {k: m.consumers[k] for k in held} == {k: real[k] for k in held}, m.rank
+        others = [k for ks in roles.values() for k in ks if k not in held]
+        assert all(m.consumers[k] == 0 for k in others), (m.rank, m.consumers)
+        assert (m.consumers["vLLM weights"] > 0) == (m.pool == "rollout")

@@ -7,7 +7,15 @@ import math
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import adapter_slots, divisors, pools_of, rollout_tp, vllm_tp_fits
+from megarl.config.validate import (
+    adapter_slots,
+    critic_parallel,
+    divisors,
+    pool_layout_role,
+    pools_of,
+    rollout_tp,
+    vllm_tp_fits,
+)
 from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
@@ -206,10 +214,18 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-def placement_lines(layout: ParallelLayout, pools=()) -> list[str]:
-    """Rank -> node map with (tp, pp, dp) coordinates, one line per node; with pools, one line per pool first (the
-    actor's coordinates are then counted from its pool's first rank)."""
-    lines = [f"pool {p.name}: ranks {_ranges(list(p.ranks))}, roles {', '.join(p.roles)}" for p in pools]
+def placement_lines(layout: ParallelLayout, cfg: MegarlConfig | None = None) -> list[str]:
+    """Rank -> node map with (tp, pp, dp) coordinates, one line per node; with pools, one line per pool first with
+    its layout (the actor's coordinates below are then counted from its pool's first rank)."""
+    lines = []
+    for p in pools_of(cfg) if cfg is not None else []:
+        role = pool_layout_role(p)
+        if role is None:
+            where = f"engines of TP={rollout_tp(cfg)}"
+        else:
+            par = cfg.actor.parallel if role == "actor" else critic_parallel(cfg)
+            where = f"Megatron TP={par.tp} PP={par.pp} DP={par.dp}"
+        lines.append(f"pool {p.name}: ranks {_ranges(list(p.ranks))}, roles {', '.join(p.roles)}; {where}")
     lines += [f"rank = tp + {layout.tp} * (dp + {layout.dp} * pp)   (TP innermost: a TP group is consecutive ranks)"]
     for node in range(layout.num_nodes):
         ranks = layout.node_ranks(node)
@@ -228,7 +244,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         f"NVLink {hw.nvlink_gbps:g} Gb/s per GPU",
         "",
         "## Placement",
-        *placement_lines(layout, pools_of(cfg)),
+        *placement_lines(layout, cfg),
         "",
         f"## Memory per rank (GB; offload {'on' if job.ranks[0].offloaded else 'off'})",
     ]
@@ -299,10 +315,11 @@ def _memory_table(job: JobPlan) -> list[str]:
     """One column per distinct memory profile (ranks with identical numbers are merged), one row per consumer."""
     profiles: dict[tuple, list[int]] = {}
     for m in job.ranks:
-        key = tuple(sorted(m.consumers.items())) + tuple(sorted(m.offloaded))
+        key = (m.pool,) + tuple(sorted(m.consumers.items())) + tuple(sorted(m.offloaded))
         profiles.setdefault(key, []).append(m.rank)
     reps = [job.ranks[ranks[0]] for ranks in profiles.values()]
-    heads = [f"ranks {_ranges(r)}" for r in profiles.values()]
+    heads = [f"{job.ranks[r[0]].pool} {_ranges(r)}".strip() if job.ranks[r[0]].pool else f"ranks {_ranges(r)}"
+             for r in profiles.values()]  # fmt: skip
     width = max(12, *(len(h) for h in heads)) + 1
     name_w = max(len(c) for c in reps[0].consumers) + 14
     rows = [f"{'':{name_w}}" + "".join(f"{h:>{width}}" for h in heads)]

@@ -218,6 +218,8 @@ class RankMemory:
     """Bytes on one rank, by consumer; ``phases`` say which consumers are resident in each phase."""
 
     rank: int
+    pool: str = ""
+    """Its pool's name ("" when colocated)."""
     consumers: dict[str, int] = field(default_factory=dict)
     offloaded: dict[str, int] = field(default_factory=dict)
     """Consumers moved to host memory while vLLM generates (and what that frees)."""
@@ -236,69 +238,87 @@ GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
 def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
     """Every rank's consumers and phases. Colocated (GPU): vLLM sleeps while Megatron trains, freeing all of it (at
     level 2, or at level 1 with LoRA adapter slots, its weights then waiting in host memory), and the ``offload.*``
-    state leaves for generation. With a rollout pool (``placement.pools``) nothing sleeps or moves: the actor's
-    ranks hold their training state and the engines' ranks their weights and KV cache in every phase."""
-    from megarl.config.validate import pools_of, rollout_tp
+    state leaves for generation. With pools (``placement.pools``) each rank holds its pool's roles only, its Megatron
+    models at its pool's layout (the actor's, else the critic's), and nothing sleeps or moves: every phase holds all
+    of its own state."""
+    from megarl.config.validate import critic_parallel, pool_layout_role, pools_of, rollout_tp
     from megarl.trainer.models import needs_critic, needs_reference
     from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, flagged_groups
 
     dtype, pools = cfg.model.dtype, pools_of(cfg)
-    actor_ranks = next((p.ranks for p in pools if "actor" in p.roles), range(layout.world_size))
-    engine_ranks = next((p.ranks for p in pools if "rollout" in p.roles), range(layout.world_size))
-    actor_params = model_params(spec, layout)
-    adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
-    critic_params = model_params(spec, layout, value_head=True) if needs_critic(cfg) else None
+    if not pools:  # colocated: one pool of every role at the actor's layout
+        from megarl.parallel.pools import Pool
+
+        pools = [Pool("all", range(layout.world_size), ("actor", "critic", "reference", "rollout"))]
+    cp = critic_parallel(cfg)
+    layouts = {"actor": layout, "critic": ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp, gpus_per_node=gpus_per_node)}
+    params = {}  # (layout role, value head) -> per-rank parameters, computed once
+
+    def params_of(role: str, value_head: bool = False):
+        if (role, value_head) not in params:
+            params[(role, value_head)] = model_params(spec, layouts[role], value_head=value_head)
+        return params[(role, value_head)]
+
+    engines = next(p for p in pools if "rollout" in p.roles)
     if cfg.rollout.backend == "vllm":
-        engine = vllm_layout(spec, rollout_tp(cfg), len(engine_ranks), gpus_per_node)
+        engine = vllm_layout(spec, rollout_tp(cfg), engines.size, gpus_per_node)
     else:
-        engine = hf_layout(spec, list(range(len(engine_ranks))), gpus_per_node)
+        engine = hf_layout(spec, list(range(engines.size)), gpus_per_node)
     engine_key = "vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"
-    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) and not pools else []  # for GPUs
+    shared = len(pools) == 1
+    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) and shared else []  # for GPUs
+    adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
     out = []
-    for rank in sorted(set(actor_ranks) | set(engine_ranks)):
-        m = RankMemory(rank)
-        trains, generates = rank in actor_ranks, rank in engine_ranks
-        local = rank - actor_ranks.start
-        c = layout.coords(local) if trains else None
-        actor = ModelBytes(0, 0, 0)
-        if trains and adapters is not None:  # LoRA: the frozen base has no gradient buffer or optimizer state
-            actor = trained_model_bytes(adapters[local], dtype, cfg.actor.optim, c.dp, layout.dp)
-            actor.params += sum(p.numel for p in actor_params[local]) * DTYPE_BYTES[dtype]
-        elif trains:
-            actor = trained_model_bytes(actor_params[local], dtype, cfg.actor.optim, c.dp, layout.dp)
-        m.consumers["actor params"] = actor.params
-        m.consumers[ACTOR_GRADS] = actor.grads
-        m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
-        if critic_params is not None:
-            critic = ModelBytes(0)
-            if trains:
-                critic = trained_model_bytes(critic_params[local], dtype, cfg.critic.optim, c.dp, layout.dp)
-            m.consumers[CRITIC] = critic.total
-        if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
-            m.consumers[REFERENCE] = sum(p.numel for p in actor_params[local]) * DTYPE_BYTES[dtype] if trains else 0
-        e = rank - engine_ranks.start
-        engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
-        m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
-        kv = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" and generates else 0
-        m.consumers["KV cache (configured)"] = kv
-        staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
-        m.consumers["reshard buffers"] = 2 * cfg.rollout.bucket_mb * MiB + staged
-        m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, layout, c.pp) if trains else 0
-        m.consumers["reserve (estimate)"] = RESERVE_BYTES
-        training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
-        m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
-        resident = [k for k in training_state if k not in m.offloaded]
-        engine_state = [engine_key, "KV cache (configured)"]
-        if pools:  # dedicated pools: every phase holds all of its own state
-            held = training_state + engine_state + ["reserve (estimate)"]
-            m.phases[GENERATION] = held
-            m.phases[SYNC] = held + ["reshard buffers"]
-            m.phases[TRAINING] = held + ["activations (estimate)"]
-        else:
-            m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
-            m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
-            m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
-        out.append(m)
+    for pool in pools:
+        layout_of = pool_layout_role(pool)
+        lay = layouts[layout_of] if layout_of else None
+        for rank in pool.ranks:
+            m = RankMemory(rank, pool=pool.name if not shared else "")
+            local = pool.local(rank)
+            c = lay.coords(local) if lay else None
+            actor = ModelBytes(0)
+            if "actor" in pool.roles and adapters is not None:  # LoRA: the frozen base has no gradients or optimizer
+                actor = trained_model_bytes(adapters[local], dtype, cfg.actor.optim, c.dp, lay.dp)
+                actor.params += sum(p.numel for p in params_of("actor")[local]) * DTYPE_BYTES[dtype]
+            elif "actor" in pool.roles:
+                actor = trained_model_bytes(params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp)
+            m.consumers["actor params"] = actor.params
+            m.consumers[ACTOR_GRADS] = actor.grads
+            m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
+            if needs_critic(cfg):
+                critic = ModelBytes(0)
+                if "critic" in pool.roles:
+                    critic_params = params_of(layout_of, value_head=True)[local]
+                    critic = trained_model_bytes(critic_params, dtype, cfg.critic.optim, c.dp, lay.dp)
+                m.consumers[CRITIC] = critic.total
+            if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
+                held = sum(p.numel for p in params_of(layout_of)[local]) if "reference" in pool.roles else 0
+                m.consumers[REFERENCE] = held * DTYPE_BYTES[dtype]
+            generates = "rollout" in pool.roles
+            e = rank - engines.ranks.start
+            engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
+            m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
+            kv = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" and generates else 0
+            m.consumers["KV cache (configured)"] = kv
+            staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
+            sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers
+            m.consumers["reshard buffers"] = (2 * cfg.rollout.bucket_mb * MiB if sends else 0) + staged
+            m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, lay, c.pp) if lay else 0
+            m.consumers["reserve (estimate)"] = RESERVE_BYTES
+            training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
+            m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
+            resident = [k for k in training_state if k not in m.offloaded]
+            engine_state = [engine_key, "KV cache (configured)"]
+            if not shared:  # dedicated pools: every phase holds all of its own state
+                held = training_state + engine_state + ["reserve (estimate)"]
+                m.phases[GENERATION] = held
+                m.phases[SYNC] = held + ["reshard buffers"]
+                m.phases[TRAINING] = held + ["activations (estimate)"]
+            else:
+                m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
+                m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
+                m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
+            out.append(m)
     return out
 
 

@@ -48,7 +48,9 @@ def train(cfg, spec, source, engine=None) -> Job:
     with rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
         job.phases.offload()  # the engine is awake: generation comes first
         for step in range(state.step + 1, t.total_steps + 1):
-            metrics = rl_step(job, state, step)
+            faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
+            faults.fire("generate", step, after_s=0.05)
+            metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
             if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
                 metrics.update(validate(job, step))
             job.tracker.log(step, metrics)
@@ -109,13 +111,12 @@ def save(job: Job, state: TrainerState) -> dict:
     return report
 
 
-def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
+def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = False) -> dict[str, float]:
     """One RL step; afterwards the engine holds weight version ``step``. With pools, ``pool/<name>/busy_s`` is the
-    time each pool spent on its own phases and ``wait_s`` the time it waited for the others (the sync aside)."""
+    time each pool spent on its own phases and ``wait_s`` the time it waited for the others (the sync aside).
+    ``poison_loss``: make the actor's loss NaN (fault injection)."""
     timer, pool_time, place = PhaseTimer(), PhaseTimer(), job.place
-    faults.fire("sigterm", step)
     with timer("step"):
-        faults.fire("generate", step, after_s=0.05)
         batch = None
         if place.hosts("rollout"):
             with pool_time("busy"):
@@ -138,7 +139,7 @@ def rl_step(job: Job, state: TrainerState, step: int) -> dict[str, float]:
             kl_ctrl=job.kl_ctrl,
             skip_old_logprob=job.skip_old_logprob,
             timer=timer,
-            poison_loss=faults.at("nan_loss", step),
+            poison_loss=poison_loss,
         )
         pool_time.seconds["busy"] += job.roles.busy_s()
         if place.pooled:
