@@ -98,9 +98,12 @@ def _checkpoint(iter_dir, tmp):
 @pytest.fixture(scope="module")
 def ppo_runs(tiny_llama_dir, tmp_path_factory):
     """PPO for 2 steps colocated at TP=2, and with the critic and the reference on their own 1-rank pool at TP=1
-    (configs/tiny_ppo_pools.yaml: 5 ranks)."""
+    (configs/tiny_ppo_pools.yaml: 5 ranks), stopped after step 1 and resumed (the critic pool's models come back
+    from iter_1/critic: a fresh critic or optimizer would show in step 2's values and weights)."""
     tmp = tmp_path_factory.mktemp("ppo-pools")
     colocated = _train("configs/tiny_ppo.yaml", tiny_llama_dir, tmp / "colocated")
+    _train("configs/tiny_ppo_pools.yaml", tiny_llama_dir, tmp / "pooled", ["trainer.total_steps=1"])
+    assert (tmp / "pooled" / "checkpoints" / "iter_0000001" / "critic").is_dir()
     pooled = _train("configs/tiny_ppo_pools.yaml", tiny_llama_dir, tmp / "pooled")
     return {"tmp": tmp, "colocated": colocated, "pooled": pooled}
 
