@@ -91,7 +91,8 @@ def load_hf_into_chunk(
             continue  # another stage's tensor: do not even read it
         full = to_megatron(tmap, [weights.get(n) for n in tmap.hf], spec)
         for lname, shard in shards.local_shards(
-            tmap.megatron, full, stage, c.tp, layout.tp, tied_embeddings=spec.tie_word_embeddings
+            tmap.megatron, full, stage, c.tp, layout.tp, tied_embeddings=spec.tie_word_embeddings,
+            value_head=spec.score_head,
         ):
             if value_head and lname.startswith("output_layer."):
                 continue  # the critic's head is a value head, not the language-model head

@@ -54,7 +54,10 @@ def convert_megatron_to_hf(
             for name, tensor in zip(tmap.hf, to_hf(tmap, state[tmap.megatron], spec)):
                 writer.add(name, tensor)
         writer.close()
-        config = {**hf_config, "architectures": [FAMILIES[spec.family].hf_architecture], "dtype": meta["dtype"]}
+        architecture = FAMILIES[spec.family].hf_architecture
+        if spec.score_head:  # a reward model: the classification class with its one label
+            architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
+        config = {**hf_config, "architectures": [architecture], "dtype": meta["dtype"]}
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         copy_tokenizer_files(os.path.join(ckpt_dir, ckpt.TOKENIZER_DIR), tmp)

@@ -63,7 +63,9 @@ def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
             TensorMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COPY, i),
         ]
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
-    if not spec.tie_word_embeddings:
+    if spec.score_head:  # a reward model: HF's [1, hidden] score head
+        maps.append(TensorMap("output_layer.weight", ("score.weight",), COPY))
+    elif not spec.tie_word_embeddings:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB))
     return maps
 

@@ -102,7 +102,8 @@ def build_model_chunk(
     init_weights: bool = True,
     recompute: bool = False,
 ):
-    """This rank's GPTModel chunk (its pipeline stage and TP shard). ``value_head=True`` builds a critic."""
+    """This rank's GPTModel chunk (its pipeline stage and TP shard). ``value_head=True`` builds a critic; a
+    ``spec.score_head`` (a reward model) gets the same scalar head without bias."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -117,13 +118,13 @@ def build_model_chunk(
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings and not (value_head or spec.score_head),
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
             rope_scaling=spec.rope_scaling_factor is not None,
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         )
-        if value_head and model.post_process:
-            model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype)
+        if (value_head or spec.score_head) and model.post_process:
+            model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype, bias=not spec.score_head)
     restore_tp_attributes(model)
     return model

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from megarl.models.family import ModelFamily, family_for_hf_config
+from megarl.models.family import ModelFamily, UnsupportedModelError, family_for_hf_config
 
 DEFAULT_VOCAB_PAD_MULTIPLE = 128
 """megarl pads the vocabulary to a multiple that does not depend on TP, so checkpoints keep one global shape."""
@@ -46,6 +46,9 @@ class ModelSpec:
     """Output layer shares the input embedding."""
     qkv_bias: bool
     """Q/K/V projections carry a bias (Qwen2)."""
+    score_head: bool = False
+    """A reward model (HF ``*ForSequenceClassification``, one label): the output layer is a scalar head without bias
+    holding HF's ``score.weight``, not the language-model head."""
 
     @property
     def kv_channels(self) -> int:
@@ -92,9 +95,23 @@ def spec_from_hf_config(hf: dict, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MU
         rope_theta=float(_rope_theta(hf)),
         rope_scaling_factor=family.rope_scaling_factor(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) and not _score_head(hf),  # no LM head to tie
         qkv_bias=family.qkv_bias,
+        score_head=_score_head(hf),
     )
+
+
+def _score_head(hf: dict) -> bool:
+    """Whether ``hf`` describes a sequence-classification model; refuses one with other than one label."""
+    if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ()):
+        return False
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default is 2 labels
+    if labels != 1:
+        raise UnsupportedModelError(
+            f"{hf['architectures'][0]} with {labels} labels: a reward model has one (a scalar score); num_labels "
+            "must be 1"
+        )
+    return True
 
 
 def _rope_theta(hf: dict) -> float:

@@ -10,6 +10,7 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 _HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 _HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_HF_CLASSIFIER_CLASSES = {f: c.replace("CausalLM", "SequenceClassification") for f, c in _HF_MODEL_CLASSES.items()}
 
 
 def save_byte_tokenizer(out_dir: str):
@@ -44,8 +45,12 @@ def make_tiny_hf_model(
     rope_theta: float = 10000.0,
     seed: int = 0,
     init_std: float = 0.02,
+    num_labels: int | None = None,
+    pad_token_id: int = 0,
 ) -> str:
     """Write a random HF model (config.json, safetensors) and the byte tokenizer to ``out_dir``; returns it.
+    ``num_labels``: a ``*ForSequenceClassification`` model (a reward model with 1) instead of a causal LM;
+    ``pad_token_id``: the config's pad token (2, the EOS, for "pad = eos").
 
     Every parameter (norms and biases included) is drawn from N(0, init_std), norms around 1, so a layout
     mistake in any tensor changes the logits.
@@ -65,7 +70,7 @@ def make_tiny_hf_model(
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
         head_dim=hidden_size // num_heads,
-        pad_token_id=0,
+        pad_token_id=pad_token_id,
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="float32",
@@ -73,7 +78,10 @@ def make_tiny_hf_model(
     if family == "mistral":
         config.sliding_window = None
     torch.manual_seed(seed)
-    model = getattr(transformers, _HF_MODEL_CLASSES[family])(config)
+    if num_labels is not None:
+        config.num_labels = num_labels
+    classes = _HF_MODEL_CLASSES if num_labels is None else _HF_CLASSIFIER_CLASSES
+    model = getattr(transformers, classes[family])(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -15,10 +15,11 @@ class ValueHead(nn.Module):
 
     sequence_parallel = False  # read by GPTModel._postprocess
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, bias: bool = True):
+        """``bias=False``: a reward model's score head (HF's ``score`` linear has none)."""
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
 
     def forward(self, hidden_states_SBH, weight=None, runtime_gather_output=None):
         return nn.functional.linear(hidden_states_SBH, self.weight, self.bias), None

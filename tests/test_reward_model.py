@@ -1,0 +1,77 @@
+"""Reward models: megarl's scalar-head Megatron model, converted from HF ``*ForSequenceClassification`` checkpoints
+with one label, scores sequences exactly as transformers does (the logit at the last token that is not the pad
+token), at TP=2 and at TP=1 x DP=2, for Llama, Qwen2 (q/k/v bias) and Mistral, with pad = eos and with a distinct
+pad; a checkpoint with two labels is refused in one line."""
+
+import pytest
+import torch
+
+from megarl.models import read_hf_config, spec_from_hf_config
+from megarl.models.family import UnsupportedModelError
+from megarl.models.tiny import make_tiny_hf_model
+from megarl.parallel.spawn import run_on_ranks
+from megarl.rewards.model import score_position
+from tests.reward_model_worker import run_reward_models
+
+EOS, PAD = 2, 0
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _sequences() -> list[list[int]]:
+    """Prompt + response ids: ending in EOS, ending without it (truncated), right-padded with PAD after EOS, and one
+    with an EOS in the middle; lengths 9 to 40."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i, n in enumerate((9, 17, 23, 31, 40, 12)):
+        ids = [int(x) for x in torch.randint(3, 259, (n,), generator=g)]
+        if i % 3 == 0:
+            ids[-1] = EOS
+        if i == 3:
+            ids[-4:] = [EOS, PAD, PAD, PAD]
+        if i == 4:
+            ids[10] = EOS
+        out.append(ids)
+    return out
+
+
+def test_the_scored_position_is_the_last_token_that_is_not_pad():
+    assert score_position([5, 6, 7, 2], pad_token_id=2) == 2  # pad = eos: the token before the final EOS
+    assert score_position([5, 6, 2, 0, 0], pad_token_id=0) == 2  # a distinct pad: the EOS itself
+    assert score_position([5, 2, 6, 7], pad_token_id=2) == 3
+    assert score_position([5, 6], pad_token_id=None) == 1 and score_position([0, 0], pad_token_id=0) == 0
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rm")
+    models = {f"{fam}_{pad}": make_tiny_hf_model(str(tmp / f"{fam}_{pad}"), fam, seed=7, init_std=0.08, num_labels=1,
+                                                 pad_token_id=EOS if pad == "pad_eos" else PAD)
+              for fam in FAMILIES for pad in ("pad_eos", "pad_distinct")}  # fmt: skip
+    out = tmp / "out"
+    out.mkdir()
+    run_on_ranks(run_reward_models, 2, models, _sequences(), str(out))
+    return models, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pad", ["pad_eos", "pad_distinct"])
+@pytest.mark.parametrize("layout", ["tp2", "tp1_dp2"])
+def test_scores_equal_transformers_sequence_classification(scored, family, pad, layout):
+    from transformers import AutoModelForSequenceClassification
+
+    models, ranks = scored
+    name = f"{family}_{pad}"
+    hf = AutoModelForSequenceClassification.from_pretrained(models[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [float(hf(torch.tensor([s])).logits[0, 0]) for s in _sequences()]
+    for r in ranks:  # every rank holds every score
+        got = r[(layout, name)]
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert max(want) - min(want) > 1e-2  # the scores differ by sequence: a wrong position would show
+
+
+def test_a_reward_model_with_two_labels_is_refused_in_one_line(tmp_path):
+    d = make_tiny_hf_model(str(tmp_path / "two"), "llama", num_labels=2)
+    with pytest.raises(UnsupportedModelError, match="with 2 labels: a reward model has one") as e:
+        spec_from_hf_config(read_hf_config(d))
+    assert "\n" not in str(e.value)
