@@ -1,5 +1,6 @@
 """Runs inside each of 2 spawned ranks: every reward model of the test at TP=2, then at TP=1 x DP=2; each rank writes
-its scores to ``<out>/rank<r>.pt``."""
+its scores to ``<out>/rank<r>.pt``. Then every model is converted to a megarl checkpoint at TP=2 and exported back
+to HF (``<out>/<name>-megarl``, ``<out>/<name>-hf``)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,10 @@ def run_reward_models(models: dict[str, str], sequences: list[list[int]], out_di
                 micro_batch_size=2,
             )  # fmt: skip
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    from megarl.convert.hf_to_megatron import convert_hf_to_megatron
+    from megarl.convert.megatron_to_hf import convert_megatron_to_hf
+
+    for model_name, hf_dir in models.items():
+        megarl_dir = os.path.join(out_dir, f"{model_name}-megarl")
+        convert_hf_to_megatron(hf_dir, megarl_dir, ParallelLayout(tp=2))
+        convert_megatron_to_hf(megarl_dir, os.path.join(out_dir, f"{model_name}-hf"), ParallelLayout(dp=2))

@@ -50,7 +50,7 @@ def scored(tmp_path_factory):
     out = tmp / "out"
     out.mkdir()
     run_on_ranks(run_reward_models, 2, models, _sequences(), str(out))
-    return models, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return models, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,7 +59,7 @@ def scored(tmp_path_factory):
 def test_scores_equal_transformers_sequence_classification(scored, family, pad, layout):
     from transformers import AutoModelForSequenceClassification
 
-    models, ranks = scored
+    models, ranks, _ = scored
     name = f"{family}_{pad}"
     hf = AutoModelForSequenceClassification.from_pretrained(models[name], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -68,6 +68,23 @@ def test_scores_equal_transformers_sequence_classification(scored, family, pad, 
         got = r[(layout, name)]
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
     assert max(want) - min(want) > 1e-2  # the scores differ by sequence: a wrong position would show
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_classification_checkpoint_round_trips_bitwise(scored, family):
+    """HF -> megarl (TP=2) -> HF: every tensor (the score head included) bitwise, the same class and one label."""
+    from megarl.convert.hf_io import HFWeights
+
+    models, _, out = scored
+    name = f"{family}_pad_distinct"
+    src, back = HFWeights(models[name]), HFWeights(str(out / f"{name}-hf"))
+    assert src.names == back.names and "score.weight" in src.names and "lm_head.weight" not in src.names
+    for tensor in sorted(src.names):
+        a, b = src.get(tensor), back.get(tensor)
+        assert a.dtype == b.dtype and torch.equal(a, b), tensor
+    cfg, cfg_back = read_hf_config(models[name]), read_hf_config(str(out / f"{name}-hf"))
+    assert cfg_back["architectures"] == cfg["architectures"] and cfg_back["id2label"] == cfg["id2label"]
+    assert spec_from_hf_config(cfg_back).score_head
 
 
 def test_a_reward_model_with_two_labels_is_refused_in_one_line(tmp_path):
