@@ -409,8 +409,31 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class RewardModelConfig:
+    """A trained reward model: an HF ``*ForSequenceClassification`` checkpoint with one label (Llama, Qwen2, Mistral)
+    or its megarl conversion, scoring prompt + response at the last token that is not the pad token (as HF does)."""
+
+    path: str = ""
+    """The checkpoint directory; its tokenizer must be the actor's (megarl scores the generated token ids)."""
+    parallel: ParallelConfig | None = None
+    """Its split over ranks (absent: the actor's). Another layout than the actor's needs a pool of its own."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (when max_tokens_per_micro_batch=0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per micro-batch (0: micro_batch_size sequences)."""
+
+    def __post_init__(self):
+        _require(bool(self.path), "path", "is required (an HF *ForSequenceClassification checkpoint directory)")
+        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = off)")
+
+
+REWARD_PARTS = ("function", "model")
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
-    """The reward function."""
+    """The reward: a function, a reward model, or both combined."""
 
     function: str = ""
     """A built-in name (toy_digits, gsm8k, gsm8k_flexible, math) or 'path/to/file.py:fn' / 'package.module:fn'. The
@@ -426,9 +449,27 @@ class RewardConfig:
     stop_on_error_fraction: float | None = 1.0
     """Stop the run (non-zero exit, the first failure printed) when at least this fraction of a step's samples failed
     to score (raised, timed out, returned a bad value); null: never stop, train on the others."""
+    model: RewardModelConfig | None = None
+    """A trained reward model (absent: none)."""
+    combine: dict[str, float] = field(default_factory=dict)
+    """The reward trained on, as weights of its parts: {function: w, model: w}; empty: the one part that is set, or
+    both with weight 1."""
 
     def __post_init__(self):
-        _require(bool(self.function), "function", "is required (a built-in name or path/to/file.py:fn)")
+        _require(bool(self.function) or self.model is not None, "function",
+                 "is required unless reward.model is set (a built-in name or path/to/file.py:fn)")  # fmt: skip
+        unknown = sorted(set(self.combine) - set(REWARD_PARTS))
+        _require(not unknown, "combine", f"unknown parts {unknown}; name {list(REWARD_PARTS)}")
+        for part in self.combine:
+            present = bool(self.function) if part == "function" else self.model is not None
+            _require(present, "combine", f"weighs the {part}, but reward.{part} is not set")
+
+    def weight(self, part: str) -> float:
+        """The weight of ``part`` (function, model) in the reward trained on; 0 when it is not set."""
+        present = bool(self.function) if part == "function" else self.model is not None
+        if not present:
+            return 0.0
+        return float(self.combine.get(part, 1.0 if not self.combine else 0.0))
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         fraction = self.stop_on_error_fraction
@@ -623,7 +664,7 @@ class OffloadConfig:
         return self.enable == "true" or (self.enable == "auto" and on_gpu)
 
 
-ROLES = ("actor", "reference", "critic", "rollout")
+ROLES = ("actor", "reference", "critic", "rollout", "reward_model")
 """What a pool can host."""
 
 

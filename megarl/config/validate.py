@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
+from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 
@@ -47,6 +47,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.seq_length={cfg.actor.seq_length} exceeds the model's max_position_embeddings="
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
+    errors += _reward_model_errors(cfg, spec, pools)
     if not pools and critic_parallel(cfg) != cfg.actor.parallel:
         errors.append(
             "critic.parallel differs from actor.parallel: colocated models share one layout; give the critic a pool "
@@ -323,15 +324,59 @@ def pools_of(cfg: MegarlConfig) -> list:
     return sorted(pools, key=lambda p: p.ranks.start)
 
 
+def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list) -> list[str]:
+    """``reward.model``: a one-label classification checkpoint with the actor's tokenizer, at a layout its pool (or
+    the colocated ranks) can hold."""
+    r = cfg.reward.model
+    if r is None:
+        return []
+    from megarl.models.family import UnsupportedModelError
+    from megarl.trainer.models import reward_model_spec
+
+    try:
+        _, rm_spec = reward_model_spec(cfg)
+    except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
+        return [f"reward.model.path: {str(e).splitlines()[0]}"]
+    errors = []
+    if not rm_spec.score_head:
+        errors.append(f"reward.model.path: {r.path} is not a *ForSequenceClassification checkpoint (a causal LM?)")
+    if spec is not None and rm_spec.vocab_size != spec.vocab_size:
+        errors.append(
+            f"reward.model: its vocabulary ({rm_spec.vocab_size} tokens) is not the actor's ({spec.vocab_size}); "
+            "megarl scores the generated token ids, so the reward model must use the actor's tokenizer"
+        )
+    if not pools and reward_model_parallel(cfg) != cfg.actor.parallel:
+        errors.append("reward.model.parallel differs from actor.parallel: colocated models share one layout; give "
+                      "the reward model a pool of its own (placement.pools) or drop reward.model.parallel")  # fmt: skip
+    if cfg.algorithm.dynamic_sampling.enable:
+        errors.append("algorithm.dynamic_sampling with reward.model: the filter sees the function's scores only; "
+                      "turn one of them off")  # fmt: skip
+    return errors
+
+
 def critic_parallel(cfg: MegarlConfig):
     """The critic's layout: ``critic.parallel``, or the actor's."""
     return cfg.critic.parallel or cfg.actor.parallel
 
 
 def pool_layout_role(pool) -> str | None:
-    """Whose layout a pool's Megatron models take: the actor's, else the critic's; None for a pool without either
-    (the rollout pool)."""
-    return next((role for role in ("actor", "critic") if role in pool.roles), None)
+    """Whose layout a pool's Megatron models take: the actor's, else the critic's, else the reward model's; None for
+    a pool without any (the rollout pool)."""
+    return next((role for role in ("actor", "critic", "reward_model") if role in pool.roles), None)
+
+
+def reward_model_parallel(cfg: MegarlConfig):
+    """The reward model's layout: ``reward.model.parallel``, or the actor's."""
+    return cfg.reward.model.parallel or cfg.actor.parallel
+
+
+def layout_config(cfg: MegarlConfig, role: str):
+    """The ``ParallelConfig`` of the models a pool whose layout is ``role``'s builds."""
+    if role == "critic":
+        return critic_parallel(cfg)
+    if role == "reward_model":
+        return reward_model_parallel(cfg)
+    return cfg.actor.parallel
 
 
 def launch_world_size(cfg: MegarlConfig) -> int:
@@ -359,12 +404,12 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
             gap = f"rank {start}" if p.ranks.start == start + 1 else f"ranks {start}-{p.ranks.start - 1}"
             errors.append(f"placement.pools.{p.name}.ranks: {gap} in no pool")
         start = max(start, p.ranks.stop)
-    needed = {"actor", "rollout"}
+    needed = {"actor", "rollout"} | ({"reward_model"} if cfg.reward.model is not None else set())
     if needs_reference(cfg):
         needed.add("reference")
     if needs_critic(cfg):
         needed.add("critic")
-    hosts = {role: [p.name for p in pools if role in p.roles] for role in ("actor", "reference", "critic", "rollout")}
+    hosts = {role: [p.name for p in pools if role in p.roles] for role in ROLES}
     for role, names in hosts.items():
         if role in needed and not names:
             errors.append(f"placement.pools: no pool hosts the {role}; add it to a pool's roles")
@@ -380,11 +425,17 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
                 errors.append(f"placement.pools.{p.name}: the reference runs beside the actor or the critic (it "
                               "takes their pool's layout); add it to one of their pools")  # fmt: skip
             continue
-        par = cfg.actor.parallel if layout_of == "actor" else critic_parallel(cfg)
+        par = layout_config(cfg, layout_of)
+        field_name = "reward.model" if layout_of == "reward_model" else layout_of
         if p.size != par.tp * par.pp * par.dp:
             errors.append(
-                f"placement.pools.{p.name}: {p.size} ranks, but {layout_of}.parallel needs tp x pp x dp = "
-                f"{par.tp * par.pp * par.dp}; change the pool's ranks or {layout_of}.parallel"
+                f"placement.pools.{p.name}: {p.size} ranks, but {field_name}.parallel needs tp x pp x dp = "
+                f"{par.tp * par.pp * par.dp}; change the pool's ranks or {field_name}.parallel"
+            )
+        if "reward_model" in p.roles and cfg.reward.model is not None and reward_model_parallel(cfg) != par:
+            errors.append(
+                f"placement.pools.{p.name}: reward.model.parallel differs from the {layout_of}'s layout in the same "
+                "pool; a pool has one layout: give the reward model a pool of its own"
             )
     if hosts["actor"] and hosts["critic"] and hosts["actor"] == hosts["critic"]:
         if critic_parallel(cfg) != cfg.actor.parallel:

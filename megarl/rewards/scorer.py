@@ -36,14 +36,35 @@ class InProcess:
         return False
 
 
+class NoFunction:
+    """No reward function (a reward model alone): the function's part of every sample is 0, never a failure."""
+
+    def describe(self) -> str:
+        return "no reward function"
+
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
+        return ScoreResult([0.0] * len(prompts), [""] * len(prompts))
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NoFunction:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 def in_workers(cfg: RewardConfig) -> bool:
     """Whether ``cfg.function`` runs in worker processes."""
-    return cfg.function not in BUILTIN_REWARDS and cfg.num_workers != 0
+    return bool(cfg.function) and cfg.function not in BUILTIN_REWARDS and cfg.num_workers != 0
 
 
-def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProcess | RewardPool:
+def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProcess | RewardPool | NoFunction:
     """The reward ready to score (RewardLoadError if it does not load); close it when done. ``budget_s``: how long
     one batch may take on this rank (other ranks wait in a collective meanwhile)."""
+    if not cfg.function:
+        return NoFunction()
     if not in_workers(cfg):
         return InProcess(cfg.function)
     workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
@@ -53,6 +74,8 @@ def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProce
 def check_loads(cfg: RewardConfig) -> None:
     """Load the reward the way the run will (a user's function in one worker process: an import that hangs, exits
     or crashes cannot take this process with it); RewardLoadError or RewardWorkerError says why it does not."""
+    if not cfg.function:
+        return
     if in_workers(cfg):
         RewardPool(cfg.function, num_workers=1, timeout_s=cfg.timeout_s).close()
     else:

@@ -38,6 +38,30 @@ class Collected:
     generate_seconds: float = 0.0
     dropped_groups: int = 0
     """Dynamic sampling: generated groups not trained on (uniform in the filter's metric, or beyond the batch)."""
+    fn_scores: list[float] = field(default_factory=list)
+    """With a reward model: the reward function's part per sample (``scores`` is then the combined score)."""
+    rm_scores: list[float] = field(default_factory=list)
+    """With a reward model: its score per sample."""
+
+
+def sequences_of(samples: list[Sample]) -> list[list[int]]:
+    """Each sample's whole token ids (prompt + response): what a reward model scores."""
+    return [s.prompt_ids + s.token_ids for s in samples]
+
+
+def combined_scores(cfg, fn_scores: list[float], rm_scores: list[float]) -> list[float]:
+    """w_function x the function's score + w_model x the reward model's, per sample (``reward.combine``)."""
+    wf, wm = cfg.weight("function"), cfg.weight("model")
+    return [wf * f + wm * m for f, m in zip(fn_scores, rm_scores)]
+
+
+def combine_rewards(cfg, batch: Collected, rm_scores: list[float]) -> None:
+    """``reward.combine``: the score trained on is w_function x the function's + w_model x the reward model's (the
+    shaping, e.g. the overlong penalty, stays added on top); the two parts are kept for the metrics."""
+    batch.fn_scores, batch.rm_scores = list(batch.scores), list(rm_scores)
+    combined = combined_scores(cfg, batch.fn_scores, rm_scores)
+    batch.rewards = [r - f + c for r, f, c in zip(batch.rewards, batch.fn_scores, combined)]
+    batch.scores = combined
 
 
 class DynamicSamplingExhausted(RuntimeError):

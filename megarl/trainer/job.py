@@ -28,7 +28,7 @@ from megarl.checkpoint.training import (
 )
 from megarl.config.loader import to_yaml
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
-from megarl.config.validate import adapter_slots, critic_parallel, pool_layout_role, pools_of
+from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
@@ -172,7 +172,7 @@ def record_placement(job: Job) -> None:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "megatron_models": [] if job.models is None else sorted(
-            n for n in ("actor", "critic", "reference") if getattr(job.models, n) is not None
+            n for n in ("actor", "critic", "reference", "reward_model") if getattr(job.models, n) is not None
         ),
         "megatron_initialized": "megatron.core.parallel_state" in sys.modules
         and sys.modules["megatron.core.parallel_state"].model_parallel_is_initialized(),
@@ -230,9 +230,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     place = Placement.join(pools_of(cfg), default_backend(), timeout_s) if cfg.placement.pools else None
     layout_of = "actor" if place is None else pool_layout_role(place.pool)  # whose layout this rank's models take
     here = layout
-    if layout_of == "critic":
-        cp = critic_parallel(cfg)
-        here = ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp)
+    if layout_of not in (None, "actor"):  # a critic's or reward model's pool
+        par = layout_config(cfg, layout_of)
+        here = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     if layout_of is not None:  # Megatron's groups, inside this rank's pool when pooled
         init_distributed(here, seed=cfg.trainer.seed, timeout_s=timeout_s)
     place = place or Placement.colocated()

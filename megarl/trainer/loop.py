@@ -26,7 +26,7 @@ from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
 from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
-from megarl.trainer.collect import collect
+from megarl.trainer.collect import collect, combine_rewards, combined_scores, sequences_of
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import needs_critic
@@ -91,10 +91,11 @@ def save(job: Job, state: TrainerState) -> dict:
     if needs_critic(job.cfg):
         cp = critic_parallel(job.cfg)
         trainer_state["critic_layout"] = dataclasses.asdict(ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp))
+    trained = job.models is not None and (job.models.actor is not None or job.models.critic is not None)
     report = save_training(
         root,
         state.step,
-        job.models,
+        job.models if trained else None,  # a pool of frozen models (the reward model's) saves nothing
         trainer_state,
         keep_last=job.cfg.trainer.keep_last,
         before_manifest=lambda: faults.fire("save", state.step),
@@ -132,6 +133,9 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
             )
             job.said_reward_error = True
         job.phases.train()
+        if job.roles.reward_model is not None:
+            with timer("reward_model"):
+                combine_rewards(job.cfg.reward, batch, job.roles.reward_model.scores(sequences_of(batch.samples)))
         learned = learn(
             job.cfg,
             job.roles,
@@ -293,9 +297,9 @@ def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Ten
 
 
 def validate(job: Job, step: int) -> dict[str, float]:
-    """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored (on the rollout's pool);
-    ``val/*`` metrics on every rank."""
-    metrics = None
+    """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored (on the rollout's pool, and
+    by the reward model, combined as in training); ``val/*`` metrics on every rank."""
+    scored = None
     if job.place.hosts("rollout"):
         prompts = job.val_prompts
         samples, _ = rollout(
@@ -314,5 +318,11 @@ def validate(job: Job, step: int) -> dict[str, float]:
         )
         where = f"in step {step}'s validation"
         stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, where)
-        metrics = validation_metrics(result, samples)
-    return job.place.share(metrics, "rollout")
+        scored = (samples, result)
+    samples, result = job.place.share(scored, "rollout")
+    if job.roles.reward_model is not None:
+        job.phases.train()  # the reward model's weights back on the device
+        rm = job.roles.reward_model.scores(sequences_of(samples))
+        job.phases.rollout(step)  # the engine already holds this step's weights: no sync
+        result.scores = combined_scores(job.cfg.reward, result.scores, rm)
+    return validation_metrics(result, samples)

@@ -81,6 +81,10 @@ def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
         "data/epoch": float(job.sampler.epoch),
     }
     m.update({f"reward/{k}": statistics.fmean(v) for k, v in batch.extra.items()})
+    if batch.rm_scores:  # reward/mean is w_function x fn_mean + w_model x rm_mean
+        m["reward/rm_mean"] = statistics.fmean(batch.rm_scores)
+        m["reward/rm_std"] = statistics.pstdev(batch.rm_scores)
+        m["reward/fn_mean"] = statistics.fmean(batch.fn_scores)
     if cfg.algorithm.overlong.enable:
         m["reward/overlong_penalty_mean"] = statistics.fmean(r - s for r, s in zip(batch.rewards, scores))
     if cfg.algorithm.dynamic_sampling.enable:

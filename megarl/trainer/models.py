@@ -31,6 +31,8 @@ class RLModels:
     """Frozen initial actor weights (no DDP, no optimizer)."""
     reference_is_base: bool = False
     """LoRA: the reference is the actor with its adapters off (no second copy of the weights)."""
+    reward_model: torch.nn.Module | None = None
+    """A frozen reward model with a scalar score head (``reward.model``)."""
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
@@ -41,7 +43,20 @@ def needs_critic(cfg: MegarlConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
-ALL_ROLES = ("actor", "critic", "reference")
+def needs_reward_model(cfg: MegarlConfig) -> bool:
+    return cfg.reward.model is not None
+
+
+def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:
+    """The reward model's source and spec (``reward.model.path``)."""
+    from megarl.models import spec_from_hf_config
+    from megarl.training.init_weights import model_source
+
+    source = model_source(cfg.reward.model.path)
+    return source, spec_from_hf_config(source.hf_config)
+
+
+ALL_ROLES = ("actor", "critic", "reference", "reward_model")
 
 
 def build_rl_models(
@@ -88,6 +103,12 @@ def build_rl_models(
         models.reference_is_base = True
     elif needs_reference(cfg) and "reference" in roles:
         models.reference = chunk(trained=False).eval().requires_grad_(False)
+    if needs_reward_model(cfg) and "reward_model" in roles:
+        rm_source, rm_spec = reward_model_spec(cfg)
+        rm = build_model_chunk(rm_spec, layout, dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
+                               init_weights=False)  # fmt: skip
+        load_initial_weights(rm, rm_source, rm_spec, layout, rank)
+        models.reward_model = rm.eval().requires_grad_(False)
     return models
 
 

@@ -191,17 +191,45 @@ class Critic(Role):
         )
 
 
+class RewardModel(Role):
+    """A frozen reward model: one score per whole sequence, where HF's classification head reads it."""
+
+    name = "reward_model"
+
+    def __init__(self, cfg, models: RLModels | None, place: Placement):
+        from megarl.trainer.models import reward_model_spec
+
+        super().__init__(place)
+        r = cfg.reward.model
+        self.models = models
+        self.pad_token_id = reward_model_spec(cfg)[0].hf_config.get("pad_token_id")
+        self.batching = Batching(cfg.actor.global_batch_size, r.max_tokens_per_micro_batch, r.micro_batch_size)
+
+    def scores(self, sequences: list[list[int]]) -> list[float]:
+        """Prompt + response token ids -> their scores."""
+        from megarl.rewards.model import reward_model_scores
+
+        b = self.batching
+        return self._on_host(
+            lambda: reward_model_scores(
+                self.models.reward_model, sequences, self.pad_token_id, global_batch_size=b.global_batch_size,
+                max_tokens=b.max_tokens, micro_batch_size=b.micro_batch_size,
+            )
+        )  # fmt: skip
+
+
 @dataclass
 class Roles:
-    """The step's roles; ``reference`` and ``critic`` are None when the algorithm needs none."""
+    """The step's roles; ``reference``, ``critic`` and ``reward_model`` are None when the recipe needs none."""
 
     actor: Actor
     reference: Reference | None
     critic: Critic | None
+    reward_model: RewardModel | None = None
 
     def busy_s(self) -> float:
         """Seconds this rank computed for its roles since the last call."""
-        roles = [r for r in (self.actor, self.reference, self.critic) if r is not None]
+        roles = [r for r in (self.actor, self.reference, self.critic, self.reward_model) if r is not None]
         total = sum(r.busy_s for r in roles)
         for r in roles:
             r.busy_s = 0.0
@@ -211,7 +239,7 @@ class Roles:
 def make_roles(cfg, spec, models: RLModels | None, place: Placement | None = None) -> Roles:
     """The step's roles over this rank's ``models`` (None on a pool that hosts no model). Colocated, the models
     built say which roles exist; with pools, the recipe does (``needs_reference``/``needs_critic``)."""
-    from megarl.trainer.models import needs_critic, needs_reference
+    from megarl.trainer.models import needs_critic, needs_reference, needs_reward_model
 
     place = place or Placement.colocated()
     if place.pooled:
@@ -223,4 +251,5 @@ def make_roles(cfg, spec, models: RLModels | None, place: Placement | None = Non
         Actor(cfg, spec, models, place),
         Reference(cfg, spec, models, place) if has_reference else None,
         Critic(cfg, models, place) if has_critic else None,
+        RewardModel(cfg, models, place) if needs_reward_model(cfg) else None,
     )
