@@ -3,6 +3,8 @@ with one label, scores sequences exactly as transformers does (the logit at the 
 token), at TP=2 and at TP=1 x DP=2, for Llama, Qwen2 (q/k/v bias) and Mistral, with pad = eos and with a distinct
 pad; a checkpoint with two labels is refused in one line."""
 
+import re
+
 import pytest
 import torch
 
@@ -92,3 +94,80 @@ def test_a_reward_model_with_two_labels_is_refused_in_one_line(tmp_path):
     with pytest.raises(UnsupportedModelError, match="with 2 labels: a reward model has one") as e:
         spec_from_hf_config(read_hf_config(d))
     assert "\n" not in str(e.value)
+
+
+RL = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=0", "logging.wandb.mode=disabled",
+      "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=32",
+      "rollout.sampling.max_new_tokens=6", "reward.combine.function=0.5", "reward.combine.model=0.5"]  # fmt: skip
+RM_POOL = ["reward.model.parallel.tp=1", "placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
+           "placement.pools.rm.ranks=2", "placement.pools.rm.roles=[reward_model]",
+           "placement.pools.rollout.ranks=3-4", "placement.pools.rollout.roles=[rollout]"]  # fmt: skip
+
+
+def _train(hf_dir, rm_dir, out, extra=()):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
+           f"trainer.output_dir={out}", f"reward.model.path={rm_dir}", *RL, *extra]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=repo, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def rl_runs(scored, tiny_llama_dir, tmp_path_factory):
+    """GRPO with a Llama reward model (the actor's byte tokenizer) combined 0.5/0.5 with the toy reward, 3 steps:
+    colocated (TP=2, the reward model at the actor's layout) and on its own 1-rank pool at TP=1 (5 ranks)."""
+    tmp = tmp_path_factory.mktemp("rm-rl")
+    rm = scored[0]["llama_pad_eos"]
+    return {"colocated": _train(tiny_llama_dir, rm, tmp / "colocated"),
+            "pooled": _train(tiny_llama_dir, rm, tmp / "pooled", RM_POOL), "tmp": tmp}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["colocated", "pooled"])
+def test_an_rl_run_with_a_reward_model_logs_its_scores_and_trains_on_the_weighted_sum(rl_runs, where):
+    rows = rl_runs[where]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert {"reward/rm_mean", "reward/rm_std", "reward/fn_mean"} <= r.keys()
+        assert abs(r["reward/mean"] - (0.5 * r["reward/fn_mean"] + 0.5 * r["reward/rm_mean"])) <= 1e-12
+        assert r["reward/rm_std"] > 0  # the model's scores vary by sample
+    assert "val/reward/mean" in rows[-1]
+
+
+def test_the_reward_model_pool_scores_as_the_colocated_one(rl_runs):
+    """The same samples; the reward model at TP=1 on its own pool gives the colocated TP=2 scores (fp32, 1e-5)."""
+    import json
+
+    for a, b in zip(rl_runs["colocated"], rl_runs["pooled"], strict=True):
+        assert a["reward/fn_mean"] == b["reward/fn_mean"] and a["response_length/mean"] == b["response_length/mean"]
+        assert abs(a["reward/rm_mean"] - b["reward/rm_mean"]) <= 1e-5
+    ranks = json.loads((rl_runs["tmp"] / "pooled" / "placement.json").read_text())
+    want = [("train", ["actor"])] * 2 + [("rm", ["reward_model"])] + [("rollout", [])] * 2
+    assert [(r["pool"], r["megatron_models"]) for r in ranks] == want
+
+
+def test_reward_model_mistakes_are_refused_before_launch(scored, tiny_llama_dir, tmp_path):
+    from megarl.config import load_config, validate
+    from megarl.config.loader import ConfigError
+
+    two = make_tiny_hf_model(str(tmp_path / "two"), "llama", num_labels=2)
+    other_vocab = make_tiny_hf_model(str(tmp_path / "v"), "llama", num_labels=1, vocab_size=384)
+    base = ["model.path=" + tiny_llama_dir]
+    for extra, message in [
+        ([f"reward.model.path={two}"], "reward.model.path: LlamaForSequenceClassification with 2 labels"),
+        ([f"reward.model.path={tiny_llama_dir}"], "is not a *ForSequenceClassification checkpoint"),
+        ([f"reward.model.path={other_vocab}"], "its vocabulary (384 tokens) is not the actor's"),
+        ([f"reward.model.path={scored[0]['llama_pad_eos']}", "reward.model.parallel.tp=1"],
+         "reward.model.parallel differs from actor.parallel"),
+        (["reward.combine.model=1.0"], "reward.combine: weighs the model, but reward.model is not set"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)) as e:
+            validate(load_config("configs/tiny_grpo.yaml", base + extra), world_size=2)
+        assert "\n" not in str(e.value)
