@@ -26,6 +26,7 @@ def run_reward_models(models: dict[str, str], sequences: list[list[int]], out_di
             spec = spec_from_hf_config(hf)
             chunk = build_model_chunk(spec, layout, init_weights=False).eval()
             load_hf_into_chunk(chunk, hf_dir, spec, layout, dist.get_rank(), progress=False)
+            out[("params", name, model_name)] = sum(p.numel() for p in chunk.parameters())
             out[(name, model_name)] = reward_model_scores(
                 chunk, sequences, hf.get("pad_token_id"), global_batch_size=len(sequences), max_tokens=0,
                 micro_batch_size=2,

@@ -89,6 +89,20 @@ def test_a_classification_checkpoint_round_trips_bitwise(scored, family):
     assert spec_from_hf_config(cfg_back).score_head
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_planner_counts_the_reward_models_parameters_exactly(scored, family):
+    """``megarl plan``'s reward model parameters per rank (its score head without bias) are the built model's."""
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.plan.memory import model_params
+
+    models, ranks, _ = scored
+    spec = spec_from_hf_config(read_hf_config(models[f"{family}_pad_eos"]))
+    for name, layout in (("tp2", ParallelLayout(tp=2)), ("tp1_dp2", ParallelLayout(dp=2))):
+        planned = model_params(spec, layout)
+        for rank, r in enumerate(ranks):
+            assert sum(p.numel for p in planned[rank]) == r[("params", name, f"{family}_pad_eos")], (name, rank)
+
+
 def test_a_reward_model_with_two_labels_is_refused_in_one_line(tmp_path):
     d = make_tiny_hf_model(str(tmp_path / "two"), "llama", num_labels=2)
     with pytest.raises(UnsupportedModelError, match="with 2 labels: a reward model has one") as e:

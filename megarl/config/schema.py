@@ -653,6 +653,8 @@ class OffloadConfig:
     """The critic's parameters, gradient buffers and optimizer state."""
     reference: bool = True
     """The reference model's parameters."""
+    reward_model: bool = True
+    """The reward model's parameters (``reward.model``)."""
 
     def __post_init__(self):
         self.enable = str(self.enable).lower()  # YAML true/false arrive as 'True'/'False'

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import (
     adapter_slots,
-    critic_parallel,
     divisors,
+    layout_config,
     pool_layout_role,
     pools_of,
     rollout_tp,
@@ -223,7 +223,7 @@ def placement_lines(layout: ParallelLayout, cfg: MegarlConfig | None = None) -> 
         if role is None:
             where = f"engines of TP={rollout_tp(cfg)}"
         else:
-            par = cfg.actor.parallel if role == "actor" else critic_parallel(cfg)
+            par = layout_config(cfg, role)
             where = f"Megatron TP={par.tp} PP={par.pp} DP={par.dp}"
         lines.append(f"pool {p.name}: ranks {_ranges(list(p.ranks))}, roles {', '.join(p.roles)}; {where}")
     lines += [f"rank = tp + {layout.tp} * (dp + {layout.dp} * pp)   (TP innermost: a TP group is consecutive ranks)"]

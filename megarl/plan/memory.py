@@ -68,18 +68,21 @@ def _module_order(name: str) -> tuple:
 
 def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = False) -> dict[int, list[Param]]:
     """Every rank's Megatron parameters, in module order. ``value_head``: the critic (its output layer is a
-    replicated hidden -> 1 head with a bias, and it never ties embeddings)."""
+    replicated hidden -> 1 head with a bias, and it never ties embeddings); a reward model (``spec.score_head``) has
+    the same head without the bias."""
     side = megatron_layout(spec, layout, gpus_per_node=layout.world_size)
-    tied_pp = spec.tie_word_embeddings and layout.pp > 1 and not value_head
+    scalar = value_head or spec.score_head
+    tied_pp = spec.tie_word_embeddings and layout.pp > 1 and not scalar
     out = {}
     for rank, shards in side.ranks.items():
         params = [
             Param(s.name, math.prod(s.shape), tied_pp and s.name in (_EMBED, _OUTPUT))
             for s in shards
-            if not (value_head and s.name == _OUTPUT)
+            if not (scalar and s.name == _OUTPUT)
         ]
-        if value_head and layout.coords(rank).pp == layout.pp - 1:
-            params += [Param(_OUTPUT, spec.hidden_size), Param("output_layer.bias", 1)]
+        if scalar and layout.coords(rank).pp == layout.pp - 1:
+            params += [Param(_OUTPUT, spec.hidden_size)]
+            params += [] if spec.score_head else [Param("output_layer.bias", 1)]
         out[rank] = sorted(params, key=lambda p: _module_order(p.name))
     return out
 
@@ -241,17 +244,20 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
     state leaves for generation. With pools (``placement.pools``) each rank holds its pool's roles only, its Megatron
     models at its pool's layout (the actor's, else the critic's), and nothing sleeps or moves: every phase holds all
     of its own state."""
-    from megarl.config.validate import critic_parallel, pool_layout_role, pools_of, rollout_tp
-    from megarl.trainer.models import needs_critic, needs_reference
-    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, flagged_groups
+    from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
+    from megarl.trainer.models import needs_critic, needs_reference, needs_reward_model, reward_model_spec
+    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
 
     dtype, pools = cfg.model.dtype, pools_of(cfg)
     if not pools:  # colocated: one pool of every role at the actor's layout
         from megarl.parallel.pools import Pool
 
         pools = [Pool("all", range(layout.world_size), ("actor", "critic", "reference", "rollout"))]
-    cp = critic_parallel(cfg)
-    layouts = {"actor": layout, "critic": ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp, gpus_per_node=gpus_per_node)}
+    layouts = {"actor": layout}
+    for role in ("critic", "reward_model"):
+        par = layout_config(cfg, role)
+        layouts[role] = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=gpus_per_node)
+    rm_spec = reward_model_spec(cfg)[1] if needs_reward_model(cfg) else None
     params = {}  # (layout role, value head) -> per-rank parameters, computed once
 
     def params_of(role: str, value_head: bool = False):
@@ -294,6 +300,9 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
             if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
                 held = sum(p.numel for p in params_of(layout_of)[local]) if "reference" in pool.roles else 0
                 m.consumers[REFERENCE] = held * DTYPE_BYTES[dtype]
+            if rm_spec is not None:  # frozen, at its pool's layout, with its score head
+                held = sum(p.numel for p in model_params(rm_spec, lay)[local]) if "reward_model" in pool.roles else 0
+                m.consumers[REWARD_MODEL] = held * DTYPE_BYTES[dtype]
             generates = "rollout" in pool.roles
             e = rank - engines.ranks.start
             engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
@@ -305,7 +314,7 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
             m.consumers["reshard buffers"] = (2 * cfg.rollout.bucket_mb * MiB if sends else 0) + staged
             m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, lay, c.pp) if lay else 0
             m.consumers["reserve (estimate)"] = RESERVE_BYTES
-            training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference"))]
+            training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference", "reward model"))]
             m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
             resident = [k for k in training_state if k not in m.offloaded]
             engine_state = [engine_key, "KV cache (configured)"]

@@ -96,7 +96,9 @@ class _ShardBuilder:
 def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
+    if spec.score_head:  # a reward model's scalar head
+        shapes["score.weight"] = (1, h)
+    elif not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -138,7 +140,7 @@ def _vocab_rows(b: _ShardBuilder, hf: str, start: int, stop: int, vocab: int) ->
 # --- Megatron ------------------------------------------------------------------------------------------------------
 def _megatron_shard(tmap, spec: ModelSpec, hf_shapes, lname: str, tp_rank: int, tp: int) -> Shard:
     first = hf_shapes[tmap.hf[0]]
-    split = ms.tp_split(tmap.megatron)
+    split = ms.tp_split(tmap.megatron, value_head=spec.score_head)
     if tmap.kind == VOCAB:
         per = spec.padded_vocab_size // tp
         b = _ShardBuilder(lname, first[1])

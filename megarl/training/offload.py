@@ -18,7 +18,9 @@ from megarl.config.schema import OffloadConfig
 
 ACTOR_GRADS, ACTOR_OPTIMIZER = "actor grads", "actor optimizer"
 CRITIC, REFERENCE = "critic params+grads+optimizer", "reference params"
-GROUP_FLAGS = {ACTOR_GRADS: "actor_grads", ACTOR_OPTIMIZER: "actor_optimizer", CRITIC: "critic", REFERENCE: "reference"}
+REWARD_MODEL = "reward model params"
+GROUP_FLAGS = {ACTOR_GRADS: "actor_grads", ACTOR_OPTIMIZER: "actor_optimizer", CRITIC: "critic", REFERENCE: "reference",
+               REWARD_MODEL: "reward_model"}  # fmt: skip
 """Each group (named as the planner's consumer) and the ``offload.*`` flag that moves it."""
 
 
@@ -57,6 +59,8 @@ def state_groups(models, flags: OffloadConfig) -> dict[str, list[torch.Tensor]]:
         groups[CRITIC] = critic + optimizer_tensors(models.critic_optim)
     if REFERENCE in on and models.reference is not None:
         groups[REFERENCE] = list(models.reference.parameters())
+    if REWARD_MODEL in on and models.reward_model is not None:
+        groups[REWARD_MODEL] = list(models.reward_model.parameters())
     return groups
 
 
