@@ -34,8 +34,13 @@ def run_reward_models(models: dict[str, str], sequences: list[list[int]], out_di
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     from megarl.convert.hf_to_megatron import convert_hf_to_megatron
     from megarl.convert.megatron_to_hf import convert_megatron_to_hf
+    from megarl.convert.verify import verify_checkpoint
 
+    verified = {}
     for model_name, hf_dir in models.items():
         megarl_dir = os.path.join(out_dir, f"{model_name}-megarl")
         convert_hf_to_megatron(hf_dir, megarl_dir, ParallelLayout(tp=2))
+        verified[model_name] = verify_checkpoint(hf_dir, megarl_dir, ParallelLayout(tp=2))
         convert_megatron_to_hf(megarl_dir, os.path.join(out_dir, f"{model_name}-hf"), ParallelLayout(dp=2))
+    if dist.get_rank() == 0:
+        torch.save(verified, os.path.join(out_dir, "verified.pt"))

@@ -22,16 +22,22 @@ def verification_tokens(vocab_size: int, batch: int = 2, seq: int = 48, seed: in
     return torch.randint(0, vocab_size, (batch, seq), generator=gen)
 
 
-def hf_logits(hf_dir: str, tokens_BS: torch.Tensor, dtype: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def hf_logits(hf_dir: str, tokens_BS: torch.Tensor, dtype: str, score_head: bool = False) -> torch.Tensor:
+    """The HF model's logits [B, S, vocab]; ``score_head`` (a reward model): its score at every position [B, S, 1]
+    (HF pools one of them; the verification compares them all)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype])
     with torch.no_grad():
+        if score_head:
+            model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=DTYPES[dtype])
+            return model.score(model.base_model(tokens_BS).last_hidden_state).float()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype])
         return model(tokens_BS).logits.float()
 
 
-def megatron_logits(chunk, tokens_BS: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Full-vocabulary logits [B, S, vocab] on the last stage (None elsewhere), through Megatron's schedule."""
+def megatron_logits(chunk, tokens_BS: torch.Tensor, vocab_size: int, score_head: bool = False) -> torch.Tensor | None:
+    """Full-vocabulary logits [B, S, vocab] on the last stage (None elsewhere), through Megatron's schedule; with a
+    ``score_head`` the scalar head's output [B, S, 1] (replicated over TP: nothing to gather)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     position_ids = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
@@ -40,7 +46,7 @@ def megatron_logits(chunk, tokens_BS: torch.Tensor, vocab_size: int) -> torch.Te
     ]
 
     def keep_logits(mb, logits_BSV):
-        full = gather_from_tensor_model_parallel_region(logits_BSV)[..., :vocab_size]
+        full = logits_BSV if score_head else gather_from_tensor_model_parallel_region(logits_BSV)[..., :vocab_size]
         return logits_BSV.sum() * 0, {"logits": full.float()}
 
     with torch.no_grad(), megatron_mode():
@@ -60,12 +66,12 @@ def verify_checkpoint(hf_dir: str, ckpt_dir: str, layout: ParallelLayout) -> dic
     ckpt.load_model(ckpt_dir, chunk)
     chunk.eval()
     tokens = verification_tokens(spec.vocab_size)
-    logits = megatron_logits(chunk, tokens, spec.vocab_size)
+    logits = megatron_logits(chunk, tokens, spec.vocab_size, spec.score_head)
     rank = dist.get_rank()
     c = layout.coords(rank)
     result = None
     if logits is not None and c.tp == 0 and c.dp == 0:
-        reference = hf_logits(hf_dir, tokens, meta["dtype"])
+        reference = hf_logits(hf_dir, tokens, meta["dtype"], spec.score_head)
         diff = (logits - reference).abs().max().item()
         tol = TOLERANCE[meta["dtype"]]
         result = {
