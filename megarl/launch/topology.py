@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from megarl.config import MegarlConfig
-from megarl.config.validate import divisors, launch_world_size, pools_of, rollout_tp
+from megarl.config.validate import divisors, launch_world_size, layout_config, pool_layout_role, pools_of, rollout_tp
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -45,7 +45,7 @@ def check_nodes(cfg: MegarlConfig, nnodes: int, ranks_per_node: int, nodes_opt: 
 
 
 def _check_pool_nodes(cfg: MegarlConfig, launched: int, ranks_per_node: int, nodes_opt: str, ranks_opt: str) -> None:
-    """Resource pools: the launch is every pool's ranks; each pool's TP groups (the actor's layout, offset to the
+    """Resource pools: the launch is every pool's ranks; each pool's TP groups (its Megatron layout, offset to the
     pool's first rank; the rollout engines, blocks of rollout.tp) stay inside a node."""
     world = launch_world_size(cfg)
     if launched != world:
@@ -54,8 +54,11 @@ def _check_pool_nodes(cfg: MegarlConfig, launched: int, ranks_per_node: int, nod
             f"{nodes_opt}/{ranks_opt} or the pools' ranks"
         )
     for pool in pools_of(cfg):
-        if "actor" in pool.roles:
-            groups = [[pool.ranks.start + r for r in g] for g in recipe_layout(cfg).tp_groups()]
+        role = pool_layout_role(pool)
+        if role is not None:  # Megatron's layout of the pool (the actor's, the critic's, the reward model's)
+            par = layout_config(cfg, role)
+            layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
+            groups = [[pool.ranks.start + r for r in g] for g in layout.tp_groups()]
         elif "rollout" in pool.roles:
             tp = rollout_tp(cfg)
             groups = [list(pool.ranks[i : i + tp]) for i in range(0, pool.size, tp)]
