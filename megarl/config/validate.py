@@ -366,8 +366,8 @@ def pool_layout_role(pool) -> str | None:
 
 
 def reward_model_parallel(cfg: MegarlConfig):
-    """The reward model's layout: ``reward.model.parallel``, or the actor's."""
-    return cfg.reward.model.parallel or cfg.actor.parallel
+    """The reward model's layout: ``reward.model.parallel``, or the actor's (also without a reward model)."""
+    return (cfg.reward.model.parallel if cfg.reward.model is not None else None) or cfg.actor.parallel
 
 
 def layout_config(cfg: MegarlConfig, role: str):
