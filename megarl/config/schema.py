@@ -6,6 +6,7 @@ Field-local checks live in ``__post_init__``; checks that combine fields or need
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megarl.models.builder import DTYPES
@@ -460,16 +461,10 @@ class RewardConfig:
                  "is required unless reward.model is set (a built-in name or path/to/file.py:fn)")  # fmt: skip
         unknown = sorted(set(self.combine) - set(REWARD_PARTS))
         _require(not unknown, "combine", f"unknown parts {unknown}; name {list(REWARD_PARTS)}")
-        for part in self.combine:
+        for part, w in self.combine.items():
             present = bool(self.function) if part == "function" else self.model is not None
             _require(present, "combine", f"weighs the {part}, but reward.{part} is not set")
-
-    def weight(self, part: str) -> float:
-        """The weight of ``part`` (function, model) in the reward trained on; 0 when it is not set."""
-        present = bool(self.function) if part == "function" else self.model is not None
-        if not present:
-            return 0.0
-        return float(self.combine.get(part, 1.0 if not self.combine else 0.0))
+            _require(math.isfinite(float(w)), "combine", f"the {part}'s weight must be finite, got {w}")
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         fraction = self.stop_on_error_fraction
@@ -478,6 +473,13 @@ class RewardConfig:
             "stop_on_error_fraction",
             f"must be in (0, 1] or null (never stop), got {fraction}",
         )
+
+    def weight(self, part: str) -> float:
+        """The weight of ``part`` (function, model) in the reward trained on; 0 when it is not set."""
+        present = bool(self.function) if part == "function" else self.model is not None
+        if not present:
+            return 0.0
+        return float(self.combine.get(part, 1.0 if not self.combine else 0.0))
 
 
 @dataclass(kw_only=True)
@@ -677,7 +679,7 @@ class PoolConfig:
     ranks: str = "0"
     """'a-b' (inclusive) or a single rank."""
     roles: list[str] = field(default_factory=list)
-    """Roles hosted here: actor, reference, critic, rollout."""
+    """Roles hosted here: actor, reference, critic, rollout, reward_model."""
 
     def __post_init__(self):
         from megarl.parallel.pools import parse_ranks
