@@ -185,6 +185,8 @@ def _pools(*items):
      "rollout.backend=hf generates on the actor's ranks"),
     (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + ["offload.enable=true"],
      "offload.enable=true: with a rollout pool"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout", "reference"])) + ["actor.kl_loss_coef=0.1"],
+     "the reference runs beside the actor or the critic"),
 ])  # fmt: skip
 def test_placement_mistakes_are_named_before_launch(tiny_llama_dir, pools, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -198,3 +200,15 @@ def test_a_valid_placement_sizes_the_launch(tiny_llama_dir):
     cfg = load_config("configs/tiny_grpo.yaml", [f"model.path={tiny_llama_dir}", *pools])
     validate(cfg, world_size=4)
     assert [p.name for p in pools_of(cfg)] == ["train", "rollout"] and launch_world_size(cfg) == 4
+
+
+def test_a_critic_pools_layout_must_divide_its_models_and_batch(tiny_llama_dir):
+    """The critic's pool at critic.parallel: each Megatron model it builds (critic, reference) at that layout."""
+    pools = _pools(("train", "0-1", ["actor"]), ("critic", "2-4", ["critic", "reference"]),
+                   ("rollout", "5-6", ["rollout"]))  # fmt: skip
+    cases = [(["critic.parallel.tp=3"], "critic.parallel.tp=3 does not divide the model's 4 attention heads"),
+             (["critic.parallel.dp=3"], "critic.parallel.dp=3 does not divide actor.global_batch_size=32")]
+    for extra, message in cases:
+        cfg = load_config("configs/tiny_ppo.yaml", [f"model.path={tiny_llama_dir}", *pools, *extra])
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(cfg, world_size=7)

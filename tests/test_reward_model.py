@@ -183,6 +183,10 @@ def test_reward_model_mistakes_are_refused_before_launch(scored, tiny_llama_dir,
         ([f"reward.model.path={scored[0]['llama_pad_eos']}", "reward.model.parallel.tp=1"],
          "reward.model.parallel differs from actor.parallel"),
         (["reward.combine.model=1.0"], "reward.combine: weighs the model, but reward.model is not set"),
+        (["reward.combine.function=.inf"], "reward.combine: the function's weight must be finite"),
+        (["reward.timeout_s=-5"], "reward.timeout_s: must be > 0"),
+        (["reward.stop_on_error_fraction=7.0"], "reward.stop_on_error_fraction: must be in (0, 1]"),
+        ([f"model.path={scored[0]['llama_pad_eos']}"], "is a reward model (*ForSequenceClassification); the actor"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)) as e:
             validate(load_config("configs/tiny_grpo.yaml", base + extra), world_size=2)

@@ -210,9 +210,14 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
+    aside = f"{tmp}-{CRITIC_DIR}"  # written beside, moved in below (Megatron warns about a non-empty target)
     if models is not None:
-        target = tmp if finishes else os.path.join(tmp, CRITIC_DIR)
-        os.makedirs(target, exist_ok=True)
+        target = tmp if finishes else aside
+        if not finishes:
+            if dist.get_rank() == 0:
+                shutil.rmtree(aside, ignore_errors=True)
+                os.makedirs(aside)
+            dist.barrier()  # the directory exists before the pool's ranks write into it
         with megatron_mode():
             dist_checkpointing.save(
                 _sharded_state(models, loading=False, rng=True),
@@ -224,6 +229,9 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
     barrier()
     report = {}
     if finishes:
+        if lead and os.path.isdir(aside):
+            os.rename(aside, os.path.join(tmp, CRITIC_DIR))
+        dist.barrier()  # every rank of the pool sees the critic's part before the manifest hashes it
         if before_manifest is not None:
             before_manifest()
         t_write = time.perf_counter() - t0

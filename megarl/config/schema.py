@@ -699,6 +699,12 @@ class PlacementConfig:
 
     pools: dict[str, PoolConfig] = field(default_factory=dict)
     """Pool name -> its ranks and roles; the pools are disjoint, contiguous and cover the launch."""
+    wait_timeout_s: float = 86400.0
+    """How long a pool may wait in one call for the others (a whole generation, update or save of another pool);
+    inside a pool, trainer.collective_timeout_s still applies."""
+
+    def __post_init__(self):
+        _require(self.wait_timeout_s > 0, "wait_timeout_s", f"must be > 0, got {self.wait_timeout_s}")
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,13 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"{spec.max_position_embeddings}; lower actor.seq_length"
         )
     errors += _reward_model_errors(cfg, spec, pools)
-    if not pools and critic_parallel(cfg) != cfg.actor.parallel:
+    errors += _pool_layout_errors(cfg, spec, pools)
+    if spec.score_head:
+        errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
+                      "be a causal LM (set it as reward.model.path)")  # fmt: skip
+    from megarl.trainer.models import needs_critic
+
+    if not pools and needs_critic(cfg) and critic_parallel(cfg) != cfg.actor.parallel:
         errors.append(
             "critic.parallel differs from actor.parallel: colocated models share one layout; give the critic a pool "
             "of its own (placement.pools) or drop critic.parallel"
@@ -324,6 +330,34 @@ def pools_of(cfg: MegarlConfig) -> list:
     return sorted(pools, key=lambda p: p.ranks.start)
 
 
+def _pool_layout_errors(cfg: MegarlConfig, spec: ModelSpec, pools: list) -> list[str]:
+    """Each pool that is not the actor's: its layout divides every model it builds, and its DP size the batch."""
+    from megarl.trainer.models import reward_model_spec
+
+    errors = []
+    for p in pools:
+        role = pool_layout_role(p)
+        if role in (None, "actor"):
+            continue
+        name = "reward.model" if role == "reward_model" else role
+        par = layout_config(cfg, role)
+        specs = [spec] if {"critic", "reference"} & set(p.roles) else []
+        if "reward_model" in p.roles and cfg.reward.model is not None:
+            try:
+                specs.append(reward_model_spec(cfg)[1])
+            except (FileNotFoundError, ValueError):
+                pass  # named by _reward_model_errors
+        for s in specs:
+            errors += layout_errors(s, par.tp, par.pp, option=f"{name}.parallel.{{}}")
+            if s.padded_vocab_size % par.tp:
+                errors.append(f"{name}.parallel.tp={par.tp} does not divide the padded vocabulary of "
+                              f"{s.padded_vocab_size} rows")  # fmt: skip
+        if cfg.actor.global_batch_size % par.dp:
+            errors.append(f"{name}.parallel.dp={par.dp} does not divide actor.global_batch_size="
+                          f"{cfg.actor.global_batch_size}")  # fmt: skip
+    return sorted(set(errors), key=errors.index)
+
+
 def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list) -> list[str]:
     """``reward.model``: a one-label classification checkpoint with the actor's tokenizer, at a layout its pool (or
     the colocated ranks) can hold."""
@@ -345,6 +379,10 @@ def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list)
             f"reward.model: its vocabulary ({rm_spec.vocab_size} tokens) is not the actor's ({spec.vocab_size}); "
             "megarl scores the generated token ids, so the reward model must use the actor's tokenizer"
         )
+    if not pools:  # colocated: at the actor's layout
+        par = cfg.actor.parallel
+        errors += [e.replace("actor.parallel.", "actor.parallel (the reward model's layout).")
+                   for e in layout_errors(rm_spec, par.tp, par.pp)]  # fmt: skip
     if not pools and reward_model_parallel(cfg) != cfg.actor.parallel:
         errors.append("reward.model.parallel differs from actor.parallel: colocated models share one layout; give "
                       "the reward model a pool of its own (placement.pools) or drop reward.model.parallel")  # fmt: skip

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_launch = {"store": None}  # torchrun's store, once this process joined its pool; not a cache
+_launch = {"store": None, "joins": 0}  # torchrun's store, once this process joined its pool; not a cache
 
 
 @dataclass(frozen=True)
@@ -125,15 +125,17 @@ class Placement:
         return cls(dist.get_rank(), dist.get_world_size(), [], WorldComm())
 
     @classmethod
-    def join(cls, pools: list[Pool], backend: str, timeout_s: float = 600.0) -> Placement:
-        """Collective over the launch: join this rank's pool (``init_pool_group``; once per process) and the group
-        across pools."""
+    def join(cls, pools: list[Pool], backend: str, timeout_s: float = 600.0, wait_s: float = 86400.0) -> Placement:
+        """Collective over the launch: join this rank's pool (``init_pool_group``; once per process; its collectives
+        time out after ``timeout_s``) and the group across pools, whose calls may wait a whole phase of another pool
+        (generation, an update, a save): ``wait_s``."""
         from megarl.reshard.comm import GroupComm
 
         if _launch["store"] is None:
             init_pool_group(pools, backend, timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        comm = GroupComm("placement", launch_store(), rank, world, timeout_s)
+        _launch["joins"] += 1  # a new group per join (a second job in this process), the same count on every rank
+        comm = GroupComm(f"placement-{_launch['joins']}", launch_store(), rank, world, wait_s)
         return cls(rank, world, pools, comm)
 
     @property
@@ -161,6 +163,25 @@ class Placement:
         if not self.pooled:
             return value
         return self.comm.broadcast_object(value, src=self.ranks(role).start)
+
+    def compute_on(self, role: str, compute):
+        """``compute()`` on ``role``'s pool, its result (the pool's first rank's) on every rank. An exception there is
+        raised on every rank (elsewhere as a RuntimeError naming it), so no pool waits for one that failed.
+        Colocated: ``compute()``."""
+        if not self.pooled:
+            return compute()
+        result, error = None, None
+        if self.hosts(role):
+            try:
+                result = compute()
+            except Exception as e:  # noqa: BLE001 -- shared below, then raised on every rank
+                error = e
+        result, failure = self.share((result, None if error is None else f"{type(error).__name__}: {error}"), role)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RuntimeError(f"the {role}'s pool failed: {failure}")
+        return result
 
     def barrier(self) -> None:
         if not self.pooled:

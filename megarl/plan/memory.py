@@ -252,7 +252,7 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
     if not pools:  # colocated: one pool of every role at the actor's layout
         from megarl.parallel.pools import Pool
 
-        pools = [Pool("all", range(layout.world_size), ("actor", "critic", "reference", "rollout"))]
+        pools = [Pool("all", range(layout.world_size), ("actor", "critic", "reference", "rollout", "reward_model"))]
     layouts = {"actor": layout}
     for role in ("critic", "reward_model"):
         par = layout_config(cfg, role)

@@ -227,7 +227,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     timeout_s = cfg.trainer.collective_timeout_s
-    place = Placement.join(pools_of(cfg), default_backend(), timeout_s) if cfg.placement.pools else None
+    place = None
+    if cfg.placement.pools:
+        place = Placement.join(pools_of(cfg), default_backend(), timeout_s, cfg.placement.wait_timeout_s)
     layout_of = "actor" if place is None else pool_layout_role(place.pool)  # whose layout this rank's models take
     here = layout
     if layout_of not in (None, "actor"):  # a critic's or reward model's pool
@@ -241,7 +243,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
 
     start = plan_start(cfg, spec)
     root = checkpoints_root(out_dir)
-    interrupted = sorted(glob.glob(os.path.join(root, "iter_*.tmp")))
+    interrupted = sorted(glob.glob(os.path.join(root, "iter_*.tmp*")))  # a critic pool's part too (iter_N.tmp-critic)
     explicit = cfg.trainer.resume not in ("auto", "never")  # auto takes the newest: nothing comes after it
     rolled_back = (
         explicit and start is not None and os.path.dirname(os.path.abspath(start.path)) == os.path.abspath(root)

@@ -118,11 +118,7 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
     ``poison_loss``: make the actor's loss NaN (fault injection)."""
     timer, pool_time, place = PhaseTimer(), PhaseTimer(), job.place
     with timer("step"):
-        batch = None
-        if place.hosts("rollout"):
-            with pool_time("busy"):
-                batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
-        batch = share_batch(job, batch, timer)
+        batch = generate_batch(job, step, timer, pool_time)
         if job.cfg.trainer.save_samples and place.leader:
             save_samples(job, batch, step)
         stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
@@ -177,15 +173,17 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
     return metrics
 
 
-def share_batch(job: Job, batch, timer: PhaseTimer):
-    """The rollout pool's batch on every rank, with the sampler's position and the generation timings; colocated,
-    ``batch`` itself (every rank generated it)."""
-    place = job.place
-    if not place.pooled:
-        return batch
-    rollout_seconds = {k: v for k, v in timer.seconds.items() if k in ("generate", "reward")}
-    batch, data, rollout_seconds = place.share((batch, job.sampler.state_dict(), rollout_seconds), "rollout")
-    if not place.hosts("rollout"):
+def generate_batch(job: Job, step: int, timer: PhaseTimer, pool_time: PhaseTimer):
+    """The step's batch, generated and scored on the rollout's pool, on every rank with the sampler's position and
+    the generation timings (colocated: every rank generates it)."""
+
+    def on_rollout_pool():
+        with pool_time("busy"):
+            batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
+        return batch, job.sampler.state_dict(), {k: v for k, v in timer.seconds.items() if k in ("generate", "reward")}
+
+    batch, data, rollout_seconds = job.place.compute_on("rollout", on_rollout_pool)
+    if not job.place.hosts("rollout"):
         job.sampler.load_state_dict(data)
         timer.seconds.update(rollout_seconds)
     return batch
@@ -299,9 +297,9 @@ def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Ten
 def validate(job: Job, step: int) -> dict[str, float]:
     """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored (on the rollout's pool, and
     by the reward model, combined as in training); ``val/*`` metrics on every rank."""
-    scored = None
-    if job.place.hosts("rollout"):
-        prompts = job.val_prompts
+    prompts = job.val_prompts
+
+    def on_rollout_pool():
         samples, _ = rollout(
             job.engine,
             [p.prompt_ids for p in prompts],
@@ -316,13 +314,13 @@ def validate(job: Job, step: int) -> dict[str, float]:
             [p.ground_truth for p in prompts],
             [p.extras for p in prompts],
         )
-        where = f"in step {step}'s validation"
-        stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, where)
-        scored = (samples, result)
-    samples, result = job.place.share(scored, "rollout")
+        return samples, result
+
+    samples, result = job.place.compute_on("rollout", on_rollout_pool)
+    stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
     if job.roles.reward_model is not None:
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
-        job.phases.rollout(step)  # the engine already holds this step's weights: no sync
+        job.phases.rollout(step)  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
         result.scores = combined_scores(job.cfg.reward, result.scores, rm)
     return validation_metrics(result, samples)

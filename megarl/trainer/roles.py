@@ -58,12 +58,15 @@ class Role:
 
     def _on_host(self, compute):
         """``compute()`` on the hosting pool's ranks; its result (the pool's first rank's) on every rank."""
-        result = None
-        if self.here:
+
+        def timed():
             start = time.perf_counter()
-            result = compute()
-            self.busy_s += time.perf_counter() - start
-        return self.place.share(result, self.name)
+            try:
+                return compute()
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        return self.place.compute_on(self.name, timed)
 
     def _update(self, run) -> Update:
         def guarded() -> Update:
