@@ -91,16 +91,20 @@ def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching) -> lis
     )
 
 
-class Actor(Role):
-    """The trained policy."""
-
-    name = "actor"
+class _PolicyRole(Role):
+    """A policy model (the actor or the reference): log-probs at the actor's micro-batching."""
 
     def __init__(self, cfg, spec, models: RLModels | None, place: Placement):
         super().__init__(place)
         a = cfg.actor
         self.cfg, self.spec, self.models = cfg, spec, models
         self.batching = Batching(a.global_batch_size, a.max_tokens_per_micro_batch, a.micro_batch_size)
+
+
+class Actor(_PolicyRole):
+    """The trained policy."""
+
+    name = "actor"
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Per response token, log pi(token) under the current weights (at the rollout temperature)."""
@@ -130,16 +134,10 @@ class Actor(Role):
         )
 
 
-class Reference(Role):
+class Reference(_PolicyRole):
     """The frozen initial policy (a copy, or with LoRA the actor with its adapters off)."""
 
     name = "reference"
-
-    def __init__(self, cfg, spec, models: RLModels | None, place: Placement):
-        super().__init__(place)
-        a = cfg.actor
-        self.cfg, self.spec, self.models = cfg, spec, models
-        self.batching = Batching(a.global_batch_size, a.max_tokens_per_micro_batch, a.micro_batch_size)
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         def compute():
