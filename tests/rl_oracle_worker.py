@@ -295,7 +295,7 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     rewards = [1.0, 0.0, 0.2, 0.9, 0.5, 0.1]
     for i, ((seq, p), c) in enumerate(zip(seqs, cur)):
         engine_logp = c - (0.5 if i == 1 else 0.01 * (-1) ** i)
-        batch.samples.append(Sample(i // 2, i % 2, seq[:p], seq[p:], engine_logp.tolist(), "stop", 0))
+        batch.samples.append(Sample(i // 2, i % 2, seq[:p], seq[p:], engine_logp.tolist(), "stop", [0] * len(seq[p:])))
     batch.rewards = batch.scores = rewards
     actor_only = dataclasses.replace(models, critic=None, reference=None)
     learned = learn(cfg, make_roles(cfg, spec, actor_only), batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),

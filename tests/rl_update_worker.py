@@ -67,7 +67,7 @@ def fixed_batch(vocab: int) -> Collected:
         for j in range(2):
             response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
             logprobs = [-rng.uniform(4.0, 7.0) for _ in response]
-            out.samples.append(Sample(p, j, prompt, response, logprobs, "stop", 0))
+            out.samples.append(Sample(p, j, prompt, response, logprobs, "stop", [0] * len(response)))
             out.rewards.append(rng.random())
     out.scores = list(out.rewards)
     return out

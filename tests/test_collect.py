@@ -37,7 +37,7 @@ def _fake(monkeypatch, scores_by_prompt, acc_by_prompt=None):
     """Prompt text -> the n scores its samples get (and optional 'acc' fields)."""
 
     def rollout(engine, prompt_ids, *, step, sampling, seed, first_index=0):
-        samples = [Sample(first_index + p, j, [1], [7, 7], [-0.5, -0.5], "stop", 0)
+        samples = [Sample(first_index + p, j, [1], [7, 7], [-0.5, -0.5], "stop", [0, 0])
                    for p in range(len(prompt_ids)) for j in range(N)]  # fmt: skip
         return samples, RolloutStats(1.0, len(samples))
 
@@ -97,7 +97,7 @@ class RecordingEngine:
 
     def generate(self, prompts, prompt_indices, seeds, sampling):
         self.seeds += seeds
-        samples = [Sample(i, j, p, [7, 7], [-0.5, -0.5], "stop", 0)
+        samples = [Sample(i, j, p, [7, 7], [-0.5, -0.5], "stop", [0, 0])
                    for p, i in zip(prompts, prompt_indices) for j in range(sampling.n)]  # fmt: skip
         return samples, RolloutStats(1.0, len(samples))
 

@@ -13,7 +13,7 @@ from megarl.trainer.timer import PhaseTimer
 
 def _step_metrics(*overrides, kl: dict):
     cfg = load_config(None, ["model.path=x", *overrides])
-    batch = Collected(samples=[Sample(0, j, [1], [5, 6], [-0.5, -0.5], "stop", 0) for j in range(2)])
+    batch = Collected(samples=[Sample(0, j, [1], [5, 6], [-0.5, -0.5], "stop", [0, 0]) for j in range(2)])
     batch.scores = batch.rewards = [0.0, 1.0]
     seqs = [SimpleNamespace(tokens=[1, 5, 6])] * 2
     learned = SimpleNamespace(seqs=seqs, actor={"actor/pg_loss": 0.1}, critic={}, kl=kl, old_logp=None, values=None)
@@ -21,7 +21,7 @@ def _step_metrics(*overrides, kl: dict):
     with timer("step"):
         pass
     job = SimpleNamespace(cfg=cfg, sampler=SimpleNamespace(epoch=0))
-    return metrics_module.step_metrics(job, batch, learned, timer=timer)
+    return metrics_module.step_metrics(job, batch, learned, timer=timer, version=0)
 
 
 def test_the_kl_loss_coefficient_and_the_in_reward_one_have_their_own_names():

@@ -41,6 +41,8 @@ CHECKPOINTS = "checkpoints"
 CRITIC_DIR = "critic"
 """The critic's own distributed checkpoint inside ``iter_N`` (written by a critic pool)."""
 TRAINER_STATE = "trainer_state.json"
+ROLLOUT_BATCH = "rollout_batch.pt"
+"""One-step-off: the batch generated for the next step when the checkpoint was saved (``{"step", "batch"}``)."""
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITER = re.compile(r"^iter_(\d{7})$")
 
@@ -190,11 +192,12 @@ def _sharded_state(models, *, loading: bool, rng: bool, names=("actor", "critic"
     return state
 
 
-def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0,
-                  before_manifest=None, finishes: bool = True, barrier=None) -> dict:  # fmt: skip
+def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0, before_manifest=None,
+                  finishes: bool = True, barrier=None, extra: dict | None = None) -> dict:  # fmt: skip
     """Collective: write ``<root>/iter_<step>`` (see the module docstring) and point ``latest`` at it; then delete
     all but the newest ``keep_last`` complete checkpoints. The root's ``megarl_checkpoint.json`` must exist.
-    ``before_manifest()`` runs between the shards and the manifest (fault injection). Returns sizes/times.
+    ``before_manifest()`` runs between the shards and the manifest (fault injection); ``extra``: file name ->
+    object, written beside the trainer state (``torch.save``; the batch in flight). Returns sizes/times.
 
     Resource pools: every rank of the launch calls it; ``barrier`` spans the launch; the actor's pool ``finishes``
     (its rank 0 writes the trainer state, the manifest, the rename); another pool writes its models (``models``;
@@ -226,6 +229,8 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
             )
     if lead:
         ckpt.atomic_write(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state))
+        for name, obj in (extra or {}).items():
+            torch.save(obj, os.path.join(tmp, name))
     barrier()
     report = {}
     if finishes:

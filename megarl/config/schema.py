@@ -707,6 +707,27 @@ class PlacementConfig:
         _require(self.wait_timeout_s > 0, "wait_timeout_s", f"must be > 0, got {self.wait_timeout_s}")
 
 
+ASYNC_MODES = ("sync", "one_step_off")
+
+
+@dataclass(kw_only=True)
+class AsyncTrainingConfig:
+    """Whether generation waits for training (``async_training``: ``async`` is a Python keyword)."""
+
+    mode: str = "sync"
+    """'sync': batch k is generated after update k-1, with its weights (version k-1). 'one_step_off': the rollout
+    pool (placement.pools) generates batch k+1 while the train pools learn from batch k, so batch k is generated with
+    version k-2 (the first two with version 0) and trained on at version k-1: a lag of exactly one update after the
+    first step; the weights are pushed after every update. Needs algorithm.rollout_is (the correction of that lag)."""
+
+    def __post_init__(self):
+        _require(self.mode in ASYNC_MODES, "mode", f"must be one of {ASYNC_MODES}, got {self.mode!r}")
+
+    @property
+    def one_step_off(self) -> bool:
+        return self.mode == "one_step_off"
+
+
 @dataclass(kw_only=True)
 class MegarlConfig:
     """A whole megarl job."""
@@ -733,3 +754,5 @@ class MegarlConfig:
     """Host offloading of training state during generation (GPU)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Resource pools (absent: colocated)."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Generation overlapped with training (one-step-off), on a rollout pool."""

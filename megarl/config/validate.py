@@ -49,6 +49,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
         )
     errors += _reward_model_errors(cfg, spec, pools)
     errors += _pool_layout_errors(cfg, spec, pools)
+    errors += _async_errors(cfg, pools)
     if spec.score_head:
         errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
                       "be a causal LM (set it as reward.model.path)")  # fmt: skip
@@ -319,6 +320,21 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
         )
     if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
         errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
+    return errors
+
+
+def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
+    """``async_training``: one-step-off needs a rollout pool (generation overlaps training only on ranks of its own)
+    and the off-policy correction."""
+    if not cfg.async_training.one_step_off:
+        return []
+    errors = []
+    if not any("rollout" in p.roles for p in pools):
+        errors.append("async_training.mode=one_step_off: generation overlaps training only on ranks of its own; "
+                      "add a rollout pool (placement.pools, as in configs/tiny_grpo_async.yaml) or set mode=sync")
+    if cfg.algorithm.rollout_is == "off":
+        errors.append("async_training.mode=one_step_off trains on samples generated one update earlier: set "
+                      "algorithm.rollout_is to token_truncate or seq_mask (their correction)")  # fmt: skip
     return errors
 
 

@@ -117,6 +117,8 @@ class Placement:
     """[] when colocated."""
     comm: object = None
     """Every rank of the launch: ``WorldComm`` colocated, a ``GroupComm`` across pools."""
+    members: tuple[int, ...] = ()
+    """The launch ranks ``comm`` spans, in its rank order; () = every rank (``without`` leaves a pool out)."""
 
     @classmethod
     def colocated(cls) -> Placement:
@@ -137,6 +139,17 @@ class Placement:
         _launch["joins"] += 1  # a new group per join (a second job in this process), the same count on every rank
         comm = GroupComm(f"placement-{_launch['joins']}", launch_store(), rank, world, wait_s)
         return cls(rank, world, pools, comm)
+
+    def without(self, role: str) -> Placement:
+        """The same pools, with ``comm`` over every rank but those of ``role``'s pool (collective over them; once per
+        job): the training pools share the learning phases among themselves while the rollout pool generates ahead
+        (``async_training.mode=one_step_off``)."""
+        from megarl.reshard.comm import GroupComm
+
+        members = tuple(r for r in range(self.world) if r not in self.ranks(role))
+        comm = GroupComm(f"{self.comm.name}-without-{role}", launch_store(), members.index(self.rank), len(members),
+                         self.comm.timeout_s)  # fmt: skip
+        return Placement(self.rank, self.world, self.pools, comm, members)
 
     @property
     def pooled(self) -> bool:
@@ -162,7 +175,8 @@ class Placement:
         """``value`` as computed on ``role``'s pool (its first rank's), on every rank; colocated: ``value``."""
         if not self.pooled:
             return value
-        return self.comm.broadcast_object(value, src=self.ranks(role).start)
+        src = self.ranks(role).start
+        return self.comm.broadcast_object(value, src=self.members.index(src) if self.members else src)
 
     def compute_on(self, role: str, compute):
         """``compute()`` on ``role``'s pool, its result (the pool's first rank's) on every rank. An exception there is
@@ -192,7 +206,7 @@ class Placement:
     def any(self, flag: bool) -> bool:
         """Collective: whether ``flag`` is set on any rank."""
         t = torch.tensor([1.0 if flag else 0.0])
-        if self.world > 1:
+        if self.comm.size > 1:
             self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 

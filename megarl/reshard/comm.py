@@ -53,10 +53,11 @@ class WorldComm:
 
 
 class GroupComm:
-    """A gloo group ``name`` over the launch's ranks 0..size-1 (every pool), on the launch's store."""
+    """A gloo group ``name`` of ``size`` ranks on the launch's store: every pool's ranks (0..size-1 = the launch's),
+    or some pools' (``Placement.without``)."""
 
     def __init__(self, name: str, store: dist.Store, rank: int, size: int, timeout_s: float = 600.0):
-        self.rank, self.size = rank, size
+        self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"megarl/x/{name}", store), rank, size, timeout)
 

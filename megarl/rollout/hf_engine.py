@@ -133,6 +133,6 @@ class HFEngine:
                 ids = ids[:end]
                 lps = [float(logprobs[j, k, t]) for k, t in enumerate(ids)]
                 reason = "stop" if ids and ids[-1] in stops else "length"
-                samples.append(Sample(idx, j, list(prompt), ids, lps, reason, self.weight_version))
+                samples.append(Sample(idx, j, list(prompt), ids, lps, reason, [self.weight_version] * len(ids)))
         seconds = time.perf_counter() - start
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))

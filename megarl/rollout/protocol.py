@@ -7,8 +7,8 @@ Data contract (the same for every backend):
 - All ranks of one engine submit identical requests in the same order, each with an explicit seed that is identical
   across the engine's ranks and distinct across prompts and engines (``request_seed``).
 - Results are gathered on every rank and redistributed to the actor's data-parallel ranks for training.
-- Every result carries the weight version that produced it. An engine whose last weight sync failed or was partial
-  is unhealthy and refuses to generate until a full sync succeeds.
+- Every generated token carries the weight version that produced it. An engine whose last weight sync failed or was
+  partial is unhealthy and refuses to generate until a full sync succeeds.
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ class Sample:
     """Per generated token: log-probability under the processed (temperature-scaled) distribution."""
     finish_reason: str
     """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
-    weight_version: int
+    weight_versions: list[int]
+    """Per generated token: the weight version that generated it."""
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest weight version among the sample's tokens."""
+        return min(self.weight_versions)
 
 
 @dataclass

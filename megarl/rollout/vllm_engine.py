@@ -271,7 +271,8 @@ class VLLMEngine:
             for j, c in enumerate(out.outputs):
                 lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
                 reason = "length" if c.finish_reason == "length" else "stop"
-                samples.append(Sample(idx, j, list(prompt), list(c.token_ids), lps, reason, self.weight_version))
+                versions = [self.weight_version] * len(c.token_ids)
+                samples.append(Sample(idx, j, list(prompt), list(c.token_ids), lps, reason, versions))
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:

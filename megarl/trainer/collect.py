@@ -3,6 +3,7 @@ equal; generate more until the batch is full or ``max_gen_batches`` rounds ran).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megarl.config.schema import MegarlConfig
@@ -42,6 +43,18 @@ class Collected:
     """With a reward model: the reward function's part per sample (``scores`` is then the combined score)."""
     rm_scores: list[float] = field(default_factory=list)
     """With a reward model: its score per sample."""
+    generation: dict[str, float] = field(default_factory=dict)
+    """Where the rollout pool's time for this batch went: ``generate``/``reward`` seconds (the step's timings), and
+    ``start``/``end`` (``time.monotonic``, the whole of it; the run's timeline)."""
+
+    def to_dict(self) -> dict:
+        """Plain lists and dicts (a checkpoint stores the batch in flight)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Collected:
+        return cls(**{**d, "samples": [Sample(**s) for s in d["samples"]],
+                      "prompts": {int(i): Prompt(**p) for i, p in d["prompts"].items()}})  # fmt: skip
 
 
 def sequences_of(samples: list[Sample]) -> list[list[int]]:

@@ -20,6 +20,7 @@ from megarl.algos import kl_controller
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import (
+    ROLLOUT_BATCH,
     abandon_later,
     checkpoints_root,
     load_training,
@@ -32,7 +33,7 @@ from megarl.config.validate import adapter_slots, layout_config, pool_layout_rol
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
-from megarl.logging.jsonl import write_rows
+from megarl.logging.jsonl import read_metrics, write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
@@ -40,9 +41,17 @@ from megarl.parallel.pools import Placement
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rollout import build_engine, write_engine_dir
+from megarl.trainer.collect import Collected
 from megarl.trainer.models import ALL_ROLES, RLModels, build_rl_models
 from megarl.trainer.phases import Phases
-from megarl.trainer.resume import METRICS_FILE, STOPPED_FILE, ResumeError, clear_previous_run, plan_start
+from megarl.trainer.resume import (
+    METRICS_FILE,
+    STOPPED_FILE,
+    TIMELINE_FILE,
+    ResumeError,
+    clear_previous_run,
+    plan_start,
+)
 from megarl.trainer.roles import Roles, make_roles
 from megarl.trainer.state import TrainerState
 from megarl.training.init_weights import ModelSource
@@ -89,6 +98,18 @@ class Job:
     """The signal that stopped the run early (after a save), if one did."""
     lora_base: dict | None = None
     """LoRA: the frozen base's fingerprint (``megarl.lora.checkpoint.base_fingerprint``), saved in checkpoints."""
+    learners: Placement | None = None
+    """The ranks that learn and how they share the learning phases (the roles'): every rank (``place``), but with
+    ``async_training.mode=one_step_off`` the pools but the rollout's (None on the rollout pool: it generates ahead)."""
+    ahead: Collected | None = None
+    """The rollout pool's batch for the next step, generated during this one (one-step-off; or read from the
+    checkpoint a run resumes)."""
+    generated: list[Collected] = dataclasses.field(default_factory=list)
+    """The batches the rollout pool generated during the current step (their times: the step's timings, timeline)."""
+
+    @property
+    def learns(self) -> bool:
+        return self.learners is not None
 
     def say(self, message: str) -> None:
         if self.place.leader:
@@ -135,10 +156,11 @@ def describe_checkpoint_root(job: Job, root: str) -> None:
 def skips_old_logprob(cfg: MegarlConfig) -> bool:
     """One mini-batch and one epoch: the policy before the update is the current one, so the update's own forward
     gives the old log-probs. Not with the KL in the reward (the penalty and its controller must see the trainer's
-    log-probs, not the engine's) nor with sequence-level rejection (it needs whole sequences' old log-probs before
-    the update's counts are formed)."""
+    log-probs, not the engine's), nor with sequence-level rejection (it needs whole sequences' old log-probs before
+    the update's counts are formed), nor one-step-off (the engine's log-probs are one update old: pi_old is the
+    trainer's, and the mismatch by lag is logged)."""
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
-    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask"
+    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.one_step_off
     return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
 
 
@@ -216,6 +238,19 @@ def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> Non
             f"{path}: its adapters were trained on another base model (model.path's {differs} differs); point "
             "model.path at the base they were trained on"
         )
+
+
+def read_ahead(path: str, step: int) -> Collected | None:
+    """The batch a one-step-off run had generated for step ``step + 1`` when checkpoint ``path`` was saved (None if
+    it holds none)."""
+    saved = os.path.join(path, ROLLOUT_BATCH)
+    if not os.path.isfile(saved):
+        return None
+    held = torch.load(saved, weights_only=False)
+    if held["step"] != step + 1:
+        raise ResumeError(f"{saved} holds the batch of step {held['step']}, not of step {step + 1}; the checkpoint "
+                          "is inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
+    return Collected.from_dict(held["batch"])
 
 
 def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=None) -> tuple[Job, TrainerState]:
@@ -302,7 +337,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             )
         if place.leader:
             write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
+    timeline = os.path.join(out_dir, TIMELINE_FILE)
+    if place.leader and os.path.isfile(timeline):  # the steps after the checkpoint run again
+        write_rows(timeline, [r for r in read_metrics(timeline) if r["step"] <= state.step])
 
+    ahead = read_ahead(start.path, state.step) if start is not None and place.hosts("rollout") else None
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     train, val = _datasets(cfg, tokenizer)
     sampler = PromptSampler(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
@@ -338,6 +377,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if place.hosts("rollout"):  # scored where the samples are generated; last
         rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
     offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
+    learners = place
+    if cfg.async_training.one_step_off:  # the rollout pool generates ahead, apart from the learning phases
+        learners = None if place.hosts("rollout") else place.without("rollout")
     job = Job(
         cfg=cfg,
         source=source,
@@ -355,9 +397,11 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         kl_ctrl=kl_ctrl,
         skip_old_logprob=skips_old_logprob(cfg),
         offloader=offloader,
-        roles=make_roles(cfg, spec, models, place),
+        roles=make_roles(cfg, spec, models, learners or place),
         phases=Phases(engine, offloader, models.actor if models is not None else None, shared=not place.pooled),
         lora_base=lora_base,
+        learners=learners,
+        ahead=ahead,
     )
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
     if place.pooled:
@@ -380,7 +424,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         job.say(note)
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
-    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
-        why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
+    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.one_step_off:
+        why = "one-step-off (the engine's are one update old)"
+        if cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
+            why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
         job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")
     return job, state

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 from megarl.algos import rollout_is_weights
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.training import checkpoints_root, save_training
+from megarl.checkpoint.training import ROLLOUT_BATCH, checkpoints_root, save_training
 from megarl.config.validate import critic_parallel
 from megarl.logging.jsonl import write_rows
 from megarl.parallel.layout import ParallelLayout
@@ -26,12 +28,12 @@ from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
 from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
-from megarl.trainer.collect import collect, combine_rewards, combined_scores, sequences_of
+from megarl.trainer.collect import Collected, collect, combine_rewards, combined_scores, sequences_of
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import needs_critic
 from megarl.trainer.preemption import StopRequests
-from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE
+from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE
 from megarl.trainer.roles import Roles
 from megarl.trainer.state import TrainerState
 from megarl.trainer.timer import PhaseTimer
@@ -71,15 +73,17 @@ def train(cfg, spec, source, engine=None) -> Job:
                 job.say(f"stopped by {job.stopped_by} after step {step}; saved; resume with the same command")
                 break
         else:
-            job.tracker.finish(summary_lines(state.history))
+            job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the
+            # rollout pool holds no metrics of its own
     job.offloader.reload()  # the models are whole again for whoever holds the job
     return job
 
 
 def save(job: Job, state: TrainerState) -> dict:
     """Collective over the launch: a training checkpoint of this step under ``output_dir/checkpoints``. With pools,
-    the actor's pool writes it and a critic pool adds its models; the rollout pool saves nothing (the sampler's
-    position crossed with the batch and is in the trainer state)."""
+    the actor's pool writes it and a critic pool adds its models; the rollout pool's sampler position is in the
+    trainer state, and one-step-off's batch already generated for the next step (prompts, tokens, log-probs,
+    versions, rewards) beside it, so a resume continues with that batch."""
     root = checkpoints_root(job.cfg.trainer.output_dir)
     if job.place.leader:
         describe_checkpoint_root(job, root)
@@ -92,6 +96,11 @@ def save(job: Job, state: TrainerState) -> dict:
         cp = critic_parallel(job.cfg)
         trainer_state["critic_layout"] = dataclasses.asdict(ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp))
     trained = job.models is not None and (job.models.actor is not None or job.models.critic is not None)
+    extra = {}
+    if job.cfg.async_training.one_step_off:  # the batch generated for the next step (none after the last step)
+        ahead = job.place.share(job.ahead.to_dict() if job.ahead is not None else None, "rollout")
+        if ahead is not None:
+            extra[ROLLOUT_BATCH] = {"step": state.step + 1, "batch": ahead}
     report = save_training(
         root,
         state.step,
@@ -101,6 +110,7 @@ def save(job: Job, state: TrainerState) -> dict:
         before_manifest=lambda: faults.fire("save", state.step),
         finishes=job.place.hosts("actor"),
         barrier=job.place.barrier,
+        extra=extra,
     )
     if job.offloader.enabled:
         job.phases.rollout(state.step)  # re-syncs only if the engine freed its weights to make room
@@ -115,10 +125,13 @@ def save(job: Job, state: TrainerState) -> dict:
 def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = False) -> dict[str, float]:
     """One RL step; afterwards the engine holds weight version ``step``. With pools, ``pool/<name>/busy_s`` is the
     time each pool spent on its own phases and ``wait_s`` the time it waited for the others (the sync aside).
+    One-step-off (``async_training``): the rollout pool hands over the batch it generated during the previous step
+    and generates the next one while the other pools learn from this one; the sync then waits for both.
     ``poison_loss``: make the actor's loss NaN (fault injection)."""
     timer, pool_time, place = PhaseTimer(), PhaseTimer(), job.place
+    learned, started = None, time.monotonic()
     with timer("step"):
-        batch = generate_batch(job, step, timer, pool_time)
+        batch = step_batch(job, step, pool_time)
         if job.cfg.trainer.save_samples and place.leader:
             save_samples(job, batch, step)
         stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
@@ -128,35 +141,48 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
                 f"in reward/timeouts). The first failure: {batch.first_error}"
             )
             job.said_reward_error = True
-        job.phases.train()
-        if job.roles.reward_model is not None:
-            with timer("reward_model"):
-                combine_rewards(job.cfg.reward, batch, job.roles.reward_model.scores(sequences_of(batch.samples)))
-        learned = learn(
-            job.cfg,
-            job.roles,
-            batch,
-            kl_ctrl=job.kl_ctrl,
-            skip_old_logprob=job.skip_old_logprob,
-            timer=timer,
-            poison_loss=poison_loss,
-        )
-        pool_time.seconds["busy"] += job.roles.busy_s()
+        if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps:
+            if place.hosts("rollout"):  # the next step's batch, with the weights the engine holds (one update old)
+                job.ahead = generate(job, step + 1, pool_time)
+        if job.learns:
+            learn_start = time.monotonic()
+            job.phases.train()
+            if job.roles.reward_model is not None:
+                with timer("reward_model"):
+                    combine_rewards(job.cfg.reward, batch, job.roles.reward_model.scores(sequences_of(batch.samples)))
+            learned = learn(
+                job.cfg,
+                job.roles,
+                batch,
+                kl_ctrl=job.kl_ctrl,
+                skip_old_logprob=job.skip_old_logprob,
+                timer=timer,
+                poison_loss=poison_loss,
+            )
+            pool_time.seconds["busy"] += job.roles.busy_s()
+            learn_span = {"phase": "learn", "batch": step, "start": learn_start, "end": time.monotonic()}
         if place.pooled:
             place.barrier()  # the pools that finished first wait here for the others
         with timer("sync"):
             report = job.phases.rollout(step)  # the engine holds step - 1: always a sync
+    spans = rollout_done(job, timer)
+    if job.learns and place.pooled and place.leader:
+        record_timeline(job, step, started, [{"pool": place.pool.name, **learn_span}, *spans])
+    if job.learners is place:  # every rank learned
+        skipped = learned.skipped
+    else:  # one-step-off: the rollout pool hears it from the actor's
+        skipped = place.share(learned.skipped if job.learns else None, "actor")
     state.step = step
     state.data = job.sampler.state_dict()
     state.kl_ctrl = job.kl_ctrl.state_dict()
-    if learned.skipped:
+    if skipped:
         state.skipped_steps += 1
         state.consecutive_skips += 1
-        job.say(f"step {step}: update skipped ({'; '.join(learned.skipped)}); weights and optimizer unchanged")
+        job.say(f"step {step}: update skipped ({'; '.join(skipped)}); weights and optimizer unchanged")
         if state.consecutive_skips >= job.cfg.trainer.max_consecutive_skips:
             raise FloatingPointError(
                 f"{state.consecutive_skips} consecutive RL step(s) had a non-finite loss or gradients (last: "
-                f"{'; '.join(learned.skipped)}); stopping (trainer.max_consecutive_skips="
+                f"{'; '.join(skipped)}); stopping (trainer.max_consecutive_skips="
                 f"{job.cfg.trainer.max_consecutive_skips}). Lower the learning rate or check the reward function; "
                 "the last checkpoint is intact"
             )
@@ -167,26 +193,55 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
         busy = pool_time.seconds["busy"]
         wait = timer.seconds["step"] - busy - timer.seconds["sync"]
         maxes.update({f"pool/{place.pool.name}/busy_s": busy, f"pool/{place.pool.name}/wait_s": wait})
-    metrics = step_metrics(job, batch, learned, timer=timer)
+    metrics = step_metrics(job, batch, learned, timer=timer, version=step - 1) if job.learns else {}
     metrics.update(reduce_ranks(place.comm if place.pooled else None, sums, maxes))
     metrics["train/skipped_steps"] = float(state.skipped_steps)
     return metrics
 
 
-def generate_batch(job: Job, step: int, timer: PhaseTimer, pool_time: PhaseTimer):
-    """The step's batch, generated and scored on the rollout's pool, on every rank with the sampler's position and
-    the generation timings (colocated: every rank generates it)."""
+def generate(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
+    """On the rollout's ranks: step ``step``'s batch, generated with the weights the engine holds and scored; its
+    times in ``Collected.generation`` (the batch is also listed in ``job.generated``: the current step's work)."""
+    timer, start = PhaseTimer(), time.monotonic()
+    with pool_time("busy"):
+        batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
+    batch.generation = {**timer.seconds, "step": step, "start": start, "end": time.monotonic()}
+    job.generated.append(batch)
+    return batch
+
+
+def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
+    """The step's batch, from the rollout's pool, on every rank: the one generated ahead (one-step-off, or read
+    from the checkpoint resumed), else generated and scored now (colocated: every rank generates it)."""
 
     def on_rollout_pool():
-        with pool_time("busy"):
-            batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
-        return batch, job.sampler.state_dict(), {k: v for k, v in timer.seconds.items() if k in ("generate", "reward")}
+        batch, job.ahead = job.ahead, None
+        return batch if batch is not None else generate(job, step, pool_time)
 
-    batch, data, rollout_seconds = job.place.compute_on("rollout", on_rollout_pool)
+    return job.place.compute_on("rollout", on_rollout_pool)
+
+
+def rollout_done(job: Job, timer: PhaseTimer) -> list[dict]:
+    """Collective, after the sync: what the rollout's pool did during the step, on every rank: the sampler's
+    position (the trainer state), the ``generate``/``reward`` timings, and the generation spans (the timeline)."""
+    mine = (job.sampler.state_dict(), [b.generation for b in job.generated]) if job.place.hosts("rollout") else None
+    job.generated = []
+    data, generations = job.place.share(mine, "rollout")
     if not job.place.hosts("rollout"):
         job.sampler.load_state_dict(data)
-        timer.seconds.update(rollout_seconds)
-    return batch
+    for g in generations:
+        for phase in ("generate", "reward"):
+            timer.seconds[phase] += g.get(phase, 0.0)
+    name = next((p.name for p in job.place.pools if "rollout" in p.roles), "")
+    return [{"pool": name, "phase": "generate", "batch": g["step"], "start": g["start"], "end": g["end"]}
+            for g in generations]  # fmt: skip
+
+
+def record_timeline(job: Job, step: int, started: float, spans: list[dict]) -> None:
+    """The leader: the step's spans (``time.monotonic``, one clock per machine) in output_dir/timeline.jsonl."""
+    rows = [{"step": step, "step_start": started, **span} for span in spans]
+    with open(os.path.join(job.cfg.trainer.output_dir, TIMELINE_FILE), "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def save_samples(job: Job, batch, step: int) -> None:
@@ -318,7 +373,7 @@ def validate(job: Job, step: int) -> dict[str, float]:
 
     samples, result = job.place.compute_on("rollout", on_rollout_pool)
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
-    if job.roles.reward_model is not None:
+    if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
         job.phases.rollout(step)  # resyncs only if the engine freed its weights while asleep (GPU, colocated)

@@ -62,8 +62,22 @@ def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([r.double() for r in rows])
 
 
-def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
-    """The step's metrics on the actor's ranks, but the per-rank ones (``rank_values``, reduced by the caller)."""
+def lag_metrics(batch, learned, version: int) -> dict[str, float]:
+    """One-step-off: per token, lag = the trainer's weight version when it trains (``version``) minus the version
+    that generated the token; the log-prob mismatch (|pi_old - pi_rollout|) of the tokens of lag 0 and of lag > 0."""
+    lags = torch.tensor([version - v for s in batch.samples for v in s.weight_versions], dtype=torch.float64)
+    m = {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max())}
+    if learned.old_logp is not None:
+        diff = (_cat(learned.old_logp) - _cat(learned.rollout_logp)).abs()
+        for name, tokens in (("lag0", lags == 0), ("lag1plus", lags > 0)):
+            if tokens.any():
+                m[f"async/logprob_mismatch_{name}"] = float(diff[tokens].mean())
+    return m
+
+
+def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float]:
+    """The step's metrics on the actor's ranks, but the per-rank ones (``rank_values``, reduced by the caller);
+    ``version``: the actor's weight version before the step's update."""
     cfg, seqs = job.cfg, learned.seqs
     lengths = [len(s.token_ids) for s in batch.samples]
     scores = batch.scores
@@ -77,7 +91,7 @@ def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
         "response_length/clip_ratio": sum(s.finish_reason == "length" for s in batch.samples) / len(lengths),
         "rollout/tokens_per_s": batch.generated_tokens / batch.generate_seconds if batch.generate_seconds else 0.0,
         "rollout/weight_version_min": float(min(s.weight_version for s in batch.samples)),
-        "rollout/weight_version_max": float(max(s.weight_version for s in batch.samples)),
+        "rollout/weight_version_max": float(max(max(s.weight_versions) for s in batch.samples)),
         "data/epoch": float(job.sampler.epoch),
     }
     m.update({f"reward/{k}": statistics.fmean(v) for k, v in batch.extra.items()})
@@ -90,6 +104,8 @@ def step_metrics(job, batch, learned, *, timer) -> dict[str, float]:
     if cfg.algorithm.dynamic_sampling.enable:
         m["dynamic_sampling/gen_rounds"] = float(batch.rounds)
         m["dynamic_sampling/dropped_groups"] = float(batch.dropped_groups)
+    if job.cfg.async_training.one_step_off:
+        m.update(lag_metrics(batch, learned, version))
     m.update(_model_metrics("actor", learned.actor))
     m.update(_model_metrics("critic", learned.critic))
     m.update(learned.kl)

@@ -21,6 +21,8 @@ from megarl.models.spec import ModelSpec, spec_from_hf_config
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"
 """Written by rank 0 when a signal stopped the run after saving (its content says the step and the signal)."""
+TIMELINE_FILE = "timeline.jsonl"
+"""With pools: per step, when each pool learned and generated (``time.monotonic`` spans; the leader writes it)."""
 SAMPLES_DIR = "samples"
 """``trainer.save_samples``: one ``step_<N>.jsonl`` per step in it."""
 EXIT_PREEMPTED = 75
@@ -107,7 +109,7 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
 
 def clear_previous_run(out: str) -> None:
     """resume=never with overwrite: delete the previous run's metrics, checkpoints, W&B files and plots."""
-    for name in (METRICS_FILE, STOPPED_FILE, "reward_curve.png", "config.yaml"):
+    for name in (METRICS_FILE, TIMELINE_FILE, STOPPED_FILE, "reward_curve.png", "config.yaml"):
         if os.path.isfile(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     for name in (os.path.basename(checkpoints_root(out)), "wandb", SAMPLES_DIR):
