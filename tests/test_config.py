@@ -163,6 +163,14 @@ def test_old_logprobs_are_computed_when_the_kl_in_reward_or_sequence_rejection_n
     assert skips_old_logprob(load_config(recipe, one))
     assert not skips_old_logprob(load_config(recipe, [*one, "algorithm.kl_in_reward=true"]))
     assert not skips_old_logprob(load_config(recipe, [*one, "algorithm.rollout_is=seq_mask"]))
+    assert not skips_old_logprob(load_config(recipe, [*one, "async_training.mode=one_step_off"]))
+
+
+def test_async_training_modes(tiny_llama_dir):
+    """one_step_off is valid on a rollout pool with the rollout correction; an unknown mode is named."""
+    validate(load_config("configs/tiny_grpo_async.yaml", [f"model.path={tiny_llama_dir}"]), world_size=4)
+    with pytest.raises(ConfigError, match=re.escape("async_training.mode: must be one of ('sync', 'one_step_off')")):
+        load_config("configs/tiny_grpo_async.yaml", [f"model.path={tiny_llama_dir}", "async_training.mode=async"])
 
 
 def _pools(*items):
@@ -187,6 +195,10 @@ def _pools(*items):
      "offload.enable=true: with a rollout pool"),
     (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout", "reference"])) + ["actor.kl_loss_coef=0.1"],
      "the reference runs beside the actor or the critic"),
+    (["async_training.mode=one_step_off", "algorithm.rollout_is=token_truncate"],
+     "async_training.mode=one_step_off: generation overlaps training only on ranks of its own; add a rollout pool"),
+    (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + ["async_training.mode=one_step_off"],
+     "async_training.mode=one_step_off trains on samples generated one update earlier: set algorithm.rollout_is"),
 ])  # fmt: skip
 def test_placement_mistakes_are_named_before_launch(tiny_llama_dir, pools, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
