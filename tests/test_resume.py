@@ -417,3 +417,20 @@ def test_one_step_off_generates_the_next_batch_while_the_train_pool_learns(chain
     for k in range(2, STEPS):
         (l0, l1), (g0, g1, during) = learn[k], generate[k + 1]
         assert during == k and max(l0, g0) < min(l1, g1), (k, learn[k], generate[k + 1])
+
+
+@pytest.mark.slow
+def test_one_step_off_quickstart_learns(tmp_path):
+    """`make demo`'s task (200 steps) in one-step-off mode (configs/tiny_grpo_async.yaml, ~50 s here): last-10 mean
+    reward >= first-10 + 0.3, the demo's criterion, with every step after the first one update off-policy."""
+    model = tmp_path / "tiny-llama"
+    subprocess.run([sys.executable, "-m", "megarl.cli", "tiny-model", "--out", str(model)], check=True, cwd=REPO)
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo_async.yaml", f"model.path={model}",
+           f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_every=0", "logging.wandb.mode=disabled",
+           "logging.progress_bar=false"]  # fmt: skip
+    run = _run(cmd)
+    assert run.rc == 0, run.out[-3000:]
+    rows = _metrics(tmp_path / "run")
+    reward = [r["reward/mean"] for r in rows]
+    assert len(reward) == 200 and sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.3, (reward[:10], reward[-10:])
+    assert [r["async/lag_max"] for r in rows] == [0.0] + [1.0] * 199
