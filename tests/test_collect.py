@@ -7,6 +7,7 @@ import pytest
 from megarl.config import load_config
 from megarl.data import Prompt
 from megarl.rewards.score import ScoreResult
+from megarl.rewards.scorer import NoFunction
 from megarl.rollout.protocol import RolloutStats, Sample
 from megarl.trainer import collect as collect_module
 from megarl.trainer.collect import DynamicSamplingExhausted, collect
@@ -33,21 +34,38 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
+class FakeScores:
+    """``GroupScores`` without collectives: each group's prompt text -> its samples' scores (``table``)."""
+
+    table: dict = {}
+    acc: dict | None = None
+
+    def __init__(self, rewards, prompts, tokenizer, engine_tp):
+        self.prompts, self.texts = prompts, []
+
+    def add(self, group):
+        self.texts += [self.prompts[s.prompt_index].prompt_text for s in group]
+
+    def result(self):
+        scores = [self.table[p][i % N] for i, p in enumerate(self.texts)]
+        extra = {"acc": [self.acc[p][i % N] for i, p in enumerate(self.texts)]} if self.acc else {}
+        return ScoreResult(scores=scores, failed=[""] * len(scores), extra=extra)
+
+
 def _fake(monkeypatch, scores_by_prompt, acc_by_prompt=None):
     """Prompt text -> the n scores its samples get (and optional 'acc' fields)."""
 
-    def rollout(engine, prompt_ids, *, step, sampling, seed, first_index=0):
+    def rollout(engine, prompt_ids, *, step, sampling, seed, first_index=0, on_group=None):
         samples = [Sample(first_index + p, j, [1], [7, 7], [-0.5, -0.5], "stop", [0, 0])
                    for p in range(len(prompt_ids)) for j in range(N)]  # fmt: skip
+        for p in range(len(prompt_ids)):
+            on_group(samples[p * N : (p + 1) * N])
         return samples, RolloutStats(1.0, len(samples))
 
-    def score_on_ranks(rewards, prompts, responses, ground_truths, extras):
-        scores = [scores_by_prompt[p][i % N] for i, p in enumerate(prompts)]
-        extra = {"acc": [acc_by_prompt[p][i % N] for i, p in enumerate(prompts)]} if acc_by_prompt else {}
-        return ScoreResult(scores=scores, failed=[""] * len(scores), extra=extra)
-
+    monkeypatch.setattr(FakeScores, "table", scores_by_prompt)
+    monkeypatch.setattr(FakeScores, "acc", acc_by_prompt)
     monkeypatch.setattr(collect_module, "rollout", rollout)
-    monkeypatch.setattr(collect_module, "score_on_ranks", score_on_ranks)
+    monkeypatch.setattr(collect_module, "GroupScores", FakeScores)
 
 
 def _cfg(*overrides):
@@ -55,8 +73,12 @@ def _cfg(*overrides):
                               "algorithm.dynamic_sampling.enable=true", *overrides])  # fmt: skip
 
 
+class NoEngine:
+    tp = 1
+
+
 def _collect(cfg, texts):
-    return collect(cfg, None, Sampler(texts), None, Tokenizer(), step=1, timer=PhaseTimer())
+    return collect(cfg, NoEngine(), Sampler(texts), None, Tokenizer(), step=1, timer=PhaseTimer())
 
 
 VARIED, SAME = [0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]
@@ -95,10 +117,12 @@ class RecordingEngine:
     def __init__(self):
         self.seeds = []
 
-    def generate(self, prompts, prompt_indices, seeds, sampling):
+    def generate(self, prompts, prompt_indices, seeds, sampling, on_group=None):
         self.seeds += seeds
         samples = [Sample(i, j, p, [7, 7], [-0.5, -0.5], "stop", [0, 0])
                    for p, i in zip(prompts, prompt_indices) for j in range(sampling.n)]  # fmt: skip
+        for k in range(len(prompts)):
+            on_group(samples[k * sampling.n : (k + 1) * sampling.n])
         return samples, RolloutStats(1.0, len(samples))
 
 
@@ -109,11 +133,9 @@ def _request_seeds(monkeypatch, *overrides):
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, **kw: out.__setitem__(0, obj))
-    monkeypatch.setattr(collect_module, "score_on_ranks", lambda rewards, prompts, *rest: ScoreResult(
-        scores=[0.0] * len(prompts), failed=[""] * len(prompts)))  # fmt: skip
     engine = RecordingEngine()
     cfg = load_config(None, ["model.path=x", "data.train_batch_size=2", f"rollout.sampling.n={N}", *overrides])
-    collect(cfg, engine, Sampler(["a", "b"]), None, Tokenizer(), step=1, timer=PhaseTimer())
+    collect(cfg, engine, Sampler(["a", "b"]), NoFunction(), Tokenizer(), step=1, timer=PhaseTimer())
     return engine.seeds
 
 

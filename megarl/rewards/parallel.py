@@ -1,18 +1,22 @@
-"""Rewards scored in parallel across ranks: each rank scores a contiguous share, then every rank gets all scores."""
+"""Rewards scored in parallel across ranks: each rank scores a share, then every rank gets all scores.
+
+- ``score_on_ranks``: a whole batch after generation, each rank a contiguous share (validation).
+- ``GroupScores``: the training batch's prompt groups as the engines finish them, each on one rank of the engine
+  that generated it; a slow reward (a judge, a sandbox) then runs in the reward workers while the engine generates.
+
+Deterministic either way: a sample's score depends only on the sample (never on which rank or call scored it)."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from megarl.rewards.score import ScoreResult
+from megarl.rewards.score import ScoreResult, merge
 from megarl.rollout.protocol import prompt_slice
 
 
 def score_on_ranks(rewards, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]):
     """Collective over the world: the ``ScoreResult`` of the whole batch on every rank, each rank scoring its share
-    with ``rewards`` (an ``InProcess`` or a ``RewardPool``: ``megarl.rewards.scorer``).
-
-    Deterministic: a sample's score depends only on the sample (never on which rank scored it)."""
+    with ``rewards`` (an ``InProcess`` or a ``RewardPool``: ``megarl.rewards.scorer``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = prompt_slice(len(prompts), rank, world)
     part = rewards.score(
@@ -23,11 +27,35 @@ def score_on_ranks(rewards, prompts: list[str], responses: list[str], ground_tru
     )
     parts: list[ScoreResult] = [None] * world
     dist.all_gather_object(parts, part)
-    parts = [p for p in parts if p.scores]  # ranks with an empty share carry no extra fields
-    keys = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
-    return ScoreResult(
-        scores=[s for p in parts for s in p.scores],
-        failed=[f for p in parts for f in p.failed],
-        extra={k: [v for p in parts for v in p.extra[k]] for k in sorted(keys)},
-        first_error=next((p.first_error for p in parts if p.first_error), None),
-    )
+    return merge(parts)
+
+
+class GroupScores:
+    """One generation round's scores, submitted group by group while the engines generate (``add`` is the engine's
+    ``on_group``); ``result()`` is collective over the world."""
+
+    def __init__(self, rewards, prompts: dict, tokenizer, engine_tp: int):
+        """``prompts``: global prompt index -> ``Prompt``; ``engine_tp``: ranks per engine (a group is scored on
+        the engine rank ``prompt index % engine_tp``)."""
+        self.rewards, self.prompts, self.tokenizer, self.tp = rewards, prompts, tokenizer, engine_tp
+        self.mine: list[int] = []
+        """The prompt indices of the groups this rank submitted, in order."""
+
+    def add(self, group: list) -> None:
+        """A finished prompt group (its samples): to this rank's reward workers if it is this rank's to score."""
+        index = group[0].prompt_index
+        if index % self.tp != dist.get_rank() % self.tp:
+            return
+        p = self.prompts[index]
+        responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
+        self.mine.append(index)
+        self.rewards.submit([p.prompt_text] * len(group), responses, [p.ground_truth] * len(group),
+                            [p.extras] * len(group))  # fmt: skip
+
+    def result(self) -> ScoreResult:
+        """Collective: every sample's score, in (prompt, sample) order, on every rank."""
+        parts = list(zip(self.mine, self.rewards.finish()))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, parts)
+        ordered = sorted((p for rank_parts in everyone for p in rank_parts), key=lambda p: p[0])
+        return merge([part for _, part in ordered])

@@ -6,12 +6,13 @@ function from its spec string, dies with the rank (``PR_SET_PDEATHSIG``), ignore
 process group, so killing it also kills what it started (a sandbox, a judge client's helpers). A watchdog in that
 group kills it when the rank's end of a pipe closes: what the reward started dies with the rank too.
 
-``score`` gives each worker one contiguous chunk of the batch. A chunk whose call raises (``SystemExit`` included),
-returns the wrong number of values, runs past ``reward.timeout_s`` or kills its worker is re-scored sample by sample,
-each call under the same timeout, so only the offending samples fail. A worker that timed out, died or raised
-``SystemExit`` is replaced by a fresh one. One ``score`` call ends within ``budget_s`` (the other ranks wait for it
-in a collective): samples still unscored then fail as timeouts. A pool is used from the thread that created it (the
-rank's main thread: a worker dies with the thread that started it).
+``score`` gives each worker one contiguous chunk of the batch; ``submit`` queues one part of a batch (a prompt group
+as the engine finishes it) and returns, ``finish`` collects every part's result. A call that raises (``SystemExit``
+included), returns the wrong number of values, runs past ``reward.timeout_s`` or kills its worker is re-scored sample
+by sample, each call under the same timeout, so only the offending samples fail. A worker that timed out, died or
+raised ``SystemExit`` is replaced by a fresh one. ``score`` (``finish``) ends within ``budget_s`` (the other ranks
+wait for it in a collective): samples still unscored then fail as timeouts. A pool is used from the thread that
+created it (the rank's main thread: a worker dies with the thread that started it).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class RewardPool:
         self.restarts = 0
         """Workers replaced after a timeout, a death or a SystemExit."""
         self.thread = threading.current_thread()
+        self.run: _Run | None = None
+        """The parts submitted and not finished yet."""
         self.workers: list[_Worker] = []
         try:
             for _ in range(num_workers):
@@ -136,28 +139,57 @@ class RewardPool:
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
         """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome does not
         depend on which worker scored it (unless the budget ran out)."""
-        if threading.current_thread() is not self.thread:
-            raise RuntimeError("a RewardPool scores on the thread that created it (its workers die with that thread)")
+        self.submit(prompts, responses, ground_truths, extras, calls=len(self.workers))
+        return self.finish()[0]
+
+    def submit(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict], *,
+               calls: int = 1) -> None:  # fmt: skip
+        """Queue one part of a batch (a prompt group the engine just finished) in ``calls`` calls, hand what idle
+        workers can take to them and take the answers already there; returns at once. ``finish`` waits for the
+        rest: the workers score while the caller goes on generating."""
         check_inputs(prompts, responses, ground_truths, extras)
-        run = _Run((prompts, responses, ground_truths, extras), len(self.workers))
-        end = time.monotonic() + self.budget_s if self.budget_s else float("inf")
-        try:
+        if self.run is None:
+            self.run = _Run()
+        self.run.add((prompts, responses, ground_truths, extras), calls)
+        self._guarded(lambda: self._advance(self.run, time.monotonic()))
+
+    def finish(self) -> list[ScoreResult]:
+        """Wait until every submitted part is scored (within ``budget_s`` from now); their results, in order."""
+        run, end = self.run, time.monotonic() + self.budget_s if self.budget_s else float("inf")
+        if run is None:
+            return []
+
+        def rest():
             while run.queue or any(w.task for w in self.workers):
-                now = time.monotonic()
-                if now >= end:
+                if time.monotonic() >= end:
                     self._give_up(run)
                     break
-                for w in self.workers:
-                    if w.ready and w.task is None and run.queue:
-                        self._send(w, run.queue.popleft(), run)
-                busy = [w for w in self.workers if w.task or not w.ready]
-                self._wait(busy, end, run)
+                self._advance(run, end)
+
+        self._guarded(rest)
+        self.run = None
+        return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts]
+
+    def _guarded(self, work) -> None:
+        if threading.current_thread() is not self.thread:
+            raise RuntimeError("a RewardPool scores on the thread that created it (its workers die with that thread)")
+        try:
+            work()
         except BaseException:  # interrupted (Ctrl-C): no call of this batch may answer into the next one
             for w in list(self.workers):
                 if w.task is not None:
                     self._replace(w)
+            self.run = None
             raise
-        return assemble(run.outcomes, prompts)
+
+    def _advance(self, run: _Run, end: float) -> None:
+        """Hand queued calls to idle workers, then wait until one answers or ``end`` (now: just look)."""
+        for w in self.workers:
+            if w.ready and w.task is None and run.queue:
+                self._send(w, run.queue.popleft(), run)
+        busy = [w for w in self.workers if w.task or not w.ready]
+        if busy:
+            self._wait(busy, end, run)
 
     def _send(self, w: _Worker, task: _Task, run: _Run) -> None:
         args = run.args
@@ -259,15 +291,24 @@ class RewardPool:
 
 
 class _Run:
-    """One ``score`` call's state: the inputs, the calls still to make, the outcomes so far."""
+    """The parts of one batch submitted so far: their inputs, the calls still to make, the outcomes so far."""
 
-    def __init__(self, args: tuple, num_workers: int):
-        self.args = args
-        n = len(args[0])
-        self.outcomes: list[Outcome | None] = [None] * n
-        chunks = min(num_workers, n)
-        bounds = [n * k // chunks for k in range(chunks + 1)] if chunks else [0]
-        self.queue = deque(_Task(list(range(a, b))) for a, b in zip(bounds, bounds[1:]))
+    def __init__(self):
+        self.args: tuple[list, ...] = ([], [], [], [])
+        self.outcomes: list[Outcome | None] = []
+        self.parts: list[slice] = []
+        self.queue: deque[_Task] = deque()
+
+    def add(self, args: tuple, calls: int) -> None:
+        """A part of ``len(args[0])`` samples, scored in ``calls`` contiguous calls (fewer if it is smaller)."""
+        start, n = len(self.outcomes), len(args[0])
+        for mine, new in zip(self.args, args):
+            mine.extend(new)
+        self.outcomes += [None] * n
+        self.parts.append(slice(start, start + n))
+        chunks = min(calls, n)
+        bounds = [start + n * k // chunks for k in range(chunks + 1)] if chunks else [start]
+        self.queue.extend(_Task(list(range(a, b))) for a, b in zip(bounds, bounds[1:]))
 
     def failed(self, task: _Task, failure: Failure) -> None:
         """A call failed: a chunk is re-scored sample by sample; a single sample keeps the failure."""

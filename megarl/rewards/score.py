@@ -134,6 +134,19 @@ def assemble(outcomes: list[Outcome], prompts: list[str]) -> ScoreResult:
     return result
 
 
+def merge(parts: list[ScoreResult]) -> ScoreResult:
+    """Consecutive parts of a batch (in sample order) as one result: an extra field is kept if every part kept it
+    (parts without samples aside); the first failure is the first part's that has one."""
+    parts = [p for p in parts if p.scores]
+    keys = set.intersection(*(set(p.extra) for p in parts)) if parts else set()
+    return ScoreResult(
+        scores=[s for p in parts for s in p.scores],
+        failed=[f for p in parts for f in p.failed],
+        extra={k: [v for p in parts for v in p.extra[k]] for k in sorted(keys)},
+        first_error=next((p.first_error for p in parts if p.first_error), None),
+    )
+
+
 def _one(fn, i, prompts, responses, ground_truths, extras) -> Outcome:
     """Sample ``i`` scored alone (a batch of one)."""
     one = slice(i, i + 1)

@@ -13,7 +13,21 @@ from megarl.rewards.registry import BUILTIN_REWARDS, load_reward_fn
 from megarl.rewards.score import RewardFailure, ScoreResult, score_batch
 
 
-class InProcess:
+class _ScoredWhenSubmitted:
+    """``submit``/``finish`` (``RewardPool``'s) for scorers in this process: a part is scored when submitted."""
+
+    _parts: list[ScoreResult] | None = None
+
+    def submit(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict], *,
+               calls: int = 1) -> None:  # fmt: skip
+        self._parts = [*(self._parts or []), self.score(prompts, responses, ground_truths, extras)]
+
+    def finish(self) -> list[ScoreResult]:
+        parts, self._parts = self._parts or [], None
+        return parts
+
+
+class InProcess(_ScoredWhenSubmitted):
     """A reward function called in this process; the same interface as ``RewardPool``."""
 
     def __init__(self, spec: str):
@@ -36,7 +50,7 @@ class InProcess:
         return False
 
 
-class NoFunction:
+class NoFunction(_ScoredWhenSubmitted):
     """No reward function (a reward model alone): the function's part of every sample is 0, never a failure."""
 
     def describe(self) -> str:

@@ -100,8 +100,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
-    ) -> tuple[list[Sample], RolloutStats]:
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
+        on_group=None,
+    ) -> tuple[list[Sample], RolloutStats]:  # fmt: skip
+        """``sampling.n`` samples per prompt, one prompt at a time (``on_group(samples)`` after each)."""
         if not self.healthy:
             raise EngineUnhealthyError("the HF engine holds no verified weights; run update_weights first")
         note_truncation(sampling, log, self._said_truncation)
@@ -134,5 +136,7 @@ class HFEngine:
                 lps = [float(logprobs[j, k, t]) for k, t in enumerate(ids)]
                 reason = "stop" if ids and ids[-1] in stops else "length"
                 samples.append(Sample(idx, j, list(prompt), ids, lps, reason, [self.weight_version] * len(ids)))
+            if on_group is not None:
+                on_group(samples[-sampling.n :])
         seconds = time.perf_counter() - start
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))

@@ -77,8 +77,10 @@ class RolloutEngine(Protocol):
     ) -> SyncReport: ...
 
     def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
-    ) -> tuple[list[Sample], RolloutStats]: ...
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
+        on_group=None,
+    ) -> tuple[list[Sample], RolloutStats]:  # fmt: skip
+        """``sampling.n`` samples per prompt; ``on_group(samples)`` with each prompt's as soon as they are done."""
 
     def sleep(self) -> None: ...
 
@@ -131,12 +133,13 @@ def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:
 
 
 def rollout(
-    engine, prompts: list[list[int]], *, step: int, sampling, seed: int, first_index: int = 0
+    engine, prompts: list[list[int]], *, step: int, sampling, seed: int, first_index: int = 0, on_group=None
 ) -> tuple[list, RolloutStats]:
     """Collective over the world: every engine generates its slice of ``prompts``; every rank gets all samples,
     ordered by (prompt, sample). Raises if the ranks of one engine disagree (they must sample identically).
     Request seeds derive from ``seed`` (the run's ``trainer.seed``) + ``sampling.seed`` (an offset), the step and
-    the prompt.
+    the prompt. ``on_group(samples)``: on the ranks of the engine that generated them, each prompt's samples as soon
+    as they are done (``megarl.rewards.parallel.GroupScores`` scores them while the engine goes on).
 
     Prompt ``i`` gets the global index ``first_index + i`` (its samples' ``prompt_index`` and its seed), so several
     rounds of one step (dynamic sampling) never share seeds."""
@@ -146,7 +149,7 @@ def rollout(
     engines = engine_count(world, rollout_tp)
     mine = [first_index + i for i in prompt_slice(len(prompts), rank // rollout_tp, engines)]
     seeds = [request_seed(seed + sampling.seed, step, i, sampling.n) for i in mine]
-    samples, stats = engine.generate([prompts[i - first_index] for i in mine], mine, seeds, sampling)
+    samples, stats = engine.generate([prompts[i - first_index] for i in mine], mine, seeds, sampling, on_group)
     everyone = [None] * world
     dist.all_gather_object(everyone, (samples, stats))
     out = []

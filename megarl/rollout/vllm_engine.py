@@ -255,25 +255,43 @@ class VLLMEngine:
         )
 
     def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig
-    ) -> tuple[list[Sample], RolloutStats]:
-        """Generate ``sampling.n`` samples per prompt; ``seeds`` must be identical on this engine's ranks."""
+        self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
+        on_group=None,
+    ) -> tuple[list[Sample], RolloutStats]:  # fmt: skip
+        """Generate ``sampling.n`` samples per prompt; ``seeds`` must be identical on this engine's ranks.
+        ``on_group(samples)``: called with each prompt's samples as soon as the engine finished all of them.
+
+        ``LLM.generate``'s own loop (enqueue the requests, step the engine until none is left: the same schedule,
+        the same tokens), with each prompt's output taken as it finishes."""
         self._check_healthy()
         note_truncation(sampling, log, self._said_truncation)
         check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         params = [self.sampling_params(sampling, s) for s in seeds]
         start = time.perf_counter()
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora())
+        ids = self.llm.enqueue(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora())
+        position = {_external_id(r): k for k, r in enumerate(ids)}
+        groups: list[list[Sample]] = [[] for _ in prompts]
+        while self.llm.llm_engine.has_unfinished_requests():
+            for out in self.llm.llm_engine.step():
+                if out.finished:
+                    k = position[out.request_id]
+                    groups[k] = self._samples(prompt_indices[k], prompts[k], out)
+                    if on_group is not None:
+                        on_group(groups[k])
         seconds = time.perf_counter() - start
-        samples = []
-        for idx, prompt, out in zip(prompt_indices, prompts, outputs):
-            for j, c in enumerate(out.outputs):
-                lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
-                reason = "length" if c.finish_reason == "length" else "stop"
-                versions = [self.weight_version] * len(c.token_ids)
-                samples.append(Sample(idx, j, list(prompt), list(c.token_ids), lps, reason, versions))
+        samples = [s for g in groups for s in g]
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
+
+    def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
+        """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
+        samples = []
+        for j, c in enumerate(out.outputs):
+            lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+            reason = "length" if c.finish_reason == "length" else "stop"
+            versions = [self.weight_version] * len(c.token_ids)
+            samples.append(Sample(index, j, list(prompt), list(c.token_ids), lps, reason, versions))
+        return samples
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
         """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
@@ -312,3 +330,10 @@ class VLLMEngine:
         self._wake("weights")
         self._wake("kv_cache")
         _reset_prefix_cache(self.llm)
+
+
+def _external_id(request_id: str) -> str:
+    """The id a finished ``RequestOutput`` carries for a request ``LLM.enqueue`` returned as ``request_id``: vLLM
+    0.32 appends '-' and 8 random hex digits to the caller's id inside the engine (``InputProcessor.
+    assign_request_id``) and reports the caller's."""
+    return request_id.rsplit("-", 1)[0]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from megarl.config.schema import MegarlConfig
 from megarl.data import Prompt
-from megarl.rewards.parallel import score_on_ranks
+from megarl.rewards.parallel import GroupScores
 from megarl.rewards.shaping import overlong_penalty
 from megarl.rollout.protocol import Sample, rollout
 
@@ -81,23 +81,15 @@ class DynamicSamplingExhausted(RuntimeError):
     """``max_gen_batches`` rounds did not give a full batch of varied groups (every rank sees the same groups)."""
 
 
-def _score(cfg: MegarlConfig, rewards, tokenizer, prompts: dict[int, Prompt], samples: list[Sample]):
-    responses = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-    result = score_on_ranks(
-        rewards,
-        [prompts[s.prompt_index].prompt_text for s in samples],
-        responses,
-        [prompts[s.prompt_index].ground_truth for s in samples],
-        [prompts[s.prompt_index].extras for s in samples],
-    )
+def _shaped(cfg: MegarlConfig, scores: list[float], samples: list[Sample]) -> list[float]:
+    """The rewards trained on: each score plus the overlong penalty when it is on."""
     over = cfg.algorithm.overlong
     max_new = cfg.rollout.sampling.max_new_tokens
-    shaped = [
+    return [
         score
         + (overlong_penalty(len(s.token_ids), max_new, over.buffer_len, over.penalty_factor) if over.enable else 0)
-        for score, s in zip(result.scores, samples)
+        for score, s in zip(scores, samples)
     ]
-    return result, shaped
 
 
 @dataclass
@@ -138,6 +130,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
     for _ in range(dynamic.max_gen_batches if dynamic.enable else 1):
         prompts = sampler.take(want)
         by_index = {next_index + i: p for i, p in enumerate(prompts)}
+        scoring = GroupScores(rewards, by_index, tokenizer, engine.tp)  # scored while the engine generates
         with timer("generate"):
             samples, stats = rollout(
                 engine,
@@ -146,13 +139,15 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
                 sampling=cfg.rollout.sampling,
                 seed=cfg.trainer.seed,
                 first_index=next_index,
+                on_group=scoring.add,
             )
         next_index += len(prompts)
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
-        with timer("reward"):
-            result, shaped = _score(cfg, rewards, tokenizer, by_index, samples)
+        with timer("reward"):  # what was not scored while the engine generated
+            result = scoring.result()
+        shaped = _shaped(cfg, result.scores, samples)
         out.scored += len(samples)
         out.errors += result.errors
         out.timeouts += result.timeouts

@@ -1,0 +1,109 @@
+"""Synchronous vs one-step-off RL on the same pools, side by side in one run (GRPO, `megarl train`).
+
+Both modes run the same recipe on the same pools (default: the actor at TP=1 on rank 0, one vLLM engine at TP=1 on
+rank 1, one core each on this machine; ``--tp 2``: configs/tiny_grpo_pools.yaml's 2 + 2 ranks), with the same
+prompts, samples and rollout correction (algorithm.rollout_is=token_truncate in both):
+
+- sync: generate and score batch k, then learn from it, then push the weights;
+- one_step_off: the rollout pool generates and scores batch k+1 while the train pool learns from batch k.
+
+Two rewards:
+
+(a) the plain toy reward (the built-in digits score, microseconds);
+(b) a latency-bound reward (benchmarks/latency_reward.py: the same score after a sleep, as a remote judge or a
+    sandbox would take) whose sleep is the median ``timing/update_actor`` measured by (a)'s synchronous run here.
+
+Per run: 1 warm-up step, then medians of the measured steps: the step time, each pool's idle share (``pool/<name>/
+wait_s`` over the step) and the throughput ratio (sync step time / one-step-off step time, samples per step equal).
+
+What 2 cores can show: the overlap of time spent waiting (the latency-bound reward) with training, and, with one rank
+per core, some overlap of generation with training. What they cannot: compute-bound overlap at scale (4 ranks on 2
+cores contend; GPUs do not), so case (a)'s ratio here says little about a GPU cluster; `megarl plan` estimates the
+step from the recipe's model, layouts and hardware instead.
+
+    python benchmarks/async_step.py            # ~3 minutes here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pools(tp: int) -> list[str]:
+    train, rollout = ("0", "1") if tp == 1 else ("0-1", "2-3")
+    return [f"placement.pools.train.ranks={train}", "placement.pools.train.roles=[actor]",
+            f"placement.pools.rollout.ranks={rollout}", "placement.pools.rollout.roles=[rollout]",
+            f"actor.parallel.tp={tp}", f"rollout.tp={tp}"]  # fmt: skip
+
+
+def run(hf_dir: str, out: str, mode: str, sleep_s: float | None, args) -> list[dict]:
+    reward = ["reward.function=benchmarks/latency_reward.py:sleepy", "reward.num_workers=1"] if sleep_s else []
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
+           f"trainer.output_dir={out}", f"trainer.total_steps={args.steps + 1}", "trainer.val_every=0",
+           "trainer.save_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+           f"data.train_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts * args.n}",
+           f"rollout.sampling.n={args.n}", f"rollout.sampling.max_new_tokens={args.new_tokens}",
+           f"rollout.max_model_len={args.new_tokens + 32}", f"actor.seq_length={args.new_tokens + 32}",
+           "rollout.kv_cache_mb=64", "algorithm.rollout_is=token_truncate", f"async_training.mode={mode}",
+           *pools(args.tp), *reward]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+           "MEGARL_BENCH_REWARD_SLEEP_S": str(sleep_s or 0)}  # fmt: skip
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]  # the warm-up step out
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="ranks per pool (the actor's TP = rollout.tp)")
+    args = p.parse_args()
+    from megarl.models.tiny import make_tiny_hf_model
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_tiny_hf_model(os.path.join(tmp, "llama"), "llama", seed=3, init_std=0.08)
+        for mode in ("sync", "one_step_off"):
+            runs["a", mode] = run(hf, os.path.join(tmp, f"a-{mode}"), mode, None, args)
+        sleep_s = median(runs["a", "sync"], "timing/update_actor")
+        for mode in ("sync", "one_step_off"):
+            runs["b", mode] = run(hf, os.path.join(tmp, f"b-{mode}"), mode, sleep_s, args)
+    print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens; pools: actor TP={args.tp} "
+          f"and one engine TP={args.tp} ({2 * args.tp} ranks) on this machine's {os.cpu_count()} cores; medians of "
+          f"{args.steps} steps after 1 warm-up\n")  # fmt: skip
+    cases = {"a": "(a) toy reward", "b": f"(b) latency-bound reward (sleeps {sleep_s:.3f} s per batch)"}
+    for case, title in cases.items():
+        print(title)
+        print(f"  {'':14}{'step s':>9}{'generate':>10}{'reward':>9}{'update':>9}{'sync':>8}"
+              f"{'train idle':>12}{'rollout idle':>14}")  # fmt: skip
+        for mode in ("sync", "one_step_off"):
+            rows = runs[case, mode]
+            step = median(rows, "timing/step")
+            idle = [median(rows, f"pool/{pool}/wait_s") / step for pool in ("train", "rollout")]
+            print(f"  {mode:14}{step:9.3f}{median(rows, 'timing/generate'):10.3f}{median(rows, 'timing/reward'):9.3f}"
+                  f"{median(rows, 'timing/update_actor'):9.3f}{median(rows, 'timing/sync'):8.3f}"
+                  f"{idle[0]:12.0%}{idle[1]:14.0%}")  # fmt: skip
+        ratio = median(runs[case, "sync"], "timing/step") / median(runs[case, "one_step_off"], "timing/step")
+        lags = sorted({r["async/lag_max"] for r in runs[case, "one_step_off"]})
+        print(f"  throughput one_step_off / sync: {ratio:.2f}x (lag {lags} after the warm-up step)\n")
+
+
+if __name__ == "__main__":
+    main()
