@@ -11,7 +11,9 @@ Two rewards:
 
 (a) the plain toy reward (the built-in digits score, microseconds);
 (b) a latency-bound reward (benchmarks/latency_reward.py: the same score after a sleep, as a remote judge or a
-    sandbox would take) whose sleep is the median ``timing/update_actor`` measured by (a)'s synchronous run here.
+    sandbox would take) whose sleep is the median ``timing/update_actor`` measured by (a)'s synchronous run here;
+    each prompt group is one call, sent as the engine finishes the group, and the workers (one per prompt) wait
+    side by side, so a batch's reward takes about one sleep after its last group.
 
 Per run: 1 warm-up step, then medians of the measured steps: the step time, each pool's idle share (``pool/<name>/
 wait_s`` over the step) and the throughput ratio (sync step time / one-step-off step time, samples per step equal).
@@ -45,7 +47,9 @@ def pools(tp: int) -> list[str]:
 
 
 def run(hf_dir: str, out: str, mode: str, sleep_s: float | None, args) -> list[dict]:
-    reward = ["reward.function=benchmarks/latency_reward.py:sleepy", "reward.num_workers=1"] if sleep_s else []
+    reward = []  # a latency-bound reward: each call (one prompt group) waits sleep_s, all groups' calls at once
+    if sleep_s:
+        reward = ["reward.function=benchmarks/latency_reward.py:sleepy", f"reward.num_workers={args.prompts}"]
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
            f"trainer.output_dir={out}", f"trainer.total_steps={args.steps + 1}", "trainer.val_every=0",
            "trainer.save_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
@@ -88,7 +92,8 @@ def main() -> None:
     print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens; pools: actor TP={args.tp} "
           f"and one engine TP={args.tp} ({2 * args.tp} ranks) on this machine's {os.cpu_count()} cores; medians of "
           f"{args.steps} steps after 1 warm-up\n")  # fmt: skip
-    cases = {"a": "(a) toy reward", "b": f"(b) latency-bound reward (sleeps {sleep_s:.3f} s per batch)"}
+    cases = {"a": "(a) toy reward", "b": f"(b) latency-bound reward (sleeps {sleep_s:.3f} s per call, {args.prompts} "
+             "calls at once)"}
     for case, title in cases.items():
         print(title)
         print(f"  {'':14}{'step s':>9}{'generate':>10}{'reward':>9}{'update':>9}{'sync':>8}"

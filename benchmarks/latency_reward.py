@@ -1,6 +1,7 @@
 """A latency-bound reward for benchmarks/async_step.py: the toy digits score after sleeping
-$MEGARL_BENCH_REWARD_SLEEP_S seconds per call (a remote judge or a sandbox: the time is spent waiting, not computing).
-Used by name (``benchmarks/latency_reward.py:sleepy``); it runs in the reward worker processes."""
+$MEGARL_BENCH_REWARD_SLEEP_S seconds per call (one prompt group), as a remote judge or a sandbox would take: the
+time is spent waiting, not computing. Used by name (``benchmarks/latency_reward.py:sleepy``); it runs in the reward
+worker processes."""
 
 import os
 import time
