@@ -28,6 +28,7 @@ from megarl.plan.memory import (
     micro_batch_tokens,
     rank_memory,
 )
+from megarl.plan.step_time import StepTime, step_time, step_time_lines
 
 
 class PlanError(ValueError):
@@ -48,6 +49,14 @@ class Hardware:
     """InfiniBand bandwidth per GPU in Gbit/s (HDR: 200)."""
     nvlink_gbps: float = 2400.0
     """NVLink bandwidth per GPU and direction in Gbit/s (A100: 300 GB/s = 2400)."""
+    peak_tflops: float = 312.0
+    """Dense bf16 peak TFLOP/s per GPU (A100: 312, H100 SXM: 989); the step-time estimate only."""
+    hbm_gb_s: float = 2039.0
+    """GPU memory bandwidth in GB/s (A100-80GB: 2039, H100 SXM: 3350); the step-time estimate only."""
+    mfu: float = 0.4
+    """Fraction of the peak FLOP/s that training and prefill reach (the step-time estimate)."""
+    decode_bw_efficiency: float = 0.6
+    """Fraction of the memory bandwidth that decoding reaches (the step-time estimate)."""
 
 
 def default_hardware(world: int, nodes: int | None, gpus_per_node: int | None, **links) -> Hardware:
@@ -68,6 +77,8 @@ class JobPlan:
     ranks: list[RankMemory]
     sync: dict
     """Weight-sync statistics of the resharding engine's plan (bytes by link, busiest rank/node, est_s)."""
+    step: StepTime | None = None
+    """The step-time estimate (with the sync plan)."""
 
     @property
     def capacity(self) -> int:
@@ -125,7 +136,8 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             src = megatron_adapter_layout(spec, lora, layout, gpn).shifted(actor_at.start)
             dst = peft_adapter_layout(spec, lora, ranks, gpn).shifted(engines_at.start)
             stats["adapters"] = stats_of(plan(src, dst))
-    return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats)
+    step = step_time(cfg, spec, hw, stats["est_s"]) if stats else None
+    return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats, step)
 
 
 # --- what would make it fit ----------------------------------------------------------------------------------------
@@ -290,6 +302,9 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             f"estimated times: NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per GPU, no latency or "
             "verification"
         ]
+    if job.step is not None:
+        lines += ["", "## Step time (estimate)"]
+        lines += step_time_lines(job.step, hw, one_step_off=any("rollout" in p.roles for p in pools_of(cfg)))
     lora = cfg.actor.lora
     if lora is not None:
         trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])

@@ -1,0 +1,94 @@
+"""`megarl plan`'s step-time estimate: generation, learning and the weight sync of one RL step on the planned
+hardware, and the step they make synchronously and one-step-off (``async_training``).
+
+Rooflines with stated efficiencies (``Hardware.mfu``, ``decode_bw_efficiency``), not measurements. Learning: 2 FLOPs
+per parameter and token for a forward, 6 for a forward and backward (8 with full recompute), over every prompt and
+response token of the step (both at their configured maxima), each role on its own pool's GPUs, one role after the
+other (as ``learn`` runs them). Generation: every engine decodes its share of the sequences together; each decode
+step reads the engine's weight shard once (memory bound) or computes 2 FLOPs per parameter and sequence (compute
+bound), whichever is slower, for ``max_new_tokens`` steps, after a compute-bound prefill of the prompts. The KV
+cache's reads, the reward and stragglers are left out: real generation is longer, which only widens the gap
+one-step-off closes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megarl.config.schema import MegarlConfig
+from megarl.config.validate import critic_parallel, pools_of, rollout_tp
+from megarl.models.spec import ModelSpec
+from megarl.parallel.layout import ParallelLayout
+from megarl.plan.memory import DTYPE_BYTES, model_params
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Estimated seconds of one step's parts."""
+
+    generate_s: float
+    learn_s: float
+    """Every role's forwards and updates (old log-probs, reference, values, critic and actor updates)."""
+    sync_s: float
+
+    @property
+    def sync_step_s(self) -> float:
+        """``async_training.mode=sync``: generate, then learn, then push the weights."""
+        return self.generate_s + self.learn_s + self.sync_s
+
+    @property
+    def one_step_off_step_s(self) -> float:
+        """``one_step_off``: the rollout pool generates the next batch while the others learn; then the push."""
+        return max(self.generate_s, self.learn_s) + self.sync_s
+
+
+def _params(spec: ModelSpec, *, value_head: bool = False) -> int:
+    return sum(p.numel for p in model_params(spec, ParallelLayout(), value_head=value_head)[0])
+
+
+def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime:
+    """The estimate for ``cfg`` on ``hw`` (``megarl.plan.job.Hardware``); ``sync_s``: the resharding plan's."""
+    from megarl.trainer.job import skips_old_logprob
+    from megarl.trainer.models import needs_critic, needs_reference
+
+    flops_s = hw.peak_tflops * 1e12 * hw.mfu
+    seqs = cfg.data.train_batch_size * cfg.rollout.sampling.n
+    prompt, new = cfg.data.max_prompt_length, cfg.rollout.sampling.max_new_tokens
+    tokens = seqs * (prompt + new)
+    train = 8 if cfg.model.recompute else 6  # FLOPs per parameter and token, forward and backward
+    actor, critic = _params(spec), _params(spec, value_head=True)
+    pools = pools_of(cfg)
+    a = cfg.actor.parallel
+    actor_gpus = a.tp * a.pp * a.dp
+    c = critic_parallel(cfg)
+    critic_gpus = c.tp * c.pp * c.dp if pools else actor_gpus
+    reference_gpus = next((critic_gpus for p in pools if "reference" in p.roles and "critic" in p.roles), actor_gpus)
+    work = [(train * actor * tokens * cfg.actor.ppo_epochs, actor_gpus)]  # (FLOPs, GPUs)
+    if not skips_old_logprob(cfg):
+        work.append((2 * actor * tokens, actor_gpus))
+    if needs_reference(cfg):
+        work.append((2 * actor * tokens, reference_gpus))
+    if needs_critic(cfg):
+        work.append(((2 + train * cfg.critic.ppo_epochs) * critic * tokens, critic_gpus))
+    learn_s = sum(flops / (gpus * flops_s) for flops, gpus in work)
+    rollout_ranks = next((p.size for p in pools if "rollout" in p.roles), actor_gpus)
+    tp = rollout_tp(cfg)
+    per_engine = math.ceil(seqs / (rollout_ranks // tp))
+    read_s = actor * DTYPE_BYTES[cfg.model.dtype] / tp / (hw.hbm_gb_s * 1e9 * hw.decode_bw_efficiency)
+    decode_step_s = max(read_s, 2 * actor * per_engine / tp / flops_s)
+    prefill_s = 2 * actor * per_engine * prompt / tp / flops_s
+    return StepTime(prefill_s + new * decode_step_s, learn_s, sync_s)
+
+
+def step_time_lines(t: StepTime, hw, *, one_step_off: bool) -> list[str]:
+    """The report's section; ``one_step_off``: the recipe has a rollout pool (else it cannot overlap)."""
+    ratio = t.sync_step_s / t.one_step_off_step_s
+    bound = "generation" if t.generate_s > t.learn_s else "learning"
+    return [
+        f"generate {t.generate_s:.1f} s, learn {t.learn_s:.1f} s, weight sync {t.sync_s:.2f} s per step",
+        f"sync: {t.sync_step_s:.1f} s per step; "
+        + (f"one_step_off (async_training): {t.one_step_off_step_s:.1f} s ({ratio:.2f}x the throughput; bound by "
+           f"{bound})" if one_step_off else "one_step_off needs a rollout pool (placement.pools)"),  # fmt: skip
+        f"estimated: {hw.peak_tflops:g} TFLOP/s per GPU at {hw.mfu:.0%} (learning, prefill), HBM {hw.hbm_gb_s:g} GB/s "
+        f"at {hw.decode_bw_efficiency:.0%} (decode), responses of max_new_tokens; rewards and stragglers left out",
+    ]
