@@ -146,3 +146,26 @@ def test_a_rollout_pool_is_planned_on_its_own_ranks():
     assert (job.sync["moved"], job.sync["cross"]) == (bounds["rank_min"], bounds["node_min"])
     text = format_plan(job)
     assert "pool train: ranks 0-63, roles actor, critic, reference" in text and "pool rollout: ranks 64-95" in text
+
+
+def test_the_step_time_estimate_of_the_70b_pools_recipe_from_its_flops_and_bytes():
+    """configs/llama2_70b_ppo_pools.yaml one-step-off, written out by hand from the model's 68,976,648,192
+    parameters (the critic: the LM head's 32000 x 8192 replaced by one 8192 row and a bias): learning = 8 FLOPs per
+    parameter and token (full recompute) for the actor's update, 2 for its old log-probs and for the reference (on
+    the actor's 32 GPUs), 2 + 8 for the critic (its own 32 GPUs); decoding = each of the 4 TP=8 engines reading its
+    weight shard per step, 64 sequences each; one-step-off overlaps the two."""
+    cfg = load_config("configs/llama2_70b_ppo_pools.yaml", ["async_training.mode=one_step_off",
+                                                           "algorithm.rollout_is=token_truncate"])  # fmt: skip
+    job = make_plan(cfg, validate(cfg), Hardware(12, 8))
+    flops = 312e12 * 0.4
+    actor, critic = LLAMA2_70B_PARAMS, LLAMA2_70B_PARAMS - 32000 * 8192 + 8192 + 1
+    tokens = 256 * (1024 + 1024)
+    learn = (8 + 2 + 2) * actor * tokens / (32 * flops) + 10 * critic * tokens / (32 * flops)
+    decode = max(actor * 2 / 8 / (2039e9 * 0.6), 2 * actor * 64 / 8 / flops)
+    generate = 2 * actor * 64 * 1024 / 8 / flops + 1024 * decode
+    t = job.step
+    assert t.learn_s == pytest.approx(learn, rel=1e-9) and t.generate_s == pytest.approx(generate, rel=1e-9)
+    assert t.sync_s == job.sync["est_s"]
+    assert t.one_step_off_step_s == pytest.approx(max(learn, generate) + t.sync_s)
+    assert t.sync_step_s == pytest.approx(learn + generate + t.sync_s)
+    assert "one_step_off (async_training):" in format_plan(job)
