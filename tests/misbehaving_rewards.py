@@ -76,3 +76,10 @@ def graded(prompts, responses, ground_truths, extras):
     """Well behaved: a score and extra fields that depend on the sample only."""
     return [{"score": len(r) / 10, "format": float(r.startswith("1")), "digit": float(p[-2])}
             for p, r in zip(prompts, responses)]  # fmt: skip
+
+
+def slow_graded(prompts, responses, ground_truths, extras):
+    """``graded`` after marking the call's start and sleeping $MEGARL_TEST_SLOW_S seconds (a judge's latency)."""
+    _mark("start")
+    time.sleep(float(os.environ.get("MEGARL_TEST_SLOW_S", "0")))
+    return graded(prompts, responses, ground_truths, extras)

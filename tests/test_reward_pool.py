@@ -79,6 +79,34 @@ def test_workers_give_what_the_trainer_s_process_gives():
     assert score_batch(misbehaving_rewards.graded, PROMPTS, RESPONSES, [None] * 20, [{}] * 20) == expected
 
 
+def test_groups_submitted_as_they_finish_are_scored_while_the_caller_goes_on(tmp_path, monkeypatch):
+    """``submit`` (one prompt group of 4 samples at a time, as the engine finishes them) returns at once while the
+    workers score (a call has started before ``finish`` is called); ``finish`` gives each group's result, and the
+    groups merged equal the whole batch scored in one call, failures included."""
+    from megarl.rewards.score import merge
+
+    marker = tmp_path / "calls"
+    monkeypatch.setenv("MEGARL_TEST_MARKER", str(marker))
+    monkeypatch.setenv("MEGARL_TEST_SLOW_S", "0.5")
+    expected = _score(InProcess("tests.misbehaving_rewards:graded"))
+    with RewardPool(f"{FILE}:slow_graded", num_workers=2, timeout_s=30) as pool:
+        pool.submit(PROMPTS[:4], RESPONSES[:4], [None] * 4, [{}] * 4)
+        deadline = time.monotonic() + 20
+        while not marker.exists() and time.monotonic() < deadline:  # the caller goes on; the worker has started
+            time.sleep(0.01)
+        assert marker.exists() and pool.run is not None and any(w.task for w in pool.workers)
+        for g in range(1, 5):
+            pool.submit(PROMPTS[4 * g : 4 * g + 4], RESPONSES[4 * g : 4 * g + 4], [None] * 4, [{}] * 4)
+        parts = pool.finish()
+        assert len(parts) == 5 and merge(parts) == expected and pool.run is None
+        assert len(marker.read_text().splitlines()) == 5  # one call per group
+    with RewardPool(f"{FILE}:nan", num_workers=2, timeout_s=30) as pool:  # samples 7 and 17 fail, alone
+        for g in range(5):
+            pool.submit(PROMPTS[4 * g : 4 * g + 4], RESPONSES[4 * g : 4 * g + 4], [None] * 4, [{}] * 4)
+        merged = merge(pool.finish())
+        assert merged.failed == [ERROR if i in BAD else "" for i in range(20)] and merged == _score(pool)
+
+
 def test_a_reward_that_always_fails_stops_the_run_with_its_first_error():
     with RewardPool(f"{FILE}:always_raises", num_workers=2, timeout_s=5) as pool:
         result = _score(pool)
