@@ -88,7 +88,8 @@ def main(args: dict) -> None:
         for temperature in (1.0, 0.7):
             torch.manual_seed(1000 * rank + 17)  # global RNGs differ on every rank before the call
             sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=8, seed=5)
-            samples, stats = rollout(engine, prompts, step=version, sampling=sampling, seed=0)
+            groups = []  # what the engine handed over as each prompt's samples finished
+            samples, stats = rollout(engine, prompts, step=version, sampling=sampling, seed=0, on_group=groups.append)
             mine = samples_for_dp_rank(samples, dp_rank, dp)
             entry = {
                 "engine": name,
@@ -97,6 +98,7 @@ def main(args: dict) -> None:
                 "samples": [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in samples],
                 "dp_prompts": sorted({s.prompt_index for s in mine}),
                 "versions": sorted({s.weight_version for s in samples}),
+                "groups": [[(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in g] for g in groups],
                 "tokens_per_s": stats.tokens_per_s,
                 "sync_seconds": report.seconds,
                 **logprob_mismatch([s.logprobs for s in mine], recompute(mine, temperature)),

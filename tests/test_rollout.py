@@ -63,6 +63,19 @@ def test_rollout_logprobs_match_the_actor_after_update(llama_tp2, qwen2_dp2, eng
                 assert all(len(tokens) > 0 for _, _, tokens, _ in s["samples"])
 
 
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_each_prompts_samples_are_handed_over_as_they_finish(llama_tp2, qwen2_dp2, engine):
+    """``on_group``: on every rank, each prompt of its engine's slice once, with its n samples as returned."""
+    for ranks in (llama_tp2, qwen2_dp2):
+        for per_rank in _steps(ranks, engine):
+            for s in per_rank:
+                groups = s["groups"]
+                assert sorted(g[0][0] for g in groups) == s["engine_prompts"]
+                assert all(len(g) == 2 and {x[0] for x in g} == {g[0][0]} for g in groups)
+                by_prompt = sorted((x for g in groups for x in g), key=lambda x: (x[0], x[1]))
+                assert [tuple(x) for x in by_prompt] == [tuple(x) for x in s["samples"] if x[0] in s["engine_prompts"]]
+
+
 def test_vllm_ranks_of_one_engine_return_identical_tokens(llama_tp2):
     a, b = _steps(llama_tp2, "vllm")
     for sa, sb in zip(a, b):
