@@ -105,6 +105,8 @@ def test_groups_submitted_as_they_finish_are_scored_while_the_caller_goes_on(tmp
             pool.submit(PROMPTS[4 * g : 4 * g + 4], RESPONSES[4 * g : 4 * g + 4], [None] * 4, [{}] * 4)
         merged = merge(pool.finish())
         assert merged.failed == [ERROR if i in BAD else "" for i in range(20)] and merged == _score(pool)
+        pool.submit(PROMPTS[:4], RESPONSES[:4], [None] * 4, [{}] * 4)  # a round that failed before its finish
+        assert _score(pool) == merged and pool.run is None  # never answers into the next batch
 
 
 def test_a_reward_that_always_fails_stops_the_run_with_its_first_error():

@@ -139,14 +139,20 @@ class RewardPool:
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
         """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome does not
         depend on which worker scored it (unless the budget ran out)."""
-        self.submit(prompts, responses, ground_truths, extras, calls=len(self.workers))
-        return self.finish()[0]
+        self._check_thread()
+        check_inputs(prompts, responses, ground_truths, extras)
+        if self.run is not None:  # parts of a round that failed before its finish: never answered here
+            self._abandon()
+        run = _Run()
+        run.add((prompts, responses, ground_truths, extras), len(self.workers))
+        return self._finish(run)[0]
 
     def submit(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict], *,
                calls: int = 1) -> None:  # fmt: skip
         """Queue one part of a batch (a prompt group the engine just finished) in ``calls`` calls, hand what idle
         workers can take to them and take the answers already there; returns at once. ``finish`` waits for the
         rest: the workers score while the caller goes on generating."""
+        self._check_thread()
         check_inputs(prompts, responses, ground_truths, extras)
         if self.run is None:
             self.run = _Run()
@@ -155,9 +161,11 @@ class RewardPool:
 
     def finish(self) -> list[ScoreResult]:
         """Wait until every submitted part is scored (within ``budget_s`` from now); their results, in order."""
-        run, end = self.run, time.monotonic() + self.budget_s if self.budget_s else float("inf")
-        if run is None:
-            return []
+        run, self.run = self.run, None
+        return self._finish(run) if run is not None else []
+
+    def _finish(self, run: _Run) -> list[ScoreResult]:
+        end = time.monotonic() + self.budget_s if self.budget_s else float("inf")
 
         def rest():
             while run.queue or any(w.task for w in self.workers):
@@ -167,20 +175,26 @@ class RewardPool:
                 self._advance(run, end)
 
         self._guarded(rest)
-        self.run = None
         return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts]
 
-    def _guarded(self, work) -> None:
+    def _check_thread(self) -> None:
         if threading.current_thread() is not self.thread:
             raise RuntimeError("a RewardPool scores on the thread that created it (its workers die with that thread)")
+
+    def _guarded(self, work) -> None:
+        self._check_thread()
         try:
             work()
         except BaseException:  # interrupted (Ctrl-C): no call of this batch may answer into the next one
-            for w in list(self.workers):
-                if w.task is not None:
-                    self._replace(w)
-            self.run = None
+            self._abandon()
             raise
+
+    def _abandon(self) -> None:
+        """Drop the parts submitted and not finished; their workers are replaced (no late answer)."""
+        for w in list(self.workers):
+            if w.task is not None:
+                self._replace(w)
+        self.run = None
 
     def _advance(self, run: _Run, end: float) -> None:
         """Hand queued calls to idle workers, then wait until one answers or ``end`` (now: just look)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ from megarl.config.validate import adapter_slots, layout_config, pool_layout_rol
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
-from megarl.logging.jsonl import read_metrics, write_rows
+from megarl.logging.jsonl import write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
@@ -240,6 +241,18 @@ def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> Non
         )
 
 
+def _json_rows(path: str) -> list[dict]:
+    """A JSON-lines file's rows; a line cut short by a kill is skipped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
 def read_ahead(path: str, step: int) -> Collected | None:
     """The batch a one-step-off run had generated for step ``step + 1`` when checkpoint ``path`` was saved (None if
     it holds none)."""
@@ -339,9 +352,16 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
     timeline = os.path.join(out_dir, TIMELINE_FILE)
     if place.leader and os.path.isfile(timeline):  # the steps after the checkpoint run again
-        write_rows(timeline, [r for r in read_metrics(timeline) if r["step"] <= state.step])
+        write_rows(timeline, [r for r in _json_rows(timeline) if r["step"] <= state.step])
 
-    ahead = read_ahead(start.path, state.step) if start is not None and place.hosts("rollout") else None
+    ahead = None
+    if start is not None:  # the rollout pool's batch in flight; a bad one stops every pool
+
+        def read():
+            nonlocal ahead
+            ahead = read_ahead(start.path, state.step)
+
+        place.compute_on("rollout", read)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     train, val = _datasets(cfg, tokenizer)
     sampler = PromptSampler(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)

@@ -141,9 +141,12 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
                 f"in reward/timeouts). The first failure: {batch.first_error}"
             )
             job.said_reward_error = True
-        if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps:
-            if place.hosts("rollout"):  # the next step's batch, with the weights the engine holds (one update old)
+        ahead_failed = None
+        if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps and place.hosts("rollout"):
+            try:  # the next step's batch, with the weights the engine holds (one update old)
                 job.ahead = generate(job, step + 1, pool_time)
+            except Exception as e:  # noqa: BLE001 -- raised on every pool below, once the others learned
+                ahead_failed = e
         if job.learns:
             learn_start = time.monotonic()
             job.phases.train()
@@ -161,6 +164,8 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
             )
             pool_time.seconds["busy"] += job.roles.busy_s()
             learn_span = {"phase": "learn", "batch": step, "start": learn_start, "end": time.monotonic()}
+        if job.cfg.async_training.one_step_off:  # a failure generating ahead stops every pool
+            place.compute_on("rollout", lambda: _raise(ahead_failed))
         if place.pooled:
             place.barrier()  # the pools that finished first wait here for the others
         with timer("sync"):
@@ -197,6 +202,11 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
     metrics.update(reduce_ranks(place.comm if place.pooled else None, sums, maxes))
     metrics["train/skipped_steps"] = float(state.skipped_steps)
     return metrics
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
 
 
 def generate(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
