@@ -141,16 +141,23 @@ def test_vllm_shared_memory_names_carry_the_run():
         after = _CPUSHMDistributed.make_group_name(group)
         shm = shared_memory.SharedMemory(create=True, size=64)
         named = shared_memory.SharedMemory(name="given-by-caller", create=True, size=64)
-        print(before, after, shm.name, os.path.exists("/dev/shm/" + shm.name), named.name)
+        from vllm.utils.network_utils import get_open_zmq_ipc_path
+        ipc = get_open_zmq_ipc_path()
+        print(before, after, shm.name, os.path.exists("/dev/shm/" + shm.name), named.name, ipc,
+              os.path.isdir(os.environ["VLLM_RPC_BASE_PATH"]))
         for s in (shm, named):
             s.close(); s.unlink()
+        os.rmdir(os.environ["VLLM_RPC_BASE_PATH"])
     """
-    out = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    out = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    before, after, psm, exists, named = out.stdout.split()
+    before, after, psm, exists, named, ipc, ipc_dir = out.stdout.split()
     assert before == "//-tp:0-[0-1]-cpushm"
     assert after == "megarl-0123456789ab-tp:0-[0-1]-cpushm"
     assert psm.startswith("megarl-0123456789ab-psm_") and exists == "True" and named == "given-by-caller"
+    # vLLM's ZMQ sockets (never unlinked by vLLM) live in the run's directory, removed with its segments
+    assert ipc.startswith("ipc:///dev/shm/megarl-0123456789ab-ipc/") and ipc_dir == "True"
 
 
 AGENT = """

@@ -8,6 +8,9 @@ collide and a run's segments can be told apart and removed after a kill.
   does not help; the identifier is replaced by the run's prefix here.
 - ``multiprocessing.shared_memory.SharedMemory`` (vLLM's message queues, tensor arenas and node probes create
   anonymous ``psm_<random>`` segments): a segment created without a name is named ``<prefix>-psm_<random>``.
+- vLLM's ZMQ sockets (a message queue binds ``ipc://<VLLM_RPC_BASE_PATH>/<uuid>``, default ``/tmp``, and never
+  unlinks it: two socket files per engine left in ``/tmp`` by every run) go to the run's directory
+  ``<prefix>-ipc`` beside its segments, removed with them; a ``VLLM_RPC_BASE_PATH`` the user set is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 import secrets
 from multiprocessing import shared_memory
+
+from megarl.launch.lifetime import SHM_DIR
 
 _state = {"prefix": None}  # this process's run prefix, set once by install(); not a cache
 _STDLIB_SHARED_MEMORY = shared_memory.SharedMemory
@@ -48,6 +53,9 @@ def install(prefix: str) -> None:
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
     _state["prefix"] = prefix
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = os.path.join(SHM_DIR, f"{prefix}-ipc")
+    os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
     shared_memory.SharedMemory = RunNamedSharedMemory
     if not hasattr(_CPUSHMDistributed.make_group_name, "megarl_original"):
         _CPUSHMDistributed.make_group_name = run_group_name(_CPUSHMDistributed.make_group_name)
