@@ -5,6 +5,7 @@ collective that times out is reported in one line naming the call, the group and
 the real trainer and vLLM at TP=2: tests/test_resume.py."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,6 +195,17 @@ def test_supervisor_kills_the_rest_of_a_run_at_once_when_a_rank_dies():
     assert "killed the 1 other process(es) of this run at once" in deaths[0]  # rank 1 (the agent reports, exits)
     assert not [p for p in psutil.process_iter() if _run_of(p)], "a process of the run is alive"
     assert not [n for n in set(os.listdir(lifetime.SHM_DIR)) - before if n.startswith("megarl-")]
+
+
+def test_torchruns_log_directory_belongs_to_the_run(capfd):
+    """torchrun makes a log directory per run (``/tmp/torchelastic_*`` by default, never removed): under the
+    supervisor it is the run's ``megarl-<id>-torchelastic``, removed with the run's other entries."""
+    agent = "import os; os.makedirs(os.environ['PET_LOG_DIR'] + '/run_0/attempt_0'); print(os.environ['PET_LOG_DIR'])"
+    before = set(os.listdir(lifetime.SHM_DIR))
+    assert lifetime.supervise([PY, "-c", agent], say=lambda line: None) == 0
+    logs = capfd.readouterr().out.split()[-1]
+    assert re.fullmatch(re.escape(lifetime.SHM_DIR) + r"/megarl-[0-9a-f]{12}-torchelastic", logs), logs
+    assert not os.path.exists(logs) and not [n for n in set(os.listdir(lifetime.SHM_DIR)) - before if "megarl-" in n]
 
 
 def _run_of(p):

@@ -433,7 +433,10 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str =
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     with Supervisor(say=say) as sup:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        agent = sup.popen(cmd, env={"OMP_NUM_THREADS": "1", **(os.environ if env is None else env)})
+        # torchrun's per-run log directory (else a new /tmp/torchelastic_* per run, never removed) is the run's
+        logs = os.path.join(SHM_DIR, f"{shm_prefix(sup.run)}-torchelastic")
+        env = {"OMP_NUM_THREADS": "1", "PET_LOG_DIR": logs, **(os.environ if env is None else env)}
+        agent = sup.popen(cmd, env=env)
 
         def forward(signum, frame):
             try:
