@@ -26,6 +26,7 @@ from megarl.reshard.sync import actor_tensors
 from megarl.rollout import write_engine_dir
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.protocol import prompt_slice, rollout, samples_for_dp_rank
+from megarl.rollout.stream import StreamSession, stream_seed
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.training.logprobs import logprob_mismatch, token_logprobs
 from megarl.training.setup import wrap_for_training
@@ -130,9 +131,65 @@ def main(args: dict) -> None:
     except ValueError as e:
         out["too_long"] = str(e)
 
+    out["partial"] = partial_rollout(engines["vllm"], engines["hf"], ddp, train_once)
+
     with open(os.path.join(args["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
+
+
+def partial_rollout(vllm, hf, ddp, train_once) -> dict:
+    """Streaming with a weight push between two engine steps while requests are in flight (partial rollout,
+    ``recompute``): each token's log-prob against teacher-forced HF log-probs (fp32) of the version that produced it.
+    The prompts exceed the CPU block size (128 tokens) and a prompt submitted after the push shares a full block
+    with one submitted before it: a stale prefix cache would serve the old weights' keys and values."""
+    temperature = 0.8
+
+    def teacher_forced(seq: list[int], prompt_len: int) -> list[float]:
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([seq])).logits[0].float() / temperature
+        lp = torch.log_softmax(logits, -1)
+        return [float(lp[prompt_len - 1 + j, seq[prompt_len + j]]) for j in range(len(seq) - prompt_len)]
+
+    first = _tokens(200, 21)
+    vllm.update_weights(actor_tensors(ddp), 10)
+    session = StreamSession(vllm, SamplingConfig(n=2, temperature=temperature, max_new_tokens=12))
+    session.submit(0, first, seed=stream_seed(7, 0, 2))
+    session.submit(1, _tokens(150, 22), seed=stream_seed(7, 1, 2))
+    groups = []
+    for _ in range(PUSH_AT_STEP):
+        groups += session.step()
+    in_flight = session.in_flight
+    hf.update_weights(actor_tensors(ddp), 10)
+    old = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    train_once(3)
+    vllm.update_weights(actor_tensors(ddp), 11)  # pre-empts the requests in flight: they recompute
+    hf.update_weights(actor_tensors(ddp), 11)
+    new = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    session.submit(2, first[:129] + _tokens(30, 23), seed=stream_seed(7, 2, 2))  # the first's first block
+    groups += session.drain()
+    errors = {10: 0.0, 11: 0.0}
+    for weights, version in ((old, 10), (new, 11)):
+        hf.model.load_state_dict(weights)
+        for s in (s for g in groups for s in g):
+            tf = teacher_forced(s.prompt_ids + s.token_ids, len(s.prompt_ids))
+            for lp, ref, v in zip(s.logprobs, tf, s.weight_versions):
+                if v == version:
+                    errors[version] = max(errors[version], abs(lp - ref))
+    samples = [s for g in groups for s in g]
+    return {
+        "in_flight_at_push": in_flight,
+        "err_old": errors[10],
+        "err_new": errors[11],
+        "versions": [s.weight_versions for s in samples],
+        "serials": [s.prompt_index for s in samples],
+        "tokens": [s.token_ids for s in samples],
+        "engine_steps": session.steps,
+    }
+
+
+PUSH_AT_STEP = 5
+"""The engine step after which the weights are pushed (a fixed schedule: the test is deterministic)."""
 
 
 if __name__ == "__main__":

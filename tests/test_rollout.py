@@ -117,3 +117,21 @@ def test_cpu_sleep_is_said_once_and_overlong_prompts_are_refused(llama_tp2):
     for r in llama_tp2:
         assert len(r["sleep_messages"]) == 1 and "no sleep mode" in r["sleep_messages"][0]  # 3 sleeps, said once
         assert "prompt 0 has 510 tokens" in r["too_long"] and "rollout.max_model_len=512" in r["too_long"]
+
+
+def test_partial_rollout_continues_in_flight_requests_under_the_new_weights(llama_tp2, qwen2_dp2):
+    """Streaming (``megarl.rollout.stream``) with a weight push after a fixed engine step while requests are in
+    flight: some samples hold tokens of both versions; each token's log-prob is the teacher-forced HF log-prob (fp32)
+    of the version that produced it, before and after the switch; the prompts exceed the CPU block size and one
+    submitted after the push shares a full block with an earlier one (no stale prefix cache). An engine's ranks
+    agree on every token."""
+    for ranks in (llama_tp2, qwen2_dp2):
+        for r in ranks:
+            p = r["partial"]
+            assert p["in_flight_at_push"] >= 2  # samples mid-answer at the push
+            assert p["err_old"] <= MATCH and p["err_new"] <= MATCH, p
+            both = [v for v in p["versions"] if set(v) == {10, 11}]
+            assert len(both) >= 2 and all(v == sorted(v) and v.count(10) == 5 for v in both), p["versions"]
+            assert sorted(p["serials"]) == [0, 0, 1, 1, 2, 2]
+            assert all(set(v) == {11} for v, s in zip(p["versions"], p["serials"]) if s == 2)  # admitted after
+        assert all(r["partial"]["tokens"] == ranks[0]["partial"]["tokens"] for r in ranks)

@@ -93,8 +93,10 @@ def _lora_args(lora: LoraConfig | None) -> dict:
     return {} if lora is None else {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1}
 
 
-def _reset_prefix_cache(llm) -> None:
-    if not llm.reset_prefix_cache():
+def _reset_prefix_cache(llm, running: bool = False) -> None:
+    """Drop the KV blocks computed with the previous weights. ``running``: also pre-empt the requests in flight (they
+    recompute their prompt and tokens so far on their next step: ``recompute``)."""
+    if not llm.reset_prefix_cache(reset_running_requests=running):
         raise RuntimeError("vLLM could not reset its prefix cache (requests still running); not generating from it")
 
 
@@ -210,7 +212,8 @@ class VLLMEngine:
             self.base_loaded = True  # an adapter failure below leaves the base in place
         if self.adapters is not None:
             reports.append(self._sync(self.plans.adapters, src_tensors, self.adapters, on_send))
-        _reset_prefix_cache(self.llm)
+        # requests in flight (streaming, partial rollout): pre-empted, they re-prefill under the new weights
+        _reset_prefix_cache(self.llm, running=self.busy)
         self.weight_version = version
         return sum(reports[1:], reports[0])
 
@@ -282,6 +285,33 @@ class VLLMEngine:
         seconds = time.perf_counter() - start
         samples = [s for g in groups for s in g]
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests added with ``add_request`` are in flight."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def add_request(self, request_id: str, token_ids: list[int], sampling: SamplingConfig, seed: int) -> None:
+        """Queue one request of ``sampling.n == 1`` sample for ``step`` (streaming: ``megarl.rollout.stream``)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_healthy()
+        if sampling.n != 1:
+            raise ValueError(f"add_request: one sample per request (n=1), got n={sampling.n}")
+        params = self.sampling_params(sampling, seed, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params, lora_request=self._lora())
+
+    def step(self) -> list[tuple[str, list[int], list[float], str | None]]:
+        """One engine step over the requests of ``add_request``: per request that produced tokens, ``(id, the new
+        tokens, their log-probs, None or its finish reason ('stop'/'length') once finished)``."""
+        self._check_healthy()
+        out = []
+        for o in self.llm.llm_engine.step():
+            c = o.outputs[0]
+            reason = None if not o.finished else "length" if c.finish_reason == "length" else "stop"
+            logprobs = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+            out.append((o.request_id, list(c.token_ids), logprobs, reason))
+        return out
 
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
         """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
