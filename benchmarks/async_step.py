@@ -1,29 +1,35 @@
-"""Synchronous vs one-step-off RL on the same pools, side by side in one run (GRPO, `megarl train`).
+"""Synchronous, one-step-off and bounded-staleness RL on the same pools, side by side in one run (GRPO, `megarl
+train`).
 
 Both modes run the same recipe on the same pools (default: the actor at TP=1 on rank 0, one vLLM engine at TP=1 on
 rank 1, one core each on this machine; ``--tp 2``: configs/tiny_grpo_pools.yaml's 2 + 2 ranks), with the same
 prompts, samples and rollout correction (algorithm.rollout_is=token_truncate in both):
 
 - sync: generate and score batch k, then learn from it, then push the weights;
-- one_step_off: the rollout pool generates and scores batch k+1 while the train pool learns from batch k.
+- one_step_off: the rollout pool generates and scores batch k+1 while the train pool learns from batch k;
+- bounded: the rollout pool streams prompt groups without waiting (max_staleness 2, partial rollout ``recompute``,
+  a push per update).
 
-Two rewards:
+Three cases:
 
 (a) the plain toy reward (the built-in digits score, microseconds);
 (b) a latency-bound reward (benchmarks/latency_reward.py: the same score after a sleep, as a remote judge or a
     sandbox would take) whose sleep is the median ``timing/update_actor`` measured by (a)'s synchronous run here;
     each prompt group is one call, sent as the engine finishes the group, and the workers (one per prompt) wait
-    side by side, so a batch's reward takes about one sleep after its last group.
+    side by side, so a batch's reward takes about one sleep after its last group;
+(c) a long tail: the toy reward, but most answers stop early (a stop set of ~1 in 10 of the tiny model's tokens,
+    so lengths are geometric) and a few run to a 4x larger ``max_new_tokens``: a synchronous batch waits for its
+    longest answer, a stream keeps the engine busy with the next prompts meanwhile.
 
 Per run: 1 warm-up step, then medians of the measured steps: the step time, each pool's idle share (``pool/<name>/
-wait_s`` over the step) and the throughput ratio (sync step time / one-step-off step time, samples per step equal).
+wait_s`` over the step) and the throughput ratios (sync step time / the other mode's, samples per step equal).
 
 What 2 cores can show: the overlap of time spent waiting (the latency-bound reward) with training, and, with one rank
 per core, some overlap of generation with training. What they cannot: compute-bound overlap at scale (4 ranks on 2
 cores contend; GPUs do not), so case (a)'s ratio here says little about a GPU cluster; `megarl plan` estimates the
 step from the recipe's model, layouts and hardware instead.
 
-    python benchmarks/async_step.py            # ~3 minutes here
+    python benchmarks/async_step.py            # ~6 minutes here
 """
 
 from __future__ import annotations
@@ -46,17 +52,30 @@ def pools(tp: int) -> list[str]:
             f"actor.parallel.tp={tp}", f"rollout.tp={tp}"]  # fmt: skip
 
 
-def run(hf_dir: str, out: str, mode: str, sleep_s: float | None, args) -> list[dict]:
+MODES = {
+    "sync": ["async_training.mode=sync"],
+    "one_step_off": ["async_training.mode=one_step_off"],
+    "bounded": ["async_training.mode=bounded", "async_training.max_staleness=2",
+                "async_training.partial_rollout=recompute"],
+}  # fmt: skip
+LONG_TAIL_STOP = list(range(3, 320, 10))
+"""(c): about 1 in 10 of the tiny model's 320 tokens ends an answer."""
+
+
+def run(hf_dir: str, out: str, mode: str, sleep_s: float | None, args, long_tail: bool = False) -> list[dict]:
     reward = []  # a latency-bound reward: each call (one prompt group) waits sleep_s, all groups' calls at once
     if sleep_s:
         reward = ["reward.function=benchmarks/latency_reward.py:sleepy", f"reward.num_workers={args.prompts}"]
+    new_tokens = args.new_tokens * (4 if long_tail else 1)
+    if long_tail:
+        reward += [f"rollout.sampling.stop_token_ids=[{','.join(map(str, LONG_TAIL_STOP))}]"]
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
            f"trainer.output_dir={out}", f"trainer.total_steps={args.steps + 1}", "trainer.val_every=0",
            "trainer.save_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
            f"data.train_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts * args.n}",
-           f"rollout.sampling.n={args.n}", f"rollout.sampling.max_new_tokens={args.new_tokens}",
-           f"rollout.max_model_len={args.new_tokens + 32}", f"actor.seq_length={args.new_tokens + 32}",
-           "rollout.kv_cache_mb=64", "algorithm.rollout_is=token_truncate", f"async_training.mode={mode}",
+           f"rollout.sampling.n={args.n}", f"rollout.sampling.max_new_tokens={new_tokens}",
+           f"rollout.max_model_len={new_tokens + 32}", f"actor.seq_length={new_tokens + 32}",
+           "rollout.kv_cache_mb=64", "algorithm.rollout_is=token_truncate", *MODES[mode],
            *pools(args.tp), *reward]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR",
            "MEGARL_BENCH_REWARD_SLEEP_S": str(sleep_s or 0)}  # fmt: skip
@@ -84,30 +103,35 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_hf_model(os.path.join(tmp, "llama"), "llama", seed=3, init_std=0.08)
-        for mode in ("sync", "one_step_off"):
+        for mode in MODES:
             runs["a", mode] = run(hf, os.path.join(tmp, f"a-{mode}"), mode, None, args)
         sleep_s = median(runs["a", "sync"], "timing/update_actor")
-        for mode in ("sync", "one_step_off"):
+        for mode in MODES:
             runs["b", mode] = run(hf, os.path.join(tmp, f"b-{mode}"), mode, sleep_s, args)
+        for mode in MODES:
+            runs["c", mode] = run(hf, os.path.join(tmp, f"c-{mode}"), mode, None, args, long_tail=True)
     print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens; pools: actor TP={args.tp} "
           f"and one engine TP={args.tp} ({2 * args.tp} ranks) on this machine's {os.cpu_count()} cores; medians of "
           f"{args.steps} steps after 1 warm-up\n")  # fmt: skip
     cases = {"a": "(a) toy reward", "b": f"(b) latency-bound reward (sleeps {sleep_s:.3f} s per call, {args.prompts} "
-             "calls at once)"}
+             "calls at once)", "c": f"(c) long tail (max_new_tokens {4 * args.new_tokens}, most answers stop early)"}
     for case, title in cases.items():
         print(title)
         print(f"  {'':14}{'step s':>9}{'generate':>10}{'reward':>9}{'update':>9}{'sync':>8}"
-              f"{'train idle':>12}{'rollout idle':>14}")  # fmt: skip
-        for mode in ("sync", "one_step_off"):
+              f"{'train idle':>12}{'rollout idle':>14}{'length':>8}{'max':>6}")  # fmt: skip
+        for mode in MODES:
             rows = runs[case, mode]
             step = median(rows, "timing/step")
             idle = [median(rows, f"pool/{pool}/wait_s") / step for pool in ("train", "rollout")]
             print(f"  {mode:14}{step:9.3f}{median(rows, 'timing/generate'):10.3f}{median(rows, 'timing/reward'):9.3f}"
                   f"{median(rows, 'timing/update_actor'):9.3f}{median(rows, 'timing/sync'):8.3f}"
-                  f"{idle[0]:12.0%}{idle[1]:14.0%}")  # fmt: skip
-        ratio = median(runs[case, "sync"], "timing/step") / median(runs[case, "one_step_off"], "timing/step")
-        lags = sorted({r["async/lag_max"] for r in runs[case, "one_step_off"]})
-        print(f"  throughput one_step_off / sync: {ratio:.2f}x (lag {lags} after the warm-up step)\n")
+                  f"{idle[0]:12.0%}{idle[1]:14.0%}{median(rows, 'response_length/mean'):8.1f}"
+                  f"{median(rows, 'response_length/max'):6.0f}")  # fmt: skip
+        for mode in ("one_step_off", "bounded"):
+            ratio = median(runs[case, "sync"], "timing/step") / median(runs[case, mode], "timing/step")
+            lags = sorted({r["async/lag_max"] for r in runs[case, mode]})
+            print(f"  throughput {mode} / sync: {ratio:.2f}x (lag_max {lags} after the warm-up step)")
+        print()
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ class Request:
     """None while in flight."""
     segment: int = 0
     """How often the request was resubmitted (a resume continues it as prompt + tokens so far)."""
+    kind: str = "train"
+    """Which of the session's samplings it uses ('train', or 'val': a validation prompt)."""
 
     @property
     def request_id(self) -> str:
@@ -78,9 +80,11 @@ class StreamSession:
     TP ranks must schedule identically). The caller submits groups, calls ``step`` and syncs weights between steps.
     """
 
-    def __init__(self, engine, sampling):
-        """``engine``: a ``VLLMEngine``; ``sampling``: the ``SamplingConfig`` of every request."""
-        self.engine, self.sampling = engine, sampling
+    def __init__(self, engine, sampling, val_sampling=None):
+        """``engine``: a ``VLLMEngine``; ``sampling``: the ``SamplingConfig`` of the training prompts, ``val_sampling``
+        the validation prompts' (``submit(..., kind="val")``)."""
+        self.engine = engine
+        self.samplings = {"train": sampling, "val": val_sampling or sampling}
         self.requests: dict[str, Request] = {}
         """Every request submitted and not yet handed back, by id."""
         self.steps = 0
@@ -91,14 +95,16 @@ class StreamSession:
         """Requests not finished."""
         return sum(r.finish_reason is None for r in self.requests.values())
 
-    def submit(self, serial: int, prompt_ids: list[int], seed: int) -> None:
-        """Queue prompt ``serial``'s ``sampling.n`` samples (sample ``i`` with seed ``seed + i``)."""
-        check_requests([prompt_ids], self.sampling.max_new_tokens, self.engine.max_model_len)
-        for i in range(self.sampling.n):
-            self._add(Request(serial, i, list(prompt_ids), seed + i), self.sampling.max_new_tokens)
+    def submit(self, serial: int, prompt_ids: list[int], seed: int, kind: str = "train") -> None:
+        """Queue prompt ``serial``'s ``n`` samples (sample ``i`` with seed ``seed + i``) with the ``kind`` sampling.
+        Serials identify groups: a validation prompt's must differ from every training prompt's."""
+        sampling = self.samplings[kind]
+        check_requests([prompt_ids], sampling.max_new_tokens, self.engine.max_model_len)
+        for i in range(sampling.n):
+            self._add(Request(serial, i, list(prompt_ids), seed + i, kind=kind), sampling.max_new_tokens)
 
     def _add(self, request: Request, max_tokens: int) -> None:
-        sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=max_tokens)
+        sampling = dataclasses.replace(self.samplings[request.kind], n=1, max_new_tokens=max_tokens)
         self.engine.add_request(request.request_id, request.prompt_ids + request.token_ids, sampling, request.seed)
         self.requests[request.request_id] = request
 
@@ -116,7 +122,8 @@ class StreamSession:
             request.weight_versions += [version] * len(tokens)
             if finish_reason is not None:
                 request.finish_reason = finish_reason
-                group = [self.requests[f"{request.serial}.{i}"] for i in range(self.sampling.n)]
+                n = self.samplings[request.kind].n
+                group = [self.requests[f"{request.serial}.{i}"] for i in range(n)]
                 if all(r.finish_reason is not None for r in group):
                     done.append([r.sample() for r in group])
                     for r in group:
@@ -139,7 +146,7 @@ class StreamSession:
                 continue
             r.segment += 1
             r.seed = seed_of(r.serial, r.segment) + r.sample_index
-            self._add(r, self.sampling.max_new_tokens - len(r.token_ids))
+            self._add(r, self.samplings[r.kind].max_new_tokens - len(r.token_ids))
 
     def drain(self) -> list[list[Sample]]:
         """Step until no request is in flight (``partial_rollout: none`` before a weight push); the groups finished."""

@@ -313,6 +313,11 @@ class VLLMEngine:
             out.append((o.request_id, list(c.token_ids), logprobs, reason))
         return out
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests of ``add_request`` (finished or not)."""
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids, internal=False)
+
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
         """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
         samples = []

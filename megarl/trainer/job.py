@@ -22,6 +22,7 @@ from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import (
     ROLLOUT_BATCH,
+    ROLLOUT_STREAM,
     abandon_later,
     checkpoints_root,
     load_training,
@@ -101,12 +102,18 @@ class Job:
     """LoRA: the frozen base's fingerprint (``megarl.lora.checkpoint.base_fingerprint``), saved in checkpoints."""
     learners: Placement | None = None
     """The ranks that learn and how they share the learning phases (the roles'): every rank (``place``), but with
-    ``async_training.mode=one_step_off`` the pools but the rollout's (None on the rollout pool: it generates ahead)."""
+    ``async_training.mode=one_step_off`` or ``bounded`` the pools but the rollout's (None on the rollout pool)."""
     ahead: Collected | None = None
     """The rollout pool's batch for the next step, generated during this one (one-step-off; or read from the
     checkpoint a run resumes)."""
     generated: list[Collected] = dataclasses.field(default_factory=list)
     """The batches the rollout pool generated during the current step (their times: the step's timings, timeline)."""
+    requests: object = None
+    """Bounded: the learners' announcements to the rollout pool (``megarl.trainer.bounded.Requests``)."""
+    server: object = None
+    """Bounded, on the rollout pool: its side of the run (``megarl.trainer.bounded.RolloutServer``)."""
+    stream: dict | None = None
+    """Bounded: the rollout pool's stream (the resumed checkpoint's, then the one a save writes)."""
 
     @property
     def learns(self) -> bool:
@@ -161,7 +168,7 @@ def skips_old_logprob(cfg: MegarlConfig) -> bool:
     the update's counts are formed), nor one-step-off (the engine's log-probs are one update old: pi_old is the
     trainer's, and the mismatch by lag is logged)."""
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
-    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.one_step_off
+    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped
     return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
 
 
@@ -266,6 +273,18 @@ def read_ahead(path: str, step: int) -> Collected | None:
     return Collected.from_dict(held["batch"])
 
 
+def read_stream(path: str, step: int) -> dict | None:
+    """A bounded run's rollout stream when checkpoint ``path`` (of step ``step``) was saved (None if it holds none)."""
+    saved = os.path.join(path, ROLLOUT_STREAM)
+    if not os.path.isfile(saved):
+        return None
+    held = torch.load(saved, weights_only=False)
+    if held["step"] != step:
+        raise ResumeError(f"{saved} holds the stream of step {held['step']}, not of step {step}; the checkpoint is "
+                          "inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
+    return held
+
+
 def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=None) -> tuple[Job, TrainerState]:
     """Collective over the world (every rank calls it with the same config): a fresh start, or the continuation of
     the checkpoint ``trainer.resume`` names (``resume.plan_start``). ``engine``: reuse a running rollout engine of
@@ -354,12 +373,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if place.leader and os.path.isfile(timeline):  # the steps after the checkpoint run again
         write_rows(timeline, [r for r in _json_rows(timeline) if r["step"] <= state.step])
 
-    ahead = None
-    if start is not None:  # the rollout pool's batch in flight; a bad one stops every pool
+    ahead = stream = None
+    if start is not None:  # the rollout pool's batch or stream in flight; a bad one stops every pool
 
         def read():
-            nonlocal ahead
+            nonlocal ahead, stream
             ahead = read_ahead(start.path, state.step)
+            stream = read_stream(start.path, state.step)
 
         place.compute_on("rollout", read)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
@@ -398,7 +418,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
     offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
     learners = place
-    if cfg.async_training.one_step_off:  # the rollout pool generates ahead, apart from the learning phases
+    if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
         learners = None if place.hosts("rollout") else place.without("rollout")
     job = Job(
         cfg=cfg,
@@ -422,7 +442,15 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         lora_base=lora_base,
         learners=learners,
         ahead=ahead,
+        stream=stream,
     )
+    if cfg.async_training.bounded:
+        from megarl.parallel.pools import launch_store
+        from megarl.trainer.bounded import Requests, RolloutServer
+
+        job.requests = Requests(launch_store(), f"megarl/{place.comm.name}/ops")
+        if place.hosts("rollout"):
+            job.server = RolloutServer(job, job.requests, version=state.step, restored=stream)
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
     if place.pooled:
         record_placement(job)
@@ -444,8 +472,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         job.say(note)
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
-    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.one_step_off:
-        why = "one-step-off (the engine's are one update old)"
+    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped:
+        why = f"{cfg.async_training.mode} (the engine's are older than the actor)"
         if cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
             why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
         job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")

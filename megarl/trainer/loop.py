@@ -19,10 +19,11 @@ import torch
 
 from megarl.algos import rollout_is_weights
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.training import ROLLOUT_BATCH, checkpoints_root, save_training
+from megarl.checkpoint.training import ROLLOUT_BATCH, ROLLOUT_STREAM, checkpoints_root, save_training
 from megarl.config.validate import critic_parallel
 from megarl.logging.jsonl import write_rows
 from megarl.parallel.layout import ParallelLayout
+from megarl.reshard.sync import SyncReport
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
@@ -49,6 +50,10 @@ def train(cfg, spec, source, engine=None) -> Job:
     rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
     with rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
         job.phases.offload()  # the engine is awake: generation comes first
+        if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
+            job.server.serve(state)
+            job.server.close()
+            return job
         for step in range(state.step + 1, t.total_steps + 1):
             faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
             faults.fire("generate", step, after_s=0.05)
@@ -57,7 +62,7 @@ def train(cfg, spec, source, engine=None) -> Job:
                 metrics.update(validate(job, step))
             job.tracker.log(step, metrics)
             state.history.append({"step": step, **metrics})
-            stopping = stop.agreed(job.place)
+            stopping = stop.agreed(job.learners if job.cfg.async_training.bounded else job.place)
             last = step == t.total_steps
             if stopping or (t.save_every and (step % t.save_every == 0 or last)):
                 save(job, state)
@@ -75,6 +80,7 @@ def train(cfg, spec, source, engine=None) -> Job:
         else:
             job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the
             # rollout pool holds no metrics of its own
+        announce(job, "end", state.step)
     job.offloader.reload()  # the models are whole again for whoever holds the job
     return job
 
@@ -101,6 +107,9 @@ def save(job: Job, state: TrainerState) -> dict:
         ahead = job.place.share(job.ahead.to_dict() if job.ahead is not None else None, "rollout")
         if ahead is not None:
             extra[ROLLOUT_BATCH] = {"step": state.step + 1, "batch": ahead}
+    if job.cfg.async_training.bounded:  # the rollout pool's stream: cursor, finished groups, partial samples
+        announce(job, "save", state.step)
+        extra[ROLLOUT_STREAM] = job.place.share(job.stream, "rollout")
     report = save_training(
         root,
         state.step,
@@ -166,14 +175,21 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
             learn_span = {"phase": "learn", "batch": step, "start": learn_start, "end": time.monotonic()}
         if job.cfg.async_training.one_step_off:  # a failure generating ahead stops every pool
             place.compute_on("rollout", lambda: _raise(ahead_failed))
-        if place.pooled:
-            place.barrier()  # the pools that finished first wait here for the others
-        with timer("sync"):
-            report = job.phases.rollout(step)  # the engine holds step - 1: always a sync
-    spans = rollout_done(job, timer)
+        if job.cfg.async_training.bounded:  # the push every sync_every updates, the rollout pool's one rendezvous
+            report = SyncReport("none")
+            if step % job.cfg.async_training.sync_every == 0:
+                announce(job, "sync", step)
+                with timer("sync"):
+                    report = job.phases.rollout(step)
+        else:
+            if place.pooled:
+                place.barrier()  # the pools that finished first wait here for the others
+            with timer("sync"):
+                report = job.phases.rollout(step)  # the engine holds step - 1: always a sync
+    spans = streamed(job, batch, timer) if job.cfg.async_training.bounded else rollout_done(job, timer)
     if job.learns and place.pooled and place.leader:
         record_timeline(job, step, started, [{"pool": place.pool.name, **learn_span}, *spans])
-    if job.learners is place:  # every rank learned
+    if job.learners is place or job.cfg.async_training.bounded:  # every rank here learned
         skipped = learned.skipped
     else:  # one-step-off: the rollout pool hears it from the actor's
         skipped = place.share(learned.skipped if job.learns else None, "actor")
@@ -199,7 +215,12 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
         wait = timer.seconds["step"] - busy - timer.seconds["sync"]
         maxes.update({f"pool/{place.pool.name}/busy_s": busy, f"pool/{place.pool.name}/wait_s": wait})
     metrics = step_metrics(job, batch, learned, timer=timer, version=step - 1) if job.learns else {}
-    metrics.update(reduce_ranks(place.comm if place.pooled else None, sums, maxes))
+    if job.cfg.async_training.bounded:  # the rollout pool's time, as it handed the batch over
+        rollout_pool = next(p.name for p in place.pools if "rollout" in p.roles)
+        maxes.update({f"pool/{rollout_pool}/busy_s": batch.generation["generate"] + batch.generation["reward"],
+                      f"pool/{rollout_pool}/wait_s": batch.generation["idle"]})  # fmt: skip
+    comm = job.learners.comm if job.cfg.async_training.bounded else place.comm if place.pooled else None
+    metrics.update(reduce_ranks(comm, sums, maxes))
     metrics["train/skipped_steps"] = float(state.skipped_steps)
     return metrics
 
@@ -228,7 +249,28 @@ def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
         batch, job.ahead = job.ahead, None
         return batch if batch is not None else generate(job, step, pool_time)
 
+    if job.cfg.async_training.bounded:  # served by the rollout pool's stream once its groups are all scored
+        announce(job, "batch", step)
+        handed = job.place.share(None, "rollout")
+        job.sampler.load_state_dict(handed["sampler"])  # where the stream is (the data/epoch metric)
+        return handed["batch"]
     return job.place.compute_on("rollout", on_rollout_pool)
+
+
+def announce(job: Job, op: str, step: int) -> None:
+    """Bounded: tell the rollout pool which rendezvous the learners enter next (``megarl.trainer.bounded``)."""
+    if job.requests is not None and job.learns:
+        job.requests.post(op, step, job.place.leader)
+
+
+def streamed(job: Job, batch: Collected, timer: PhaseTimer) -> list[dict]:
+    """Bounded: the rollout pool's ``generate``/``reward`` time since the previous batch (the step's timings) and
+    its span (the timeline)."""
+    g = batch.generation
+    for phase in ("generate", "reward"):
+        timer.seconds[phase] += g[phase]
+    name = next(p.name for p in job.place.pools if "rollout" in p.roles)
+    return [{"pool": name, "phase": "generate", "batch": g["step"], "start": g["start"], "end": g["end"]}]
 
 
 def rollout_done(job: Job, timer: PhaseTimer) -> list[dict]:
@@ -381,11 +423,16 @@ def validate(job: Job, step: int) -> dict[str, float]:
         )
         return samples, result
 
-    samples, result = job.place.compute_on("rollout", on_rollout_pool)
+    if job.cfg.async_training.bounded:  # through the engines beside the training requests
+        announce(job, "validate", step)
+        samples, result = job.place.share(None, "rollout")
+    else:
+        samples, result = job.place.compute_on("rollout", on_rollout_pool)
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
-        job.phases.rollout(step)  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
+        if not job.place.pooled:  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
+            job.phases.rollout(step)
         result.scores = combined_scores(job.cfg.reward, result.scores, rm)
     return validation_metrics(result, samples)

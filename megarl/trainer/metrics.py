@@ -104,7 +104,7 @@ def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float
     if cfg.algorithm.dynamic_sampling.enable:
         m["dynamic_sampling/gen_rounds"] = float(batch.rounds)
         m["dynamic_sampling/dropped_groups"] = float(batch.dropped_groups)
-    if job.cfg.async_training.one_step_off:
+    if job.cfg.async_training.overlapped:
         m.update(lag_metrics(batch, learned, version))
     m.update(_model_metrics("actor", learned.actor))
     m.update(_model_metrics("critic", learned.critic))
