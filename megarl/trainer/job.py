@@ -473,7 +473,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
     elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped:
-        why = f"{cfg.async_training.mode} (the engine's are older than the actor)"
+        why = f"async_training.mode={cfg.async_training.mode} (the engine's weights are older than the actor's)"
         if cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
             why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
         job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")
