@@ -177,7 +177,31 @@ def partial_rollout(vllm, hf, ddp, train_once) -> dict:
                 if v == version:
                     errors[version] = max(errors[version], abs(lp - ref))
     samples = [s for g in groups for s in g]
+
+    # a checkpoint of requests in flight, continued by a new session (a resume): prompt + tokens so far, the budget
+    # left, a new seed segment; the weights are version 11 throughout (hf holds them: loaded last above)
+    sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
+    before = StreamSession(vllm, sampling)
+    before.submit(5, first, seed=stream_seed(7, 5, 2))
+    for _ in range(4):
+        before.step()
+    saved = before.snapshot()
+    vllm.abort(list(before.requests))  # the run dies here
+    after = StreamSession(vllm, sampling)
+    after.restore(saved, lambda serial, segment: stream_seed(7, serial, 2, segment))
+    resumed = [s for g in after.drain() for s in g]
+    resumed_err = 0.0
+    for s in resumed:
+        tf = teacher_forced(s.prompt_ids + s.token_ids, len(s.prompt_ids))
+        resumed_err = max(resumed_err, max(abs(a - b) for a, b in zip(s.logprobs, tf)))
     return {
+        "resumed": {
+            "saved_tokens": [r["token_ids"] for r in saved],
+            "tokens": [s.token_ids for s in resumed],
+            "segments": [r.segment for r in after.requests.values()],
+            "err": resumed_err,
+            "busy_after": vllm.busy,
+        },
         "in_flight_at_push": in_flight,
         "err_old": errors[10],
         "err_new": errors[11],

@@ -207,10 +207,11 @@ def _pools(*items):
         "async_training.mode=bounded", "algorithm.rollout_is=token_truncate", "async_training.max_staleness=1",
         "async_training.sync_every=3"], "async_training.sync_every=3 > max_staleness + 1 = 2: admission would stop"),
     (["async_training.partial_rollout=recompute"],
-     "async_training.partial_rollout=recompute continues requests across weight pushes on a rollout pool's engines"),
+     "async_training.partial_rollout=recompute continues requests across weight pushes on a rollout pool's"),
     (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + [
-        "async_training.mode=bounded", "algorithm.rollout_is=token_truncate", "async_training.partial_rollout=recompute",
-        "actor.lora.rank=4", "rollout.lora_merge=false"], "but a request keeps the LoRA slot it started with"),
+        "async_training.mode=bounded", "algorithm.rollout_is=token_truncate",
+        "async_training.partial_rollout=recompute", "actor.lora.rank=4", "rollout.lora_merge=false"],
+     "but a request keeps the LoRA slot it started with"),
     (_pools(("train", "0-1", ["actor"]), ("rollout", "2-3", ["rollout"])) + [
         "async_training.mode=bounded", "algorithm.rollout_is=token_truncate", "algorithm.dynamic_sampling.enable=true"],
      "async_training.mode=bounded streams every prompt group into a batch in data order"),

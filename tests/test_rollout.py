@@ -135,3 +135,15 @@ def test_partial_rollout_continues_in_flight_requests_under_the_new_weights(llam
             assert sorted(p["serials"]) == [0, 0, 1, 1, 2, 2]
             assert all(set(v) == {11} for v, s in zip(p["versions"], p["serials"]) if s == 2)  # admitted after
         assert all(r["partial"]["tokens"] == ranks[0]["partial"]["tokens"] for r in ranks)
+
+
+def test_requests_in_flight_saved_and_continued_by_a_new_session(llama_tp2):
+    """A snapshot of requests 4 engine steps in (a checkpoint), the requests dropped (the run dies), a new session
+    restores them: each continues its own tokens (prompt + tokens so far resubmitted, the budget left), with the
+    new weights' log-probs, and nothing is left in the engine."""
+    for r in llama_tp2:
+        p = r["partial"]["resumed"]
+        assert len(p["saved_tokens"]) == 2 and all(len(t) == 4 for t in p["saved_tokens"])
+        assert len(p["tokens"]) == 2 and all(t[:4] == s for t, s in zip(p["tokens"], p["saved_tokens"]))
+        assert all(4 < len(t) <= 12 for t in p["tokens"]) and p["err"] <= MATCH and not p["busy_after"]
+    assert llama_tp2[0]["partial"]["resumed"] == llama_tp2[1]["partial"]["resumed"]

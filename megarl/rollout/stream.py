@@ -20,6 +20,7 @@ version ``>= t - 1 - max_staleness``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -140,7 +141,7 @@ class StreamSession:
         its prompt plus its tokens with the budget left, as its next segment with seed ``seed_of(serial, segment) +
         sample_index`` (a new generator: it must not replay the previous segment's draws)."""
         for fields in requests:
-            r = Request(**fields)
+            r = Request(**copy.deepcopy(fields))  # the snapshot stays as it was
             if r.finish_reason is not None:
                 self.requests[r.request_id] = r
                 continue
