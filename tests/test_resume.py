@@ -33,7 +33,8 @@ LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", [TWO_MINIBATCHES]),
     "grpo_pools": ("configs/tiny_grpo_pools.yaml", [TWO_MINIBATCHES]),  # grpo_tp2 with rollout on ranks 2-3
     "grpo_async": ("configs/tiny_grpo_async.yaml", []),  # grpo_pools, one-step-off
-    "grpo_bounded": ("configs/tiny_grpo_bounded.yaml", ["trainer.save_samples=true"]),  # streaming, max_staleness 2
+    "grpo_bounded": ("configs/tiny_grpo_bounded.yaml", ["trainer.save_samples=true",  # streaming, max_staleness 2;
+                                                        "rollout.sampling.max_new_tokens=48"]),  # saves hold partials
     "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",  # adapter slots:
                                                  "actor.lora.target_modules=[q_proj,v_proj,down_proj]",  # base, then
                                                  "rollout.lora_merge=false"]),  # adapters again after the resume
