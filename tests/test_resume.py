@@ -462,6 +462,28 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
     assert ahead == list(range(16, held["cursor"])), ahead
 
 
+@pytest.mark.parametrize("chain", ["grpo_bounded"], indirect=True)
+def test_a_resume_with_a_tighter_bound_generates_the_samples_too_old_for_it_again(chain, tiny_llama_dir, tmp_path):
+    """The uninterrupted run's step-2 checkpoint (prompts admitted up to the bound of 2, some finished, some partial)
+    resumed with max_staleness=0: every group or partial sample with a token older than its batch now allows is
+    dropped and its prompt generated again (said in one line), so every token trained is of the trainer's version;
+    the prompts trained stay the data stream's, in order."""
+    start = chain["ref"] / "checkpoints" / "iter_0000002"
+    held = torch.load(start / "rollout_stream.pt", weights_only=False)
+    recipe, extra = LAYOUTS["grpo_bounded"]
+    run = _run(_cmd(recipe, tiny_llama_dir, tmp_path / "tight", [*extra, f"trainer.resume={start}",
+                                                                  "async_training.max_staleness=0"]))  # fmt: skip
+    assert run.rc == 0, run.out[-3000:]
+    said = re.search(r"resumed the rollout stream at prompt (\d+): (\d+) finished group\(s\) kept, (\d+) partial "
+                     r"sample\(s\) continued, (\d+) prompt\(s\) generated again", run.out)  # fmt: skip
+    assert said and int(said[1]) == held["cursor"] and int(said[4]) > 0, run.out[-3000:]
+    rows = _metrics(tmp_path / "tight")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["async/lag_max"] == 0 for r in rows if r["step"] > 2), [r["async/lag_max"] for r in rows]
+    assert {s: p for s, p in _trained(tmp_path / "tight").items() if s > 2} == {
+        s: p for s, p in _trained(chain["ref"]).items() if s > 2}
+
+
 @pytest.mark.slow
 def test_one_step_off_quickstart_learns(tmp_path):
     """`make demo`'s task (200 steps) in one-step-off mode (configs/tiny_grpo_async.yaml, ~50 s here): last-10 mean

@@ -88,6 +88,10 @@ class RolloutServer:
         """Validation groups finished (during a ``validate``)."""
         self.dropped: list[int] = []
         """Serials a resume generated again (their samples were older than their batch may hold)."""
+        self.readmit: dict[int, int] = {}
+        """A resume's prompts to generate again (serial -> its next seed segment), admitted under the bound."""
+        self.note: str | None = None
+        """What a resume kept and dropped, said by the learners with the first batch."""
         if restored is not None:
             self._restore(restored)
 
@@ -129,6 +133,8 @@ class RolloutServer:
         if self.pending is not None and self.pending[0] == "sync" and self.a.partial_rollout == "none":
             return
         limit = min(admission_limit(self.a.max_staleness, self.version, self.batch), self.total)
+        for serial in [s for s in self.readmit if s < limit]:  # a resume's prompts generated again, in order
+            self._submit(serial, self.prompts[serial].prompt_ids, segment=self.readmit.pop(serial))
         while self.cursor < limit:
             prompt = self.job.sampler.take(1)[0]
             self.prompts[self.cursor] = prompt
@@ -226,7 +232,8 @@ class RolloutServer:
         )  # fmt: skip
         self.busy_s = self.reward_s = 0.0
         self.since = now
-        return {"batch": collected, "sampler": self.job.sampler.state_dict()}
+        note, self.note = self.note, None
+        return {"batch": collected, "sampler": self.job.sampler.state_dict(), "note": note}
 
     def _validate(self, step: int) -> None:
         """The validation prompts through the engines beside the training requests (which go on), scored; the
@@ -302,16 +309,20 @@ class RolloutServer:
         requests = {}
         for r in saved["requests"]:
             requests.setdefault(r["serial"], []).append(r)
-        keep = []
+        keep = []  # partial groups whose tokens so far are fresh enough, admissible now (a tighter bound may not be)
+        limit = admission_limit(self.a.max_staleness, self.version, self.batch)
         for s, rs in requests.items():
             old = self._oldest(s)
-            if all(min(r["weight_versions"], default=self.version) >= old for r in rs):
+            if s < limit and all(min(r["weight_versions"], default=self.version) >= old for r in rs):
                 keep += rs
         self.scored = {s: g for s, g in fresh.items() if self.scorer and s % self.engines == self.engine}
         kept_serials = set(fresh) | {r["serial"] for r in keep}
         mine = [r for r in keep if r["serial"] % self.engines == self.engine]
         self.session.restore(mine, lambda serial, segment: stream_seed(self.seed, serial, self.n, segment))
         self.dropped = sorted(s for s in self.prompts if s not in kept_serials)
-        for s in self.dropped:  # generated again from their first token, as the next segment
-            self._submit(s, self.prompts[s].prompt_ids, segment=1 + max((r["segment"] for r in requests.get(s, [])),
-                                                                         default=0))
+        partial = sum(r["finish_reason"] is None for r in keep)
+        self.note = (f"resumed the rollout stream at prompt {self.cursor}: {len(fresh)} finished group(s) kept, "
+                     f"{partial} partial sample(s) continued, {len(self.dropped)} prompt(s) generated again (a token "
+                     f"older than max_staleness={self.a.max_staleness} allows)")  # fmt: skip
+        # generated again from their first token as their next segment, once the bound admits them (``_admit``)
+        self.readmit = {s: 1 + max((r["segment"] for r in requests.get(s, [])), default=0) for s in self.dropped}

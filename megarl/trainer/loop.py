@@ -253,6 +253,8 @@ def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
         announce(job, "batch", step)
         handed = job.place.share(None, "rollout")
         job.sampler.load_state_dict(handed["sampler"])  # where the stream is (the data/epoch metric)
+        if handed["note"]:
+            job.say(handed["note"])
         return handed["batch"]
     return job.place.compute_on("rollout", on_rollout_pool)
 
