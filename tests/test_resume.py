@@ -485,12 +485,14 @@ def test_a_resume_with_a_tighter_bound_generates_the_samples_too_old_for_it_agai
 
 
 @pytest.mark.slow
-def test_one_step_off_quickstart_learns(tmp_path):
-    """`make demo`'s task (200 steps) in one-step-off mode (configs/tiny_grpo_async.yaml, ~50 s here): last-10 mean
-    reward >= first-10 + 0.3, the demo's criterion, with every step after the first one update off-policy."""
+@pytest.mark.parametrize("recipe, lags", [("configs/tiny_grpo_async.yaml", {1.0}), ("configs/tiny_grpo_bounded.yaml",
+                                                                                   {0.0, 1.0, 2.0})])  # fmt: skip
+def test_asynchronous_quickstart_learns(tmp_path, recipe, lags):
+    """`make demo`'s task (200 steps) one-step-off and bounded (~45 s each here): last-10 mean reward >= first-10 +
+    0.3, the demo's criterion; one-step-off: every step after the first one update off-policy; bounded: at most 2."""
     model = tmp_path / "tiny-llama"
     subprocess.run([sys.executable, "-m", "megarl.cli", "tiny-model", "--out", str(model)], check=True, cwd=REPO)
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo_async.yaml", f"model.path={model}",
+    cmd = [sys.executable, "-m", "megarl.cli", "train", recipe, f"model.path={model}",
            f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_every=0", "logging.wandb.mode=disabled",
            "logging.progress_bar=false"]  # fmt: skip
     run = _run(cmd)
@@ -498,4 +500,4 @@ def test_one_step_off_quickstart_learns(tmp_path):
     rows = _metrics(tmp_path / "run")
     reward = [r["reward/mean"] for r in rows]
     assert len(reward) == 200 and sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.3, (reward[:10], reward[-10:])
-    assert [r["async/lag_max"] for r in rows] == [0.0] + [1.0] * 199
+    assert rows[0]["async/lag_max"] == 0.0 and {r["async/lag_max"] for r in rows[1:]} <= lags
