@@ -482,6 +482,10 @@ def test_a_resume_with_a_tighter_bound_generates_the_samples_too_old_for_it_agai
     assert all(r["async/lag_max"] == 0 for r in rows if r["step"] > 2), [r["async/lag_max"] for r in rows]
     assert {s: p for s, p in _trained(tmp_path / "tight").items() if s > 2} == {
         s: p for s, p in _trained(chain["ref"]).items() if s > 2}
+    other = _run(_cmd(recipe, tiny_llama_dir, tmp_path / "other", [f"trainer.resume={start}",
+                                                                    "async_training.mode=one_step_off"]))  # fmt: skip
+    assert other.rc not in (0, None) and "holds a bounded run's rollout stream and this run's async_training.mode is " \
+        "one_step_off: prompts in flight do not carry across modes" in other.out, other.out[-3000:]
 
 
 @pytest.mark.slow

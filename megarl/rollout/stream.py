@@ -96,13 +96,15 @@ class StreamSession:
         """Requests not finished."""
         return sum(r.finish_reason is None for r in self.requests.values())
 
-    def submit(self, serial: int, prompt_ids: list[int], seed: int, kind: str = "train") -> None:
-        """Queue prompt ``serial``'s ``n`` samples (sample ``i`` with seed ``seed + i``) with the ``kind`` sampling.
-        Serials identify groups: a validation prompt's must differ from every training prompt's."""
+    def submit(self, serial: int, prompt_ids: list[int], seed: int, kind: str = "train", segment: int = 0) -> None:
+        """Queue prompt ``serial``'s ``n`` samples (sample ``i`` with seed ``seed + i``) with the ``kind`` sampling;
+        ``segment``: the seed segment ``seed`` belongs to (a prompt generated again after a resume). Serials identify
+        groups: a validation prompt's must differ from every training prompt's."""
         sampling = self.samplings[kind]
         check_requests([prompt_ids], sampling.max_new_tokens, self.engine.max_model_len)
         for i in range(sampling.n):
-            self._add(Request(serial, i, list(prompt_ids), seed + i, kind=kind), sampling.max_new_tokens)
+            request = Request(serial, i, list(prompt_ids), seed + i, segment=segment, kind=kind)
+            self._add(request, sampling.max_new_tokens)
 
     def _add(self, request: Request, max_tokens: int) -> None:
         sampling = dataclasses.replace(self.samplings[request.kind], n=1, max_new_tokens=max_tokens)

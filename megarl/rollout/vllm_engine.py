@@ -142,6 +142,8 @@ class VLLMEngine:
         self.world = dist.get_world_size()
         self.comm = comm
         self.weight_version: int | None = None
+        self.streamed: set[str] = set()
+        """The ids of ``add_request``'s requests in flight (a sync pre-empts them: partial rollout)."""
         self.sleep_mode = current_platform.is_sleep_mode_available()
         self.asleep: set[str] = set()
         self._said_no_sleep = False
@@ -212,8 +214,9 @@ class VLLMEngine:
             self.base_loaded = True  # an adapter failure below leaves the base in place
         if self.adapters is not None:
             reports.append(self._sync(self.plans.adapters, src_tensors, self.adapters, on_send))
-        # requests in flight (streaming, partial rollout): pre-empted, they re-prefill under the new weights
-        _reset_prefix_cache(self.llm, running=self.busy)
+        # streamed requests in flight (partial rollout): pre-empted, they re-prefill under the new weights; any other
+        # request left in the engine still makes the reset fail (a generate that stopped midway)
+        _reset_prefix_cache(self.llm, running=bool(self.streamed))
         self.weight_version = version
         return sum(reports[1:], reports[0])
 
@@ -300,6 +303,7 @@ class VLLMEngine:
             raise ValueError(f"add_request: one sample per request (n=1), got n={sampling.n}")
         params = self.sampling_params(sampling, seed, output_kind=RequestOutputKind.DELTA, detokenize=False)
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params, lora_request=self._lora())
+        self.streamed.add(request_id)
 
     def step(self) -> list[tuple[str, list[int], list[float], str | None]]:
         """One engine step over the requests of ``add_request``: per request that produced tokens, ``(id, the new
@@ -309,6 +313,8 @@ class VLLMEngine:
         for o in self.llm.llm_engine.step():
             c = o.outputs[0]
             reason = None if not o.finished else "length" if c.finish_reason == "length" else "stop"
+            if o.finished:
+                self.streamed.discard(o.request_id)
             logprobs = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
             out.append((o.request_id, list(c.token_ids), logprobs, reason))
         return out
@@ -317,6 +323,7 @@ class VLLMEngine:
         """Drop requests of ``add_request`` (finished or not)."""
         if request_ids:
             self.llm.llm_engine.abort_request(request_ids, internal=False)
+            self.streamed.difference_update(request_ids)
 
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
         """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""

@@ -143,7 +143,8 @@ class RolloutServer:
 
     def _submit(self, serial: int, prompt_ids: list[int], segment: int) -> None:
         if serial % self.engines == self.engine:
-            self.session.submit(serial, prompt_ids, stream_seed(self.seed, serial, self.n, segment))
+            seed = stream_seed(self.seed, serial, self.n, segment)
+            self.session.submit(serial, prompt_ids, seed, segment=segment)
 
     def _finished(self, group: list[Sample]) -> None:
         serial = group[0].prompt_index
@@ -163,7 +164,10 @@ class RolloutServer:
         if not self.unscored:
             return
         start = time.monotonic()
-        for (serial, group), result in zip(self.unscored.items(), self.job.rewards.finish()):
+        results = self.job.rewards.finish()
+        if len(results) != len(self.unscored):
+            raise RuntimeError(f"the reward workers answered {len(results)} of {len(self.unscored)} prompt groups")
+        for (serial, group), result in zip(self.unscored.items(), results):
             self.scored[serial] = (group, result)
         self.unscored = {}
         self.reward_s += time.monotonic() - start
@@ -227,6 +231,7 @@ class RolloutServer:
             first_error=result.first_error,
             rounds=1,
             generated_tokens=sum(len(s.token_ids) for s in samples),
+            generate_seconds=self.busy_s,
             generation={"generate": self.busy_s, "reward": self.reward_s, "idle": idle, "step": step,
                         "start": self.since, "end": now},
         )  # fmt: skip
@@ -250,6 +255,7 @@ class RolloutServer:
         while len(self.val_done) < mine:
             for group in self.session.step():
                 self._finished(group)
+        self._collect_scores()  # the training groups submitted so far: validation scores on the same workers
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, [s for g in self.val_done for s in g] if self.scorer else [])
         samples = sorted((s for part in parts for s in part), key=lambda s: -s.prompt_index)

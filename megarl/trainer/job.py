@@ -380,6 +380,15 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             nonlocal ahead, stream
             ahead = read_ahead(start.path, state.step)
             stream = read_stream(start.path, state.step)
+            mode = cfg.async_training.mode
+            if stream is not None and mode != "bounded":  # the prompts in flight would be lost or skipped
+                raise ResumeError(f"{start.path} holds a bounded run's rollout stream and this run's async_training."
+                                  f"mode is {mode}: prompts in flight do not carry across modes; resume with "
+                                  "mode=bounded or start elsewhere")  # fmt: skip
+            if stream is None and mode == "bounded":
+                raise ResumeError(f"{start.path} was saved by a run not in async_training.mode=bounded (it holds no "
+                                  "rollout stream): a bounded run resumes only its own checkpoints; resume with the "
+                                  "checkpoint's mode or start elsewhere")  # fmt: skip
 
         place.compute_on("rollout", read)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)

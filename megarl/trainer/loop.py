@@ -27,6 +27,7 @@ from megarl.reshard.sync import SyncReport
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
 from megarl.rollout.protocol import rollout
+from megarl.rollout.stream import oldest_version
 from megarl.trainer import faults
 from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import Collected, collect, combine_rewards, combined_scores, sequences_of
@@ -255,7 +256,12 @@ def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
         job.sampler.load_state_dict(handed["sampler"])  # where the stream is (the data/epoch metric)
         if handed["note"]:
             job.say(handed["note"])
-        return handed["batch"]
+        batch = handed["batch"]
+        oldest = min(s.weight_version for s in batch.samples)
+        if oldest < oldest_version(step, job.cfg.async_training.max_staleness):  # the bound, checked where trained
+            raise RuntimeError(f"step {step}: a token of version {oldest} exceeds async_training.max_staleness="
+                               f"{job.cfg.async_training.max_staleness}")  # fmt: skip
+        return batch
     return job.place.compute_on("rollout", on_rollout_pool)
 
 
@@ -425,7 +431,10 @@ def validate(job: Job, step: int) -> dict[str, float]:
         )
         return samples, result
 
-    if job.cfg.async_training.bounded:  # through the engines beside the training requests
+    if job.cfg.async_training.bounded:  # through the engines beside the training requests, with this step's weights
+        if job.engine.weight_version != step:  # sync_every > 1: pushed first
+            announce(job, "sync", step)
+            job.phases.rollout(step)
         announce(job, "validate", step)
         samples, result = job.place.share(None, "rollout")
     else:
