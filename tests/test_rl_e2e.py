@@ -104,6 +104,7 @@ def runs(tmp_path_factory):
     out = tmp / "out"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "WANDB_DIR": str(tmp),
+           "PET_LOG_DIR": str(tmp / "torchelastic"),  # torchrun's log directory (default: a new one in /tmp)
            "WANDB_CACHE_DIR": str(tmp / "wandb-cache"), "WANDB_CONFIG_DIR": str(tmp / "wandb-config")}  # fmt: skip
     proc = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node=2", "tests/rl_e2e_worker.py",

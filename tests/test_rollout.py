@@ -24,7 +24,8 @@ def _torchrun(nproc: int, args: dict, tmp) -> list[dict]:
     out.mkdir()
     args = {**args, "out": str(out)}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "PET_LOG_DIR": str(tmp / "torchelastic")}  # torchrun's log directory (default: a new one in /tmp)
     proc = subprocess.run(
         [torchrun, "--standalone", f"--nproc-per-node={nproc}", "tests/rollout_worker.py", json.dumps(args)],
         env=env, capture_output=True, text=True, timeout=900,
