@@ -35,14 +35,11 @@ step from the recipe's model, layouts and hardware instead.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tiny_runs import train_rows  # benchmarks/tiny_runs.py (run as a script: this directory is on the path)
 
 
 def pools(tp: int) -> list[str]:
@@ -63,27 +60,15 @@ LONG_TAIL_STOP = list(range(3, 320, 10))
 
 
 def run(hf_dir: str, out: str, mode: str, sleep_s: float | None, args, long_tail: bool = False) -> list[dict]:
-    reward = []  # a latency-bound reward: each call (one prompt group) waits sleep_s, all groups' calls at once
+    extra = []  # a latency-bound reward: each call (one prompt group) waits sleep_s, all groups' calls at once
     if sleep_s:
-        reward = ["reward.function=benchmarks/latency_reward.py:sleepy", f"reward.num_workers={args.prompts}"]
-    new_tokens = args.new_tokens * (4 if long_tail else 1)
+        extra = ["reward.function=benchmarks/latency_reward.py:sleepy", f"reward.num_workers={args.prompts}"]
     if long_tail:
-        reward += [f"rollout.sampling.stop_token_ids=[{','.join(map(str, LONG_TAIL_STOP))}]"]
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
-           f"trainer.output_dir={out}", f"trainer.total_steps={args.steps + 1}", "trainer.val_every=0",
-           "trainer.save_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-           f"data.train_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts * args.n}",
-           f"rollout.sampling.n={args.n}", f"rollout.sampling.max_new_tokens={new_tokens}",
-           f"rollout.max_model_len={new_tokens + 32}", f"actor.seq_length={new_tokens + 32}",
-           "rollout.kv_cache_mb=64", "algorithm.rollout_is=token_truncate", *MODES[mode],
-           *pools(args.tp), *reward]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR",
-           "MEGARL_BENCH_REWARD_SLEEP_S": str(sleep_s or 0)}  # fmt: skip
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]  # the warm-up step out
+        extra += [f"rollout.sampling.stop_token_ids=[{','.join(map(str, LONG_TAIL_STOP))}]"]
+    overrides = ["trainer.save_every=0", "algorithm.rollout_is=token_truncate", *MODES[mode], *pools(args.tp), *extra]
+    return train_rows(hf_dir, out, overrides, steps=args.steps, prompts=args.prompts, n=args.n,
+                      new_tokens=args.new_tokens * (4 if long_tail else 1),
+                      env={"MEGARL_BENCH_REWARD_SLEEP_S": str(sleep_s or 0)})  # fmt: skip
 
 
 def median(rows: list[dict], key: str) -> float:

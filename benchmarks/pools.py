@@ -22,32 +22,20 @@ engines need not wait for an offload/reload, and asynchronous rollout (next) ove
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tiny_runs import train_rows  # benchmarks/tiny_runs.py (run as a script: this directory is on the path)
+
 PHASES = ("generate", "reward", "update_actor", "sync", "step")
 POOLS = ["placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
          "placement.pools.rollout.ranks=2-3", "placement.pools.rollout.roles=[rollout]"]  # fmt: skip
 
 
 def run(hf_dir: str, out: str, extra: list[str], args) -> list[dict]:
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo.yaml", f"model.path={hf_dir}",
-           f"trainer.output_dir={out}", f"trainer.total_steps={args.steps + 1}", "trainer.val_every=0",
-           "logging.wandb.mode=disabled", "logging.progress_bar=false", f"data.train_batch_size={args.prompts}",
-           f"actor.global_batch_size={args.prompts * args.n}", f"rollout.sampling.n={args.n}",
-           f"rollout.sampling.max_new_tokens={args.new_tokens}", f"rollout.max_model_len={args.new_tokens + 32}",
-           f"actor.seq_length={args.new_tokens + 32}", "rollout.kv_cache_mb=64", *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]  # the warm-up step out
+    return train_rows(hf_dir, out, extra, steps=args.steps, prompts=args.prompts, n=args.n,
+                      new_tokens=args.new_tokens)  # fmt: skip
 
 
 def median(rows: list[dict], key: str) -> float:

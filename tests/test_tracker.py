@@ -66,3 +66,12 @@ def test_config_yaml_is_written(tmp_path):
     _run(tmp_path / "run", "disabled")
     assert (tmp_path / "run" / "config.yaml").read_text() == "a: 1\n"
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_a_row_cut_short_by_a_kill_is_left_out(tmp_path):
+    """Every row megarl writes ends with a newline: a last line without one is a write a kill cut short."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
+    assert read_metrics(str(path)) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+    path.write_text('{"step": 1, "a": 1.0}\n')
+    assert read_metrics(str(path)) == [{"step": 1, "a": 1.0}]

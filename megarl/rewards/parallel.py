@@ -39,12 +39,16 @@ class GroupScores:
         the engine rank ``prompt index % engine_tp``)."""
         self.rewards, self.prompts, self.tokenizer, self.tp = rewards, prompts, tokenizer, engine_tp
         self.mine: list[int] = []
-        """The prompt indices of the groups this rank submitted, in order."""
+        """The prompt indices of the groups this rank submitted and not yet collected, in order."""
+
+    def owns(self, index: int) -> bool:
+        """Whether prompt ``index``'s group is this rank's to score (one rank of the engine that generated it)."""
+        return index % self.tp == dist.get_rank() % self.tp
 
     def add(self, group: list) -> None:
         """A finished prompt group (its samples): to this rank's reward workers if it is this rank's to score."""
         index = group[0].prompt_index
-        if index % self.tp != dist.get_rank() % self.tp:
+        if not self.owns(index):
             return
         p = self.prompts[index]
         responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
@@ -52,9 +56,17 @@ class GroupScores:
         self.rewards.submit([p.prompt_text] * len(group), responses, [p.ground_truth] * len(group),
                             [p.extras] * len(group))  # fmt: skip
 
+    def collect(self) -> dict[int, ScoreResult]:
+        """This rank's groups added since the last ``collect``, scored (waits for them): prompt index -> result."""
+        results = self.rewards.finish()
+        if len(results) != len(self.mine):
+            raise RuntimeError(f"the reward workers answered {len(results)} of {len(self.mine)} prompt groups")
+        scored, self.mine = dict(zip(self.mine, results)), []
+        return scored
+
     def result(self) -> ScoreResult:
         """Collective: every sample's score, in (prompt, sample) order, on every rank."""
-        parts = list(zip(self.mine, self.rewards.finish()))
+        parts = list(self.collect().items())
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, parts)
         ordered = sorted((p for rank_parts in everyone for p in rank_parts), key=lambda p: p[0])

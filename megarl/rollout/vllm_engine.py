@@ -311,12 +311,10 @@ class VLLMEngine:
         self._check_healthy()
         out = []
         for o in self.llm.llm_engine.step():
-            c = o.outputs[0]
-            reason = None if not o.finished else "length" if c.finish_reason == "length" else "stop"
+            tokens, logprobs, reason = _completion(o.outputs[0])
             if o.finished:
                 self.streamed.discard(o.request_id)
-            logprobs = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            out.append((o.request_id, list(c.token_ids), logprobs, reason))
+            out.append((o.request_id, tokens, logprobs, reason if o.finished else None))
         return out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -329,10 +327,9 @@ class VLLMEngine:
         """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
         samples = []
         for j, c in enumerate(out.outputs):
-            lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
-            reason = "length" if c.finish_reason == "length" else "stop"
-            versions = [self.weight_version] * len(c.token_ids)
-            samples.append(Sample(index, j, list(prompt), list(c.token_ids), lps, reason, versions))
+            tokens, logprobs, reason = _completion(c)
+            versions = [self.weight_version] * len(tokens)
+            samples.append(Sample(index, j, list(prompt), tokens, logprobs, reason, versions))
         return samples
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
@@ -372,6 +369,13 @@ class VLLMEngine:
         self._wake("weights")
         self._wake("kv_cache")
         _reset_prefix_cache(self.llm)
+
+
+def _completion(c) -> tuple[list[int], list[float], str]:
+    """A ``CompletionOutput``'s tokens, their log-probs and its finish reason as megarl names it ('stop' or
+    'length'; meaningful once the request finished)."""
+    logprobs = [d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
+    return list(c.token_ids), logprobs, "length" if c.finish_reason == "length" else "stop"
 
 
 def _external_id(request_id: str) -> str:

@@ -22,6 +22,7 @@ import time
 
 import torch.distributed as dist
 
+from megarl.rewards.parallel import GroupScores
 from megarl.rewards.score import ScoreResult, merge
 from megarl.rollout.protocol import Sample
 from megarl.rollout.stream import StreamSession, admission_limit, batch_of, oldest_version, stream_seed
@@ -68,15 +69,18 @@ class RolloutServer:
         self.n = cfg.rollout.sampling.n
         tp = job.engine.tp
         self.engines, self.engine = dist.get_world_size() // tp, dist.get_rank() // tp
-        self.scorer = dist.get_rank() % tp == 0
-        """This engine's first rank scores its groups (its other ranks hold the same samples)."""
+        self.lead = dist.get_rank() % tp == 0
+        """This engine's first rank: it speaks for the engine (its requests in a checkpoint, its validation samples;
+        the engine's other ranks hold the same)."""
         self.session = StreamSession(job.engine, cfg.rollout.sampling, cfg.rollout.val_sampling)
         self.cursor = 0
         """Serials admitted so far (pool-wide, in data order)."""
         self.prompts: dict = {}
         """Serial -> its ``Prompt``, admitted and not yet handed over."""
+        self.scoring = GroupScores(job.rewards, self.prompts, job.tokenizer, tp)
+        """Each finished group goes to one rank of its engine's reward workers (``GroupScores.owns``)."""
         self.unscored: dict[int, list[Sample]] = {}
-        """This rank's finished groups submitted to the reward workers, in submission order."""
+        """This rank's finished groups submitted to the reward workers and not collected yet."""
         self.scored: dict[int, tuple[list[Sample], ScoreResult]] = {}
         """This rank's finished, scored groups not yet handed over."""
         self.next_step = 1
@@ -151,25 +155,17 @@ class RolloutServer:
         if serial < 0:  # a validation prompt's
             self.val_done.append(group)
             return
-        if not self.scorer:
-            return
-        p = self.prompts[serial]
-        responses = [self.job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
-        self.job.rewards.submit([p.prompt_text] * len(group), responses, [p.ground_truth] * len(group),
-                                [p.extras] * len(group))  # fmt: skip
-        self.unscored[serial] = group
+        if self.scoring.owns(serial):
+            self.scoring.add(group)
+            self.unscored[serial] = group
 
     def _collect_scores(self) -> None:
         """Wait for the scores of every group submitted so far."""
         if not self.unscored:
             return
         start = time.monotonic()
-        results = self.job.rewards.finish()
-        if len(results) != len(self.unscored):
-            raise RuntimeError(f"the reward workers answered {len(results)} of {len(self.unscored)} prompt groups")
-        for (serial, group), result in zip(self.unscored.items(), results):
-            self.scored[serial] = (group, result)
-        self.unscored = {}
+        for serial, result in self.scoring.collect().items():
+            self.scored[serial] = (self.unscored.pop(serial), result)
         self.reward_s += time.monotonic() - start
 
     # --- the learners' operations ----------------------------------------------------------------------------------
@@ -201,7 +197,7 @@ class RolloutServer:
 
     def _hand_over(self, step: int) -> bool:
         serials = range((step - 1) * self.batch, step * self.batch)
-        mine = sum(s in self.scored or s in self.unscored for s in serials) if self.scorer else 0
+        mine = sum(s in self.scored or s in self.unscored for s in serials)  # the groups this rank scores
         if self._pool_sum(mine) < len(serials):
             return False
         self._collect_scores()
@@ -257,7 +253,7 @@ class RolloutServer:
                 self._finished(group)
         self._collect_scores()  # the training groups submitted so far: validation scores on the same workers
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, [s for g in self.val_done for s in g] if self.scorer else [])
+        dist.all_gather_object(parts, [s for g in self.val_done for s in g] if self.lead else [])
         samples = sorted((s for part in parts for s in part), key=lambda s: -s.prompt_index)
         for s in samples:
             s.prompt_index = -s.prompt_index - 1
@@ -281,7 +277,7 @@ class RolloutServer:
 
         self._collect_scores()
         parts = [None] * dist.get_world_size()
-        mine = (self.session.snapshot(), self.scored) if self.scorer else ([], {})
+        mine = (self.session.snapshot() if self.lead else [], self.scored)
         dist.all_gather_object(parts, mine)
         self.job.stream = {
             "step": step,
@@ -306,7 +302,7 @@ class RolloutServer:
 
         self.job.sampler.load_state_dict(saved["sampler"])
         self.cursor, self.next_step = saved["cursor"], saved["step"] + 1
-        self.prompts = {int(s): Prompt(**p) for s, p in saved["prompts"].items()}
+        self.prompts.update({int(s): Prompt(**p) for s, p in saved["prompts"].items()})  # the dict scoring reads
         fresh = {}
         for s, (group, result) in saved["scored"].items():
             samples = [Sample(**x) for x in group]
@@ -321,7 +317,7 @@ class RolloutServer:
             old = self._oldest(s)
             if s < limit and all(min(r["weight_versions"], default=self.version) >= old for r in rs):
                 keep += rs
-        self.scored = {s: g for s, g in fresh.items() if self.scorer and s % self.engines == self.engine}
+        self.scored = {s: g for s, g in fresh.items() if s % self.engines == self.engine and self.scoring.owns(s)}
         kept_serials = set(fresh) | {r["serial"] for r in keep}
         mine = [r for r in keep if r["serial"] % self.engines == self.engine]
         self.session.restore(mine, lambda serial, segment: stream_seed(self.seed, serial, self.n, segment))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,7 @@ from megarl.config.validate import adapter_slots, layout_config, pool_layout_rol
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
-from megarl.logging.jsonl import write_rows
+from megarl.logging.jsonl import read_metrics, write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
@@ -248,41 +247,29 @@ def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> Non
         )
 
 
-def _json_rows(path: str) -> list[dict]:
-    """A JSON-lines file's rows; a line cut short by a kill is skipped."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
+def _held(path: str, name: str, step: int, what: str) -> dict | None:
+    """What checkpoint ``path`` holds in ``name`` beside its trainer state (None if nothing), checked to be of
+    ``step``."""
+    saved = os.path.join(path, name)
+    if not os.path.isfile(saved):
+        return None
+    held = torch.load(saved, weights_only=False)
+    if held["step"] != step:
+        raise ResumeError(f"{saved} holds the {what} of step {held['step']}, not of step {step}; the checkpoint is "
+                          "inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
+    return held
 
 
 def read_ahead(path: str, step: int) -> Collected | None:
     """The batch a one-step-off run had generated for step ``step + 1`` when checkpoint ``path`` was saved (None if
     it holds none)."""
-    saved = os.path.join(path, ROLLOUT_BATCH)
-    if not os.path.isfile(saved):
-        return None
-    held = torch.load(saved, weights_only=False)
-    if held["step"] != step + 1:
-        raise ResumeError(f"{saved} holds the batch of step {held['step']}, not of step {step + 1}; the checkpoint "
-                          "is inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
-    return Collected.from_dict(held["batch"])
+    held = _held(path, ROLLOUT_BATCH, step + 1, "batch")
+    return None if held is None else Collected.from_dict(held["batch"])
 
 
 def read_stream(path: str, step: int) -> dict | None:
     """A bounded run's rollout stream when checkpoint ``path`` (of step ``step``) was saved (None if it holds none)."""
-    saved = os.path.join(path, ROLLOUT_STREAM)
-    if not os.path.isfile(saved):
-        return None
-    held = torch.load(saved, weights_only=False)
-    if held["step"] != step:
-        raise ResumeError(f"{saved} holds the stream of step {held['step']}, not of step {step}; the checkpoint is "
-                          "inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
-    return held
+    return _held(path, ROLLOUT_STREAM, step, "stream")
 
 
 def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=None) -> tuple[Job, TrainerState]:
@@ -371,7 +358,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
     timeline = os.path.join(out_dir, TIMELINE_FILE)
     if place.leader and os.path.isfile(timeline):  # the steps after the checkpoint run again
-        write_rows(timeline, [r for r in _json_rows(timeline) if r["step"] <= state.step])
+        write_rows(timeline, [r for r in read_metrics(timeline) if r["step"] <= state.step])
 
     ahead = stream = None
     if start is not None:  # the rollout pool's batch or stream in flight; a bad one stops every pool
