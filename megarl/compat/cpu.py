@@ -27,6 +27,11 @@ Scoped (``megatron_mode()``, a thread-local ``TorchFunctionMode``):
 
 Spawned children (megatron's checkpoint writers, vLLM workers) re-import modules but never run ``main``:
 ``install`` sets ``MEGARL_CPU_SHIM=1`` and ``import megarl`` re-installs the stubs when it sees it.
+
+Placement guard (tests): with ``MEGARL_FAKE_DEVICE=meta`` "the GPU" is the ``meta`` device instead of the CPU:
+``current_device()`` and every CUDA request inside the mode answer ``meta``, so a tensor that code left on the CPU
+(never moved to the rank's device) stays visibly on the CPU. Nothing can be computed there: it is for building
+models and checking where their tensors live.
 """
 
 from __future__ import annotations
@@ -38,8 +43,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 ENV_VAR = "MEGARL_CPU_SHIM"
+FAKE_DEVICE_VAR = "MEGARL_FAKE_DEVICE"
+"""Test mode: the device type that stands in for CUDA (``meta``); unset: the CPU."""
 _CPU = torch.device("cpu")
-_state = {"installed": False}  # set once per process by install(); not a cache
+_state = {"installed": False, "device": _CPU}  # set once per process by install(); not a cache
+
+
+def device() -> torch.device:
+    """The device the shim stands in for CUDA with: the CPU, or the fake device of the placement guard."""
+    return _state["device"]
 
 
 def is_installed() -> bool:
@@ -75,8 +87,10 @@ def install() -> None:
     """Apply the process-wide stubs (idempotent). See the module docstring for the list."""
     if _state["installed"]:
         return
+    fake = os.environ.get(FAKE_DEVICE_VAR)
+    _state["device"] = target = torch.device(fake) if fake else _CPU
     cuda = torch.cuda
-    cuda.current_device = lambda: _CPU
+    cuda.current_device = lambda: target
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
     cuda.set_device = lambda device: None
@@ -150,20 +164,22 @@ _TYPE_NAMES = {
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placement requests to CPU for the torch calls made inside the mode."""
+    """Rewrites CUDA placement requests to the shim's device (the CPU; the guard's fake device) for the torch calls
+    made inside the mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        target = _state["device"]
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0] if target == _CPU else args[0].to(target)
         if func is torch.Tensor.type and len(args) == 1 and "dtype" not in kwargs:
             return _TYPE_NAMES.get(args[0].dtype, "torch.cuda.FloatTensor")
         if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs["device"] = _CPU
+            kwargs["device"] = target
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones):
-            args = tuple(_CPU if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a for i, a in enumerate(args))
+            args = tuple(target if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a for i, a in enumerate(args))
         return func(*args, **kwargs)
 
 

@@ -122,7 +122,7 @@ def convert_hf_to_megatron(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False)
+    chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, device="cpu")
     load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=rank == 0)
     ckpt.save_model(tmp, chunk, iteration=0)
     meta = {

@@ -42,7 +42,7 @@ def convert_megatron_to_hf(
     hf_config = meta["hf_config"]
     spec = spec_from_hf_config(hf_config)
     init_distributed(layout)
-    chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False)
+    chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False, device="cpu")
     ckpt.load_model(ckpt_dir, chunk)
     if dist.get_rank() == 0:
         tmp = out_dir.rstrip("/") + ".tmp"

@@ -62,7 +62,7 @@ def verify_checkpoint(hf_dir: str, ckpt_dir: str, layout: ParallelLayout) -> dic
     meta = ckpt.read_meta(ckpt_dir)
     spec = spec_from_hf_config(meta["hf_config"])
     init_distributed(layout)
-    chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False)
+    chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False, device="cpu")
     ckpt.load_model(ckpt_dir, chunk)
     chunk.eval()
     tokens = verification_tokens(spec.vocab_size)

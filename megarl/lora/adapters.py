@@ -160,7 +160,7 @@ def _add_delta(module, args, output):
     if not adapters.enabled:
         return output
     out, bias = output
-    return out + adapters.delta(args[0]).to(out.dtype), bias
+    return out + adapters.delta(args[0].float()).to(out.dtype), bias  # computed in the adapters' fp32
 
 
 def lora_layers(chunk) -> list[tuple[int, str, nn.Module]]:
@@ -185,7 +185,6 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
         chunk.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     where = TPSlice(tp_rank, tp)
     count = 0
-    dtype = next(chunk.parameters()).dtype
     for layer, path, module in lora_layers(chunk):
         style, targets, _ = MODULES[path]
         factors = {}
@@ -198,7 +197,8 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
                 else fresh_factors(spec, t, lora.rank, layer, seed)
             )
             A, B = (f["A"], where.rows(spec, t, f["B"])) if style == COLUMN else (where.cols(spec, t, f["A"]), f["B"])
-            factors[t] = {"A": A.to(dtype).clone().contiguous(), "B": B.to(dtype).clone().contiguous()}
+            # fp32 in every model dtype, on the base weight's device
+            factors[t] = {k: v.to(module.weight.device, torch.float32).clone().contiguous() for k, v in (("A", A), ("B", B))}
         if not factors:
             continue
         module.lora = LinearAdapters(style, targets, factors, lora.scaling, spec, tp)

@@ -2,6 +2,11 @@
 
 The builder only reads the already-initialised Megatron parallel state (which stage this rank is); the degrees come
 from the layout. No rank arithmetic happens here.
+
+Placement and dtype follow Megatron's ``get_model`` + ``Float16Module``: the built chunk lives on one device (the
+rank's GPU for training; the CPU for conversion and export, which must never need a GPU as large as the model), and
+every parameter and floating buffer is in ``model.dtype``, norms and heads included (the optimizer keeps fp32 main
+parameters). Megatron's own fp32 tensors held as plain attributes (RoPE's ``inv_freq``) keep their dtype.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ def transformer_config(
     transformer_impl: str = "local",
     init_weights: bool = True,
     recompute: bool = False,
+    cpu_init: bool = False,
 ):
     """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off.
 
     ``init_weights=False`` skips random initialisation (the weights are about to be loaded). ``recompute``: full
-    activation recompute of every layer in the backward pass.
+    activation recompute of every layer in the backward pass. ``cpu_init``: Megatron creates the weights on the CPU
+    (else on ``torch.cuda.current_device()``).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -71,7 +78,7 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=cpu_init,
         transformer_impl=transformer_impl,
         perform_initialization=init_weights,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
@@ -101,15 +108,19 @@ def build_model_chunk(
     transformer_impl: str = "local",
     init_weights: bool = True,
     recompute: bool = False,
+    device: torch.device | str | None = None,
 ):
-    """This rank's GPTModel chunk (its pipeline stage and TP shard). ``value_head=True`` builds a critic; a
-    ``spec.score_head`` (a reward model) gets the same scalar head without bias."""
+    """This rank's GPTModel chunk (its pipeline stage and TP shard), every tensor on ``device`` (default: the
+    rank's, ``rank_device()``; conversion passes ``"cpu"``) and every parameter in ``dtype``. ``value_head=True``
+    builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    device = torch.device(device) if device is not None else rank_device()
     config = transformer_config(
-        spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute
-    )
+        spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
+        cpu_init=device.type == "cpu",
+    )  # fmt: skip
     with megatron_mode():
         model = GPTModel(
             config=config,
@@ -127,4 +138,49 @@ def build_model_chunk(
         if (value_head or spec.score_head) and model.post_process:
             model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype, bias=not spec.score_head)
     restore_tp_attributes(model)
+    place(model, device, config.params_dtype)
     return model
+
+
+def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` and every floating one to ``dtype``, in place;
+    tensors held as plain module attributes (RoPE's ``inv_freq``) move to ``device`` in their own dtype.
+
+    Parameters are re-created with their attributes (Megatron's TP flags): ``Module.to`` would lose them on a
+    device whose tensors cannot share a CPU tensor's storage type (the placement guard's ``meta``). Call it before
+    wrapping (DDP, the optimizer hold the parameter objects)."""
+    moved: dict[int, tuple] = {}  # id -> (original, placed): shared parameters (tied weights) stay shared
+
+    def to(t: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if cast and t.is_floating_point() else t.dtype)
+
+    def placed(p: torch.nn.Parameter) -> torch.nn.Parameter:
+        if to(p.data) is p.data:  # already there, in its dtype
+            return p
+        q = torch.nn.Parameter(to(p.data), requires_grad=p.requires_grad)
+        q.__dict__.update(p.__dict__)
+        return q
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in moved:
+                        moved[id(p)] = (p, placed(p))
+                    module._parameters[name] = moved[id(p)][1]
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = to(b)
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    setattr(module, name, to(value, cast=False))
+
+
+def rank_device() -> torch.device:
+    """Where this rank's models live: its GPU (``torch.cuda.set_device`` at process-group start) on CUDA; without
+    CUDA the CPU shim's device (the CPU, or the placement guard's fake device)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    from megarl.compat import cpu as cpu_compat
+
+    return cpu_compat.device()

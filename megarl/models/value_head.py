@@ -22,4 +22,5 @@ class ValueHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
 
     def forward(self, hidden_states_SBH, weight=None, runtime_gather_output=None):
-        return nn.functional.linear(hidden_states_SBH, self.weight, self.bias), None
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(hidden_states_SBH.float(), self.weight.float(), bias), None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from megarl.compat import megatron_mode
 from megarl.config.schema import OptimConfig
 
@@ -12,6 +14,10 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tf_config = model_chunk.config
+    # mixed precision (fp32 main parameters) for half-precision trainable parameters; a LoRA actor trains only its
+    # fp32 adapters (its frozen base may be bf16): a plain fp32 optimizer (Megatron's mixed one cannot checkpoint
+    # fp32 parameters beside half ones)
+    half = any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model_chunk.parameters())
     with megatron_mode():
         ddp = DistributedDataParallel(
             config=tf_config,
@@ -35,14 +41,14 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
                 clip_grad=optim.clip_grad,
                 use_distributed_optimizer=optim.use_distributed_optimizer,
                 params_dtype=tf_config.params_dtype,
-                bf16=tf_config.bf16,
-                fp16=tf_config.fp16,
+                bf16=tf_config.bf16 and half,
+                fp16=tf_config.fp16 and half,
             ),
             [ddp],
         )
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.no_sync_func = ddp.no_sync
-    if tf_config.bf16 or tf_config.fp16:
+    if half and (tf_config.bf16 or tf_config.fp16):
         tf_config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
 
