@@ -1,22 +1,31 @@
-"""GPU smoke check: megarl's CUDA-only paths on one GPU, in a few minutes. CI has no GPU: run it where one is.
+"""GPU smoke check: megarl's CUDA-only paths on one GPU, in bf16 (the production dtype), in a few minutes. CI has no
+GPU: run it where one is.
 
 Needs torch, transformers, megatron-core and megarl's light dependencies (omegaconf, PyYAML, tqdm, psutil,
-safetensors; ``pip install --no-deps megatron-core==0.16.1 -e .``): the run uses ``rollout.backend=hf``, builtin data,
-a built-in reward and no W&B, so vllm, pyarrow, wandb and matplotlib are never imported.
+safetensors; ``pip install --no-deps megatron-core==0.16.1 -e .``): the runs use ``rollout.backend=hf``, builtin data,
+built-in rewards and no W&B, so vllm, pyarrow, wandb and matplotlib are never imported.
 
-What it runs (the quickstart's tiny GRPO on a tiny Llama built here, world of 1 on NCCL, one `megarl train` process
-each):
-  A. 4 steps with the training state offloaded to pinned host memory while the engine generates, saving at 2 and 4;
+What it runs (tiny Llamas built here, world of 1 on NCCL, one `megarl train` process each, ``--dtype`` bf16 by
+default):
+  A. GRPO, 4 steps with the training state offloaded to pinned host memory while the engine generates, saving at 2
+     and 4 (bf16 checkpoints);
   B. the same 4 steps without offload: every algorithmic metric equals A's (the offload round trip is exact);
-  C. the same 4 steps as B, stopped after step 2 and resumed: steps 3 and 4 equal B's (the CUDA RNG state, which HF
-     sampling draws from, went through the checkpoint);
-  D. ``megarl plan``'s peak bytes for rank 0 against ``torch.cuda.max_memory_allocated`` of run B.
+  C. the same 4 steps as B, stopped after step 2 and resumed: steps 3 and 4 equal B's (the bf16 checkpoint and the
+     CUDA RNG state, which HF sampling draws from, went through it);
+  D. PPO with a critic (GAE) and a KL loss to the reference, 3 steps, saved and resumed after step 2: values and KL
+     finite, steps 3 equal;
+  E. LoRA (rank 8, merged into the HF engine), 3 steps saved and resumed after 2: the adapters train, step 3 equal;
+  F. a reward model (a tiny ``LlamaForSequenceClassification``) combined with the reward function, 2 steps;
+  G. the exact parts of ``megarl plan`` (actor parameters, gradient buffers, optimizer state: bf16 parameters, fp32
+     main parameters, gradients and Adam moments) against ``torch.cuda.memory_allocated`` of the actor built, wrapped
+     and stepped once in this process, on a model large enough to measure (~64M parameters).
 
-    python benchmarks/gpu_smoke.py             # prints one line per check, then PASS or FAIL
+    python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -30,9 +39,9 @@ COMMON = ["actor.parallel.tp=1", "rollout.backend=hf", "trainer.val_every=0", "l
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(model: str, out: str, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/quickstart.yaml", f"model.path={model}",
-           f"trainer.output_dir={out}", *COMMON, *extra]  # fmt: skip
+def _train(recipe: str, model: str, out: str, *extra: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "megarl.cli", "train", recipe, f"model.path={model}", f"trainer.output_dir={out}",
+           *COMMON, *extra]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if run.returncode not in (0, 75):
         raise SystemExit(f"gpu_smoke: FAIL: `{' '.join(cmd)}` exited {run.returncode}:\n{run.stderr[-4000:]}")
@@ -43,38 +52,101 @@ def _algorithmic(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(NOT_ALGORITHMIC)} for r in rows]
 
 
+def _finite(rows: list[dict], *keys: str) -> bool:
+    return all(k in r and r[k] == r[k] and abs(r[k]) != float("inf") for r in rows for k in keys)
+
+
+def _resumed(recipe: str, model: str, out: str, steps: int, *extra: str) -> tuple[list[dict], list[dict]]:
+    """An uninterrupted run of ``steps`` and one stopped after step 2 and resumed: both metric histories."""
+    whole = _train(recipe, model, out + "-whole", f"trainer.total_steps={steps}", *extra)
+    _train(recipe, model, out + "-cut", "trainer.total_steps=2", *extra)
+    return whole, _train(recipe, model, out + "-cut", f"trainer.total_steps={steps}", *extra)
+
+
+def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
+    """Collective (world 1 here): the actor built as `megarl train` builds it, wrapped in DDP with its optimizer and
+    stepped once (Adam's moments exist), each part measured with ``torch.cuda.memory_allocated``; with the plan's."""
+    import torch
+
+    from megarl.config import load_config, validate
+    from megarl.models.builder import build_model_chunk
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.plan.memory import ACTOR_GRADS, ACTOR_OPTIMIZER, rank_memory
+    from megarl.training.setup import wrap_for_training
+
+    cfg = load_config(recipe, overrides)
+    spec = validate(cfg)
+    layout = ParallelLayout()
+    init_distributed(layout)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    chunk = build_model_chunk(spec, layout, dtype=cfg.model.dtype, init_weights=True)
+    params = torch.cuda.memory_allocated() - start
+    ddp, optimizer = wrap_for_training(chunk, cfg.actor.optim)
+    for p in ddp.parameters():
+        p.main_grad.normal_()  # a gradient, so that the step runs Adam (its moments are allocated at the first step)
+    optimizer.step()
+    torch.cuda.synchronize()
+    rest = torch.cuda.memory_allocated() - start - params
+    planned = rank_memory(cfg, spec, layout, gpus_per_node=1)[0].consumers
+    return {"measured": {"actor params": params, "grads+optimizer": rest},
+            "planned": {"actor params": planned["actor params"],
+                        "grads+optimizer": planned[ACTOR_GRADS] + planned[ACTOR_OPTIMIZER]}}  # fmt: skip
+
+
 def main() -> int:
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA GPU here: not run")
         return 2
-    from megarl.config import load_config, validate
     from megarl.models.tiny import make_tiny_hf_model
-    from megarl.plan import default_hardware, make_plan
+    from megarl.parallel.spawn import run_on_ranks
 
-    name = torch.cuda.get_device_name()
+    dtype = f"model.dtype={args.dtype}"
+    grpo, ppo = "configs/quickstart.yaml", "configs/tiny_ppo.yaml"
     checks = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_hf_model(os.path.join(tmp, "tiny"), "llama")
-        a = _train(model, os.path.join(tmp, "a"), "trainer.total_steps=4", "offload.enable=true")
-        b = _train(model, os.path.join(tmp, "b"), "trainer.total_steps=4")
-        _train(model, os.path.join(tmp, "c"), "trainer.total_steps=2")
-        c = _train(model, os.path.join(tmp, "c"), "trainer.total_steps=4")
-        checks.append(("4 RL steps on NCCL (world 1), rewards finite", all(r["reward/mean"] == r["reward/mean"]
-                                                                            for r in b)))  # fmt: skip
+        path = lambda name: os.path.join(tmp, name)  # noqa: E731
+        model = make_tiny_hf_model(path("tiny"), "llama")
+        a = _train(grpo, model, path("a"), "trainer.total_steps=4", "offload.enable=true", dtype)
+        b = _train(grpo, model, path("b"), "trainer.total_steps=4", dtype)
+        _train(grpo, model, path("c"), "trainer.total_steps=2", dtype)
+        c = _train(grpo, model, path("c"), "trainer.total_steps=4", dtype)
+        checks.append((f"4 GRPO steps on NCCL (world 1, {args.dtype}), rewards finite", _finite(b, "reward/mean")))
         checks.append(("offload to pinned host memory and back: metrics equal", _algorithmic(a) == _algorithmic(b)))
-        checks.append(("resume from step 2 (CUDA RNG through the checkpoint): steps 3-4 equal",
+        checks.append((f"resume from step 2 ({args.dtype} checkpoint, CUDA RNG): steps 3-4 equal",
                        _algorithmic(c)[2:] == _algorithmic(b)[2:]))  # fmt: skip
-        cfg = load_config(os.path.join(REPO, "configs", "quickstart.yaml"), [f"model.path={model}", *COMMON])
-        spec = validate(cfg)
-        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1024**3
-        plan = make_plan(cfg, spec, default_hardware(1, 1, 1, gpu_mem_gb=gpu_gb))
-        _, phase, planned = plan.worst()
-        measured = max(r["memory/peak_gpu_gb"] for r in b) * 1024**3
-        print(f"gpu_smoke: {name}; megarl plan: rank 0 peak {planned / 1e6:.1f} MB ({phase}); measured "
-              f"torch.cuda.max_memory_allocated {measured / 1e6:.1f} MB (ratio {measured / planned:.2f})")  # fmt: skip
-        checks.append(("the plan's peak is within 2x of the measured peak", 0.5 <= measured / planned <= 2.0))
+
+        whole, cut = _resumed(ppo, model, path("ppo"), 3, dtype)
+        checks.append(("PPO with critic and reference: values, KL finite; resumed step 3 equal",
+                       _finite(whole, "critic/values_mean", "critic/vf_loss", "actor/kl_loss")
+                       and _algorithmic(cut)[2:] == _algorithmic(whole)[2:]))  # fmt: skip
+
+        lora_model = make_tiny_hf_model(path("tiny-lora"), "llama", init_std=0.08)
+        whole, cut = _resumed(grpo, lora_model, path("lora"), 3, dtype, "actor.lora.rank=8", "actor.optim.lr=0.001")
+        checks.append(("LoRA (merged into the engine): adapters train; resumed step 3 equal",
+                       all(r["actor/grad_norm"] > 0 for r in whole)
+                       and _algorithmic(cut)[2:] == _algorithmic(whole)[2:]))  # fmt: skip
+
+        rm = make_tiny_hf_model(path("rm"), "llama", seed=7, init_std=0.08, num_labels=1)
+        rows = _train(grpo, model, path("rm-run"), "trainer.total_steps=2", dtype, f"reward.model.path={rm}")
+        checks.append(("a reward model scores beside the function: rewards finite", _finite(rows, "reward/mean")))
+
+        big = make_tiny_hf_model(path("big"), "llama", hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
+                                 ffn_hidden_size=2816, vocab_size=8192)  # fmt: skip
+        parts = run_on_ranks(measure_exact_parts, 1, os.path.join(REPO, grpo),
+                             [f"model.path={big}", dtype, *COMMON])  # fmt: skip
+        for part, planned in parts["planned"].items():
+            measured = parts["measured"][part]
+            print(f"gpu_smoke: {torch.cuda.get_device_name()}: {part}: planned {planned / 1e6:.2f} MB, allocated "
+                  f"{measured / 1e6:.2f} MB (ratio {measured / planned:.4f})")  # fmt: skip
+            checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
+                           abs(measured / planned - 1) <= 0.01))  # fmt: skip
     for what, ok in checks:
         print(f"gpu_smoke: {'ok  ' if ok else 'FAIL'} {what}")
     passed = all(ok for _, ok in checks)

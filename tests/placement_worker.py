@@ -52,18 +52,20 @@ def report(models) -> dict:
     return roles
 
 
-def run_placement(hf_dir: str, rm_dir: str, dtype: str) -> dict:
-    """PPO (actor, critic, reference, reward model), then a LoRA actor with a critic, at TP=2 x PP=2 in ``dtype``."""
+def run_placement(hf_dir: str, rm_dir: str, dtypes: list[str]) -> dict:
+    """Per dtype: PPO (actor, critic, reference, reward model), then a LoRA actor with a critic, at TP=2 x PP=2."""
     layout = ParallelLayout(tp=2, pp=2)
     init_distributed(layout, seed=1)
     spec = spec_from_hf_config(read_hf_config(hf_dir))
-    common = [f"model.path={hf_dir}", f"model.dtype={dtype}", "actor.parallel.tp=2", "actor.parallel.pp=2",
+    common = [f"model.path={hf_dir}", "actor.parallel.tp=2", "actor.parallel.pp=2",
               "algorithm.adv_estimator=gae", "actor.kl_loss_coef=0.1", f"reward.model.path={rm_dir}"]  # fmt: skip
     out = {}
-    for case, extra in (("ppo", []), ("lora", ["actor.lora.rank=4", "actor.lora.target_modules=[q_proj,down_proj]"])):
-        cfg = load_config(None, [*common, *extra])
-        models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, report(models))
-        out[case] = per_rank
+    for dtype in dtypes:
+        out[dtype] = {}
+        for case, extra in (("ppo", []), ("lora", ["actor.lora.rank=4"])):
+            cfg = load_config(None, [*common, f"model.dtype={dtype}", *extra])
+            models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, report(models))
+            out[dtype][case] = per_rank
     return out

@@ -27,6 +27,7 @@ from megarl.trainer.roles import make_roles
 from megarl.trainer.timer import PhaseTimer
 from megarl.training import update
 from megarl.training.init_weights import model_source
+from tests.metric_tolerance import token_share
 from tests.parity_worker import _gather_full
 
 ALGOS = {
@@ -124,9 +125,11 @@ def run_case(
             for k in metrics:
                 if k not in ("grad_norm", "lr") and not k.startswith("max/"):
                     metrics[k] /= layout.dp
+    lengths = [len(s.token_ids) for s in fixed_batch(spec.vocab_size).samples]
     out = {
         "actor": learned.actor,
         "critic": learned.critic,
+        "token_share": token_share(lengths, cfg.actor.global_batch_size),  # one token of a token fraction
         "advantages": torch.cat(learned.advantages),
         "weights": _gather_full(models.actor.module, layout, spec, value_head=False),
     }

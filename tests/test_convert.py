@@ -118,3 +118,29 @@ def test_cli_convert_verify_export(work, tmp_path):
 def test_cli_verify_reports_fail(work):
     bad = _tool("verify", "--hf-dir", work["hf_dirs"]["llama"], "--ckpt", os.path.join(work["root"], "corrupt-ckpt"))
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL"), bad.stderr[-2000:]
+
+
+def test_bf16_safetensors_convert_verify_and_export_bitwise(work, tmp_path):
+    """An HF model stored in bf16 (the production dtype): converted at TP=2, verified against transformers in bf16,
+    exported back: every tensor bitwise and still bf16 (norms included)."""
+    import json
+
+    src = str(tmp_path / "llama-bf16")
+    shutil.copytree(work["hf_dirs"]["llama"], src)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, os.path.join(src, "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    config = json.load(open(os.path.join(src, "config.json")))
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"
+    json.dump(config, open(os.path.join(src, "config.json"), "w"))
+    out = _tool("hf_to_megatron", "--hf-dir", src, "--out", str(tmp_path / "ck"), "--tp", "2")
+    assert out.returncode == 0 and "(dtype bfloat16," in out.stdout, out.stdout + out.stderr[-2000:]
+    ok = _tool("verify", "--hf-dir", src, "--ckpt", str(tmp_path / "ck"), "--tp", "2")
+    assert ok.returncode == 0 and ok.stdout.startswith("PASS"), ok.stdout + ok.stderr[-2000:]
+    exported = _tool("megatron_to_hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    a, b = HFWeights(src), HFWeights(str(tmp_path / "hf"))
+    assert a.names == b.names
+    for name in sorted(a.names):
+        assert a.get(name).dtype == b.get(name).dtype == torch.bfloat16 and torch.equal(a.get(name), b.get(name)), name

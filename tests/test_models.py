@@ -1,6 +1,7 @@
 """Model families: HF config -> ModelSpec -> TransformerConfig, and refusal of what megarl cannot represent."""
 
 import pytest
+import torch
 
 from megarl.models import UnsupportedModelError, read_hf_config, spec_from_hf_config
 from megarl.models.builder import layer_spec, transformer_config, transformer_engine_available
@@ -82,3 +83,24 @@ def test_tiny_model_dir_round_trips(tiny_llama_dir):
 def test_transformer_engine_requested_without_te():
     with pytest.raises(RuntimeError, match="transformer_engine is not installed"):
         layer_spec("transformer_engine")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_value_and_score_heads_compute_in_fp32_in_a_bf16_model(bias):
+    """A bf16 critic's values (and a reward model's scores) come out in fp32, computed from the upcast input and
+    weights: the bf16 product would keep ~3 significant digits before GAE."""
+    from megarl.models.value_head import ValueHead
+
+    torch.manual_seed(0)
+    head = ValueHead(64, dtype=torch.bfloat16, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, 64))
+        if bias:
+            head.bias.fill_(0.3)
+    h = torch.randn(5, 2, 64).to(torch.bfloat16)
+    values, _ = head(h)
+    assert head.weight.dtype == torch.bfloat16 and values.dtype == torch.float32 and values.shape == (5, 2, 1)
+    exact = h.double() @ head.weight.double().t() + (0.3 if bias else 0.0)
+    assert (values.double() - exact).abs().max() < 1e-5
+    rounded = torch.nn.functional.linear(h, head.weight, head.bias)  # what a bf16 head would give
+    assert (rounded.double() - exact).abs().max() > 1e-3

@@ -9,15 +9,22 @@ from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
 from tests.placement_worker import run_placement
 
+DTYPES = ["bfloat16", "float32"]
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def built(request, tmp_path_factory):
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("placement")
     hf = make_tiny_hf_model(str(tmp / "llama"), "llama")
     rm = make_tiny_hf_model(str(tmp / "rm"), "llama", seed=7, num_labels=1)
     with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it: their shim's device is meta
         mp.setenv(FAKE_DEVICE_VAR, "meta")
-        return request.param, run_on_ranks(run_placement, 4, hf, rm, request.param)
+        return run_on_ranks(run_placement, 4, hf, rm, DTYPES)
+
+
+@pytest.fixture(params=DTYPES)
+def built(request, placed):
+    return request.param, placed[request.param]
 
 
 def test_every_role_is_built_with_every_tensor_on_the_rank_device(built):

@@ -3,6 +3,11 @@ SIGKILL mid-save, SIGTERM mid-step) and once at a random moment from outside, re
 time, ends with the same metrics (every algorithmic one, equal floats) and the same weights and optimizer states
 (equal tensors) as the run that was never stopped. GRPO at TP=2 and PPO (critic) at TP=1 x DP=2 with the
 distributed optimizer.
+
+bf16 (the production dtype): the quickstart at TP=2, at PP=2 and at DP=2 with the distributed optimizer saves every
+step, is killed in a generation (``MEGARL_FAULT``) and from outside at a random moment, and resumes bitwise. The
+features in bf16 (PPO with critic, reference and a reward model, LoRA merged and in adapter slots, pools,
+one-step-off, bounded) are ``slow`` chains of one kill and one resume.
 """
 
 import json
@@ -44,14 +49,40 @@ LAYOUTS = {
          "critic.optim.use_distributed_optimizer=true", "data.train_batch_size=8", "actor.global_batch_size=16"],
     ),
 }  # fmt: skip
-SHORT = ("grpo_lora_tp2", "grpo_pools")
+BF16 = ["model.dtype=bfloat16"]
+LAYOUTS.update({
+    "bf16_tp2": ("configs/quickstart.yaml", [*BF16, "trainer.save_every=1", TWO_MINIBATCHES]),
+    "bf16_pp2": ("configs/quickstart.yaml", [*BF16, "trainer.save_every=1", TWO_MINIBATCHES, "actor.parallel.tp=1",
+                                             "actor.parallel.pp=2"]),
+    "bf16_dp2_distopt": ("configs/quickstart.yaml", [*BF16, "trainer.save_every=1", TWO_MINIBATCHES,
+                                                     "actor.parallel.tp=1", "actor.parallel.dp=2",
+                                                     "actor.optim.use_distributed_optimizer=true"]),
+    # slow: the features in bf16 ({rm}: a tiny reward model, built when a chain names it)
+    "bf16_ppo_lora_rm": ("configs/tiny_ppo.yaml", [*BF16, "actor.lora.rank=4", "actor.optim.lr=0.001",
+                                                  "rollout.lora_merge=true", "reward.model.path={rm}"]),
+    "bf16_lora_slots": ("configs/tiny_grpo.yaml", [*BF16, *LAYOUTS["grpo_lora_tp2"][1], "actor.kl_loss_coef=0.01"]),
+    "bf16_ppo_pools": ("configs/tiny_ppo_pools.yaml", BF16),  # the critic and the reference on a pool of their own
+    "bf16_async": ("configs/tiny_grpo_async.yaml", BF16),
+    "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1]]),
+})  # fmt: skip
+SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools")
 """Chains of one kill and one resume (the others are stopped five ways)."""
-OUTSIDE = ("grpo_async", "grpo_bounded")
+OUTSIDE = ("grpo_async", "grpo_bounded", "bf16_async", "bf16_bounded")
 """Chains of one kill from outside at a random moment (`megarl train` SIGKILLed) and one resume."""
-BOUNDED = ("grpo_bounded",)
+TWO_KILLS = ("bf16_tp2", "bf16_pp2", "bf16_dp2_distopt")
+"""Saved every step; killed in step 3's generation, resumed; killed from outside at a random moment, resumed."""
+BOUNDED = ("grpo_bounded", "bf16_bounded")
 """Not bitwise: when the rollout pool serves a push follows the wall clock (the prompts trained are exact)."""
-EXACT = [name for name in LAYOUTS if name not in BOUNDED]
-FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE]
+SLOW = ("bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools", "bf16_async", "bf16_bounded")
+
+
+def _chains(names) -> list:
+    """``names`` as parameters of the ``chain`` fixture, the slow ones marked."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED)
+FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE + TWO_KILLS]
 NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
 
 
@@ -142,13 +173,18 @@ UNINTERRUPTED = {}
 """Layout name -> the output dir of its uninterrupted run (the pooled run is compared with the colocated one)."""
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=_chains(LAYOUTS))
 def chain(request, tiny_llama_dir, tmp_path_factory):
     """The uninterrupted run, and one run stopped five times and resumed each time; each run is looked at (`ps`,
     /dev/shm) right after it ended."""
     name = request.param
     recipe, extra = LAYOUTS[name]
     tmp = tmp_path_factory.mktemp(name)
+    if any("{rm}" in e for e in extra):
+        from megarl.models.tiny import make_tiny_hf_model
+
+        rm = make_tiny_hf_model(str(tmp / "reward-model"), "llama", seed=7, init_std=0.08, num_labels=1)
+        extra = [e.format(rm=rm) for e in extra]
     ref, cut = tmp / "uninterrupted", tmp / "interrupted"
     runs = {"uninterrupted": _run(_cmd(recipe, tiny_llama_dir, ref, extra))}
     assert runs["uninterrupted"].rc == 0, runs["uninterrupted"].out[-4000:]
@@ -156,6 +192,11 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
     if name in OUTSIDE:  # killed at a random moment of steps 4-5 (saved at 2, maybe 4), then resumed
         runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
+        runs["last"] = _run(cmd)
+        return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
+    if name in TWO_KILLS:  # saved every step: rank 0 SIGKILLed in step 3's generation (resumes from 2), then
+        runs["generate@3"] = _run(cmd, "generate@3")  # `megarl train` SIGKILLed at a random moment of steps 4-6
+        runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 4/6", 0.5))
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
     if name in SHORT:  # one kill: rank 0 SIGKILLed in step 5's generation (saved at 2 and 4), then resumed from 4
@@ -188,11 +229,23 @@ def test_each_interruption_stopped_and_resumed_where_expected(chain):
     assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
 
 
+@pytest.mark.parametrize("chain", TWO_KILLS, indirect=True)
+def test_bf16_runs_killed_twice_stopped_and_resumed_where_expected(chain):
+    runs = chain["runs"]
+    generate, launcher, last = runs["generate@3"], runs["launcher"], runs["last"]
+    assert generate.rc not in (0, None) and "fault injection: generate at step 3" in generate.out, generate.out[-3000:]
+    assert "saved step 2:" in generate.out and "saved step 3:" not in generate.out
+    assert "iter_0000002 (step 2;" in launcher.out and launcher.rc is None, launcher.out[-3000:]
+    assert re.search(r"iter_000000[3-6] \(step [3-6];", last.out) and last.rc == 0, last.out[-3000:]
+    kept = sorted(p.name for p in (chain["cut"] / "checkpoints").glob("iter_*"))
+    assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
+
+
 def test_a_rank_killed_mid_run_takes_its_run_down_and_leaves_no_shared_memory(chain):
     """Rank 0 SIGKILLed (mid-generation at TP=2 with vLLM, and mid-save): the launcher kills the other rank at once
     (it would spin in vLLM's shared-memory all-reduce), says so in one line, and the run's /dev/shm files are gone;
     the next run on this machine works (`sigterm@5`, then `last`)."""
-    for fault in [f for f in ("generate@5", "save@4") if f in chain["runs"]]:
+    for fault in [f for f in ("generate@3", "generate@5", "save@4") if f in chain["runs"]]:
         run = chain["runs"][fault]
         assert run.alive_after_10s == [], (fault, run.alive_after_10s, run.out[-3000:])
         assert run.shm_left == set(), (fault, run.shm_left)
@@ -201,7 +254,7 @@ def test_a_rank_killed_mid_run_takes_its_run_down_and_leaves_no_shared_memory(ch
         assert "killed the" in deaths[0] and "other process(es) of this run at once" in deaths[0]
 
 
-@pytest.mark.parametrize("chain", FULL + list(OUTSIDE), indirect=True)
+@pytest.mark.parametrize("chain", FULL + _chains(OUTSIDE + TWO_KILLS), indirect=True)
 def test_a_killed_launcher_takes_its_ranks_with_it_and_the_next_run_sweeps_its_shared_memory(chain):
     """`megarl train` SIGKILLed mid-run: within 10 s no rank, agent or helper of it is alive (they die with their
     parent at kernel level); what it left in /dev/shm is removed by the next run, which works."""
@@ -393,7 +446,7 @@ def test_the_cross_pool_sync_moves_the_planners_lower_bound(chain, tiny_llama_di
         assert row["rollout/logprob_mismatch_max"] < 1e-4, row
 
 
-@pytest.mark.parametrize("chain", ["grpo_async"], indirect=True)
+@pytest.mark.parametrize("chain", _chains(["grpo_async", "bf16_async"]), indirect=True)
 def test_one_step_off_lags_one_update_and_resumes_with_the_batch_in_flight(chain):
     """configs/tiny_grpo_async.yaml: every token of step 1 is of version 0 (lag 0), every later step's of the version
     one update before the trainer's (lag exactly 1); a checkpoint holds the next step's batch, generated by the
@@ -413,7 +466,7 @@ def test_one_step_off_lags_one_update_and_resumes_with_the_batch_in_flight(chain
     assert re.search(r"resuming from .*iter_000000[24] \(step [24];", last.out) and last.rc == 0, last.out[-3000:]
 
 
-@pytest.mark.parametrize("chain", ["grpo_async"], indirect=True)
+@pytest.mark.parametrize("chain", _chains(["grpo_async", "bf16_async"]), indirect=True)
 def test_one_step_off_generates_the_next_batch_while_the_train_pool_learns(chain):
     """The rollout pool's span generating batch k+1 overlaps the train pool's span learning from batch k, for every
     step k >= 2 (recorded ``time.monotonic`` spans, one clock on this machine; not a timing assertion)."""
@@ -433,7 +486,7 @@ def _trained(out_dir) -> dict[int, list[tuple[int, str]]]:
             for f in files}  # fmt: skip
 
 
-@pytest.mark.parametrize("chain", ["grpo_bounded"], indirect=True)
+@pytest.mark.parametrize("chain", _chains(BOUNDED), indirect=True)
 def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_across_a_kill(chain):
     """configs/tiny_grpo_bounded.yaml (max_staleness 2, partial rollout): no token trained at step t comes from a
     version older than t-1-2 (the largest lag over the step's tokens), and the rollout pool did run ahead (lags > 0).

@@ -179,7 +179,7 @@ class CudaToCpuMode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones):
-            args = tuple(target if (i > 0 and _is_cuda(a) and not isinstance(a, int)) else a for i, a in enumerate(args))
+            args = tuple(target if i > 0 and _is_cuda(a) and not isinstance(a, int) else a for i, a in enumerate(args))
         return func(*args, **kwargs)
 
 
