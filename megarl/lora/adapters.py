@@ -197,8 +197,8 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
                 else fresh_factors(spec, t, lora.rank, layer, seed)
             )
             A, B = (f["A"], where.rows(spec, t, f["B"])) if style == COLUMN else (where.cols(spec, t, f["A"]), f["B"])
-            on_device = lambda x: x.to(module.weight.device, torch.float32).clone().contiguous()  # noqa: E731
-            factors[t] = {"A": on_device(A), "B": on_device(B)}  # fp32 in every model dtype, beside the base weight
+            device = module.weight.device  # fp32 in every model dtype, beside the base weight
+            factors[t] = {k: x.to(device, torch.float32).clone().contiguous() for k, x in (("A", A), ("B", B))}
         if not factors:
             continue
         module.lora = LinearAdapters(style, targets, factors, lora.scaling, spec, tp)
