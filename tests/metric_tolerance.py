@@ -12,7 +12,7 @@ def far_apart(a: dict, b: dict, keys, *, rtol: float, floor: float, token_share:
     smallest mini-batch it is averaged over, / the number of mini-batches)."""
     far = {}
     for k in keys:
-        tol = token_share * (1 + 1e-9) if k.endswith(TOKEN_FRACTIONS) else rtol * max(abs(a[k]), floor)
+        tol = token_share * (1 + 1e-6) if k.endswith(TOKEN_FRACTIONS) else rtol * max(abs(a[k]), floor)
         if abs(a[k] - b[k]) > tol:
             far[k] = (a[k], b[k])
     return far

@@ -154,11 +154,11 @@ def run_case(
             if dist.get_rank() == 0:
                 write_peft_adapter(out["exported"], out["adapters"], cfg.actor.lora, hf_dir)
         out["trainable"] = sum(p.numel() for p in models.actor.parameters() if p.requires_grad)
-    if algo == "ppo" and reference and split == "mbs2":
+    if reference and split == "mbs2" and cfg.actor.lora is None:  # the weights before the update
         from megarl.models.builder import build_model_chunk
         from megarl.training.init_weights import load_initial_weights
 
-        initial = build_model_chunk(spec, layout, init_weights=False)
+        initial = build_model_chunk(spec, layout, init_weights=False, dtype=cfg.model.dtype)
         load_initial_weights(initial, model_source(hf_dir), spec, layout, dist.get_rank())
         out["initial"] = _gather_full(initial, layout, spec, value_head=False)
     return out

@@ -100,7 +100,7 @@ def test_value_and_score_heads_compute_in_fp32_in_a_bf16_model(bias):
     h = torch.randn(5, 2, 64).to(torch.bfloat16)
     values, _ = head(h)
     assert head.weight.dtype == torch.bfloat16 and values.dtype == torch.float32 and values.shape == (5, 2, 1)
-    exact = h.double() @ head.weight.double().t() + (0.3 if bias else 0.0)
+    exact = h.double() @ head.weight.double().t() + (head.bias.double() if bias else 0.0)
     assert (values.double() - exact).abs().max() < 1e-5
     rounded = torch.nn.functional.linear(h, head.weight, head.bias)  # what a bf16 head would give
     assert (rounded.double() - exact).abs().max() > 1e-3
