@@ -261,18 +261,19 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
             "recomputed": recomputed}  # fmt: skip
 
 
-def lora_memory_overrides(hf_dir: str, layout: ParallelLayout) -> list[str]:
+def lora_memory_overrides(hf_dir: str, layout: ParallelLayout, dtype: str = "float32") -> list[str]:
     """GRPO with LoRA (rank 4 on q, v, down), Adam and the distributed optimizer, a KL loss (the reference is the
-    base): the planner reads the same."""
+    base), in ``dtype`` (the adapters are fp32 in every one): the planner reads the same."""
     return [f"model.path={hf_dir}", f"actor.parallel.tp={layout.tp}", f"actor.parallel.pp={layout.pp}",
             f"actor.parallel.dp={layout.dp}", "actor.optim.optimizer=adam", "actor.optim.lr=0.01",
             "actor.optim.use_distributed_optimizer=true", "rollout.sampling.n=2", "data.train_batch_size=4",
-            *ALGOS["grpo_lora"], "actor.lora.target_modules=[q_proj,v_proj,down_proj]", *SPLITS["pack"]]  # fmt: skip
+            *ALGOS["grpo_lora"], "actor.lora.target_modules=[q_proj,v_proj,down_proj]", *SPLITS["pack"],
+            f"model.dtype={dtype}"]  # fmt: skip
 
 
-def lora_memory_case(hf_dir: str, layout: ParallelLayout) -> dict:
+def lora_memory_case(hf_dir: str, layout: ParallelLayout, dtype: str = "float32") -> dict:
     """The bytes each planned consumer has allocated after one real LoRA update, per rank."""
-    cfg = load_config(None, lora_memory_overrides(hf_dir, layout))
+    cfg = load_config(None, lora_memory_overrides(hf_dir, layout, dtype))
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     init_distributed(layout, seed=1)
     models = build_rl_models(cfg, spec, layout, model_source(hf_dir), dist.get_rank())

@@ -46,7 +46,8 @@ WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", ref
 WORLD2 += [(f"{n}_lora", dict(layout=lay, algo="grpo_lora", split="pack")) for n, lay in LORA_LAYOUTS]
 RECOMPUTE = ("model.recompute=true",)
 WORLD2 += [("pp2_recompute_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", extra=RECOMPUTE))]
-WORLD2 += [("mem_lora_tp2", dict(layout=L(tp=2), lora_memory=True))]
+WORLD2 += [("mem_lora_tp2", dict(layout=L(tp=2), lora_memory=True)),
+           ("mem_lora_tp2_bf16", dict(layout=L(tp=2), lora_memory=True, dtype="bfloat16"))]
 GSPO_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)))
 WORLD2 += [(f"{n}_gspo_tis", dict(layout=lay, algo="gspo_tis", split="pack")) for n, lay in GSPO_LAYOUTS]
 BF16 = ("model.dtype=bfloat16", "actor.global_batch_size=8")
@@ -217,16 +218,19 @@ def test_lora_update_matches_single_rank_and_leaves_the_base_bitwise(world2, ada
     assert ref["base_bitwise"] and ref["trainable"] == sum(v.numel() for v in start.values())
 
 
-def test_planner_bytes_equal_what_a_lora_run_allocates(world2, hf_dir):
-    """LoRA (Adam, distributed optimizer, TP=2): the frozen base plus the adapters, gradient buffers and optimizer
-    state on the adapters only, no reference copy; the planner's bytes are the allocated ones, exactly."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_bytes_equal_what_a_lora_run_allocates(world2, hf_dir, dtype):
+    """LoRA (Adam, distributed optimizer, TP=2): the frozen base plus the adapters (fp32 in both dtypes), gradient
+    buffers and optimizer state on the adapters only, no reference copy; the planner's bytes are the allocated ones,
+    exactly."""
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.plan.memory import rank_memory
 
-    cfg = load_config(None, lora_memory_overrides(hf_dir, L(tp=2)))
+    cfg = load_config(None, lora_memory_overrides(hf_dir, L(tp=2), dtype))
     planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), L(tp=2), gpus_per_node=2)
-    for rank, real in enumerate(world2["mem_lora_tp2"]["per_rank"]):
+    case = "mem_lora_tp2" + ("_bf16" if dtype == "bfloat16" else "")
+    for rank, real in enumerate(world2[case]["per_rank"]):
         plan = planned[rank].consumers
         assert {k: plan[k] for k in real["measured"]} == real["measured"], f"rank {rank}"
         assert not real["reference"] and "reference params" not in plan

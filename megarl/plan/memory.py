@@ -283,8 +283,9 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
             local = pool.local(rank)
             c = lay.coords(local) if lay else None
             actor = ModelBytes(0)
-            if "actor" in pool.roles and adapters is not None:  # LoRA: the frozen base has no gradients or optimizer
-                actor = trained_model_bytes(adapters[local], dtype, cfg.actor.optim, c.dp, lay.dp)
+            if "actor" in pool.roles and adapters is not None:  # LoRA: the frozen base has no gradients or optimizer;
+                # the adapters are fp32 in every model dtype (their optimizer steps them, no main copy)
+                actor = trained_model_bytes(adapters[local], "float32", cfg.actor.optim, c.dp, lay.dp)
                 actor.params += sum(p.numel for p in params_of("actor")[local]) * DTYPE_BYTES[dtype]
             elif "actor" in pool.roles:
                 actor = trained_model_bytes(params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp)
