@@ -50,6 +50,8 @@ LAYOUTS = {
     ),
 }  # fmt: skip
 BF16 = ["model.dtype=bfloat16"]
+TWO_MINIBATCHES_PPO = "actor.global_batch_size=8"
+"""PPO samples 4 per prompt: 16 per step, two mini-batches of 8."""
 LAYOUTS.update({
     "bf16_tp2": ("configs/quickstart.yaml", [*BF16, "trainer.save_every=1", TWO_MINIBATCHES]),
     "bf16_pp2": ("configs/quickstart.yaml", [*BF16, "trainer.save_every=1", TWO_MINIBATCHES, "actor.parallel.tp=1",
@@ -58,10 +60,11 @@ LAYOUTS.update({
                                                      "actor.parallel.tp=1", "actor.parallel.dp=2",
                                                      "actor.optim.use_distributed_optimizer=true"]),
     # slow: the features in bf16 ({rm}: a tiny reward model, built when a chain names it)
-    "bf16_ppo_lora_rm": ("configs/tiny_ppo.yaml", [*BF16, "actor.lora.rank=4", "actor.optim.lr=0.001",
-                                                  "rollout.lora_merge=true", "reward.model.path={rm}"]),
+    "bf16_ppo_lora_rm": ("configs/tiny_ppo.yaml", [*BF16, TWO_MINIBATCHES_PPO, "actor.lora.rank=4",
+                                                  "actor.optim.lr=0.001", "rollout.lora_merge=true",
+                                                  "reward.model.path={rm}"]),
     "bf16_lora_slots": ("configs/tiny_grpo.yaml", [*BF16, *LAYOUTS["grpo_lora_tp2"][1], "actor.kl_loss_coef=0.01"]),
-    "bf16_ppo_pools": ("configs/tiny_ppo_pools.yaml", BF16),  # the critic and the reference on a pool of their own
+    "bf16_ppo_pools": ("configs/tiny_ppo_pools.yaml", [*BF16, TWO_MINIBATCHES_PPO]),  # critic, reference: own pool
     "bf16_async": ("configs/tiny_grpo_async.yaml", BF16),
     "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1]]),
 })  # fmt: skip
