@@ -68,11 +68,13 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     stepped once (Adam's moments exist), each part measured with ``torch.cuda.memory_allocated``; with the plan's."""
     import torch
 
+    from megarl.compat import megatron_mode
     from megarl.config import load_config, validate
     from megarl.models.builder import build_model_chunk
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.plan.memory import ACTOR_GRADS, ACTOR_OPTIMIZER, rank_memory
+    from megarl.plan.memory import rank_memory
+    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
     from megarl.training.setup import wrap_for_training
 
     cfg = load_config(recipe, overrides)
@@ -86,7 +88,8 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     ddp, optimizer = wrap_for_training(chunk, cfg.actor.optim)
     for p in ddp.parameters():
         p.main_grad.normal_()  # a gradient, so that the step runs Adam (its moments are allocated at the first step)
-    optimizer.step()
+    with megatron_mode():  # nothing on CUDA (the CPU shim's scope otherwise)
+        optimizer.step()
     torch.cuda.synchronize()
     rest = torch.cuda.memory_allocated() - start - params
     planned = rank_memory(cfg, spec, layout, gpus_per_node=1)[0].consumers
