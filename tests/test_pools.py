@@ -75,6 +75,8 @@ RTOL = 1e-5
 """The parity tests' tolerances (tests/test_rl_update.py; relative to values of at least 1e-2: a loss near zero is a
 difference of larger terms): the critic's TP differs, so the order of its sums does."""
 ATOL_WEIGHTS = 1e-5
+FLIPS = 3
+"""Tokens a token fraction (a clip fraction) may differ by between the colocated and the pooled run."""
 POOLED = ("timing/", "perf/", "memory/", "sync/", "pool/", "rollout/tokens_per_s")
 
 
@@ -118,9 +120,11 @@ def test_a_critic_on_its_own_pool_and_layout_trains_as_colocated(ppo_runs):
         assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
         noise = {"rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max"}  # float noise itself (~1e-6)
         assert all(b[k] < 1e-4 for k in noise)
-        # 16 samples in two mini-batches of 8: the smaller one holds at least all tokens but 8 x the longest
+        # 16 samples in two mini-batches of 8: the smaller one holds at least all tokens but 8 x the longest. The
+        # critic runs at another TP here: after an Adam step (~lr x sign(g)) its values differ by more than float
+        # noise, and more than one token can cross the value clip (seen: 1 and 2 of 96 on fresh machines)
         tokens = round(16 * a["response_length/mean"])
-        share = 1 / (2 * max(tokens - 8 * a["response_length/max"], 8))
+        share = FLIPS / (2 * max(tokens - 8 * a["response_length/max"], 8))
         assert not (far := far_apart(a, b, keys - noise, rtol=RTOL, floor=1e-2, token_share=share)), far
         assert {"pool/train/busy_s", "pool/critic/busy_s", "pool/rollout/busy_s"} <= b.keys()
 
