@@ -117,9 +117,7 @@ def main() -> int:
         path = lambda name: os.path.join(tmp, name)  # noqa: E731
         model = make_tiny_hf_model(path("tiny"), "llama")
         a = _train(grpo, model, path("a"), "trainer.total_steps=4", "offload.enable=true", dtype)
-        b = _train(grpo, model, path("b"), "trainer.total_steps=4", dtype)
-        _train(grpo, model, path("c"), "trainer.total_steps=2", dtype)
-        c = _train(grpo, model, path("c"), "trainer.total_steps=4", dtype)
+        b, c = _resumed(grpo, model, path("b"), 4, dtype)
         checks.append((f"4 GRPO steps on NCCL (world 1, {args.dtype}), rewards finite", _finite(b, "reward/mean")))
         checks.append(("offload to pinned host memory and back: metrics equal", _algorithmic(a) == _algorithmic(b)))
         checks.append((f"resume from step 2 ({args.dtype} checkpoint, CUDA RNG): steps 3-4 equal",

@@ -117,15 +117,16 @@ def run_case(
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
+    batch = fixed_batch(spec.vocab_size)
     with everything:
-        learned = learn(cfg, make_roles(cfg, spec, models), fixed_batch(spec.vocab_size), kl_ctrl=kl,
-                        skip_old_logprob=skip, timer=PhaseTimer())  # fmt: skip
+        learned = learn(cfg, make_roles(cfg, spec, models), batch, kl_ctrl=kl, skip_old_logprob=skip,
+                        timer=PhaseTimer())  # fmt: skip
     if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
         for metrics in (learned.actor, learned.critic):
             for k in metrics:
                 if k not in ("grad_norm", "lr") and not k.startswith("max/"):
                     metrics[k] /= layout.dp
-    lengths = [len(s.token_ids) for s in fixed_batch(spec.vocab_size).samples]
+    lengths = [len(s.token_ids) for s in batch.samples]
     out = {
         "actor": learned.actor,
         "critic": learned.critic,
