@@ -132,6 +132,7 @@ def test_sbatch_script_content(tmp_path):
     assert exports == {
         "NCCL_IB_HCA": "mlx5_4",  # the flag over the file
         "NCCL_SOCKET_IFNAME": "ib0",  # the env file read as a shell reads it: quotes, comments after a value
+        "GLOO_SOCKET_IFNAME": "ib0",  # megarl's gloo groups bind to the same interface
         "NCCL_IB_GID_INDEX": "3",
         "NCCL_DEBUG": "WARN",  # the flag over the file over the default
         "NCCL_TOPO_FILE": "'/etc/my topo.xml'",
@@ -155,6 +156,23 @@ def test_sbatch_script_content(tmp_path):
     assert f"stopped={stopped}" in lines and '  scontrol requeue "$SLURM_JOB_ID"' in lines
     check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_gloo_socket_ifname_follows_nccl_flag_and_env_file(tmp_path):
+    def exports(**kw):
+        lines = _script(nodes=2, gpus_per_node=2, **kw).splitlines()
+        return dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
+
+    flag = exports(network=NetworkEnv(nccl_socket_ifname="=eth1"))
+    assert flag["NCCL_SOCKET_IFNAME"] == "=eth1" and flag["GLOO_SOCKET_IFNAME"] == "eth1"
+    shipped = exports(env_file=os.path.join(REPO, "launch/clusters/example.env"))
+    assert shipped["GLOO_SOCKET_IFNAME"] == shipped["NCCL_SOCKET_IFNAME"] == "ib0"
+    own = tmp_path / "own.env"
+    own.write_text("NCCL_SOCKET_IFNAME=^lo,docker0\nGLOO_SOCKET_IFNAME=bond0\n")
+    assert exports(env_file=str(own))["GLOO_SOCKET_IFNAME"] == "bond0"  # set on its own: kept
+    with pytest.raises(LaunchError, match="excludes interfaces, which gloo cannot do"):
+        exports(network=NetworkEnv(nccl_socket_ifname="^lo,docker0"))
+    assert "GLOO_SOCKET_IFNAME" not in exports()  # nothing given: neither is set
 
 
 def test_sbatch_script_cpu_nodes_request_no_gpus():

@@ -123,3 +123,38 @@ def test_position_hash_is_additive_chunked_and_sensitive(monkeypatch):
     assert (ex.position_hash(v[:100], (0, 100), None) + ex.position_hash(v[100:], (100, 300), None)) & ex._MASK64 == (
         ex.position_hash(v, (0, 300), None)
     )
+
+
+def test_transfers_run_on_the_accelerator_under_the_gpu_default_group(monkeypatch):
+    """On GPU the default group is ``cpu:gloo,cuda:nccl`` (``default_backend``): buckets, staged layers and hashes
+    belong on the rank's device, not the host. The placement guard's fake device stands in for the GPU (the CPU shim's
+    own mapping answers the CPU, which could not show the difference)."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.compat import cpu as cpu_compat
+    from megarl.reshard import executor as ex
+    from megarl.reshard import sync
+    from megarl.reshard.plan import Plan
+
+    monkeypatch.setitem(cpu_compat._state, "device", torch.device("meta"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, want in [("cpu:gloo,cuda:nccl", "meta"), ("nccl", "meta"), ("gloo", "cpu"), ("cpu:gloo", "cpu")]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert ex.comm_device().type == want, backend
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    seen = []
+
+    def record(sub, src, dst, **kw):  # the executor's own buffers are allocated on comm_device() too
+        seen.extend(t.device.type for t in dst.values())
+        return ex.SyncStats()
+
+    monkeypatch.setattr(sync, "execute", record)
+
+    class Comm:
+        rank = 0
+
+    sub = Plan(transfers=[], padding=[], dst_shapes={0: {"model.norm.weight": (8,)}}, src_shapes={}, gpus_per_node=1)
+    report = sync.SyncReport(transport="t")
+    list(sync.stream_layers([sub], {}, torch.bfloat16, report, bucket_bytes=1024, verify=True, comm=Comm()))
+    assert seen == ["meta"]

@@ -38,7 +38,8 @@ class NetworkEnv:
     nccl_ib_hca: str | None = None
     """NCCL_IB_HCA: the InfiniBand adapters NCCL may use, e.g. ``mlx5`` (every mlx5 port) or ``mlx5_0:1,mlx5_1:1``."""
     nccl_socket_ifname: str | None = None
-    """NCCL_SOCKET_IFNAME: the interface of NCCL's bootstrap and socket transport, e.g. ``ib0`` or ``^lo,docker0``."""
+    """NCCL_SOCKET_IFNAME: the interface of NCCL's bootstrap and socket transport, e.g. ``ib0``; also exported as
+    GLOO_SOCKET_IFNAME (megarl's gloo groups), unless that is set on its own."""
     nccl_ib_gid_index: int | None = None
     """NCCL_IB_GID_INDEX: the RoCE GID index (3 on most RoCE v2 fabrics)."""
     nccl_debug: str | None = None
@@ -160,11 +161,29 @@ def read_env_file(path: str) -> dict[str, str]:
     return env
 
 
+def gloo_ifname(env: dict[str, str], passed: dict[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME from NCCL_SOCKET_IFNAME when only the latter is given: every gloo group (metrics, the
+    pools' exchange) would otherwise bind to whatever interface the node's hostname resolves to. Gloo takes interface
+    names only, so NCCL's ``^`` (exclude) form is refused and its ``=`` (exact match) prefix dropped."""
+    nccl = env.get("NCCL_SOCKET_IFNAME")
+    if nccl is None or "GLOO_SOCKET_IFNAME" in env or "GLOO_SOCKET_IFNAME" in passed:
+        return {}
+    if nccl.startswith("^"):
+        raise LaunchError(
+            f"NCCL_SOCKET_IFNAME={nccl} excludes interfaces, which gloo cannot do: name the interface (e.g. ib0) or "
+            "set GLOO_SOCKET_IFNAME too"
+        )
+    return {"GLOO_SOCKET_IFNAME": nccl.removeprefix("=")}
+
+
 def job_env(opts: SlurmOptions) -> dict[str, str]:
-    """What the script exports: defaults < env file < NCCL flags (``--env`` variables are not written)."""
+    """What the script exports: defaults < env file < NCCL flags, and GLOO_SOCKET_IFNAME from NCCL_SOCKET_IFNAME
+    (``gloo_ifname``); ``--env`` variables are not written."""
     from_file = read_env_file(opts.env_file) if opts.env_file else {}
     passed = opts.network.passed_env()
-    return {k: v for k, v in {**DEFAULT_ENV, **from_file, **opts.network.as_env()}.items() if k not in passed}
+    env = {**DEFAULT_ENV, **from_file, **opts.network.as_env()}
+    env.update(gloo_ifname(env, passed))
+    return {k: v for k, v in env.items() if k not in passed}
 
 
 def env_block(env: dict[str, str], passed: list[str]) -> str:

@@ -31,10 +31,21 @@ _HASH_CHUNK_GPU = 1 << 24  # on GPU: few large kernels
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def moves_cuda_tensors(backend: str) -> bool:
+    """Whether a process group of ``backend`` moves CUDA tensors: ``nccl``, or a per-device list that routes
+    ``cuda`` to a backend (the default group on GPU is ``cpu:gloo,cuda:nccl``)."""
+    if ":" not in backend:
+        return backend == "nccl"
+    return any(part.split(":", 1)[0].strip() == "cuda" for part in backend.split(","))
+
+
 def comm_device() -> torch.device:
-    """Where transfer buffers live: this rank's GPU under NCCL, the CPU under gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where transfer buffers live and hashes run: this rank's device (``rank_device``: its GPU, or the CPU shim's
+    stand-in) when the default group moves CUDA tensors, the CPU under gloo alone."""
+    if dist.is_initialized() and moves_cuda_tensors(str(dist.get_backend())):
+        from megarl.models.builder import rank_device
+
+        return rank_device()
     return torch.device("cpu")
 
 
