@@ -14,6 +14,7 @@ from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import far_apart
+from tests.peft_adapter import write_random_adapter
 from tests.rl_update_worker import lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
@@ -80,21 +81,7 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapter_dir(hf_dir, tmp_path_factory):
     """A random, non-zero PEFT adapter (rank 4, every target) for hf_dir, written by peft itself."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
-        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False),
-    )
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if "lora_A" in name else 0.05))
-    path = str(tmp_path_factory.mktemp("adapter") / "peft")
-    model.save_pretrained(path)
-    return path
+    return write_random_adapter(hf_dir, str(tmp_path_factory.mktemp("adapter") / "peft"), LORA_TARGETS)
 
 
 @pytest.fixture(scope="module")

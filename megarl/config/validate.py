@@ -313,11 +313,6 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
             f"actor.lora.rank={lora.rank}: vLLM's LoRA slots hold rank <= {VLLM_LORA_RANKS[-1]}; set "
             "rollout.lora_merge=true to sync merged weights instead"
         )
-    if cfg.model.transformer_impl != "local":
-        errors.append(
-            "actor.lora needs model.transformer_impl=local (Transformer Engine fuses the norm into linear_qkv/fc1, "
-            "so the adapters would see the un-normed input)"
-        )
     if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
         errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
     return errors

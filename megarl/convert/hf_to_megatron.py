@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from megarl.checkpoint import format as ckpt
 from megarl.convert.hf_io import HFWeights, copy_tokenizer_files
-from megarl.models.adapter import tensor_maps, to_megatron
+from megarl.models.adapter import local_spec_names, tensor_maps, to_megatron
 from megarl.models.builder import DTYPES, build_model_chunk
 from megarl.models.spec import ModelSpec, read_hf_config, spec_from_hf_config
 from megarl.parallel import megatron_shards as shards
@@ -83,7 +83,7 @@ def load_hf_into_chunk(
     c = layout.coords(rank)
     stage = shards.StageInfo(c.pp, layout.pp, spec.num_layers)
     weights = HFWeights(hf_dir)
-    params = dict(chunk.named_parameters())
+    params = local_spec_names(chunk.named_parameters())  # a Transformer Engine chunk's fused norms too
     assigned = set()
     maps = tensor_maps(spec)
     for tmap in tqdm(maps, desc="hf -> megatron", disable=not progress):

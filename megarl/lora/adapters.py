@@ -1,7 +1,8 @@
 """LoRA adapters applied to a built Megatron GPT chunk, without touching model code.
 
 Each targeted linear keeps its base weight (frozen) and gets a forward hook that adds ``scaling * B (A x)`` to its
-output. Every HF target has its own A and B, also inside the fused ``linear_qkv`` (q, k, v) and ``linear_fc1``
+output, ``x`` being what the linear multiplies: under Transformer Engine's layer spec ``linear_qkv`` and ``linear_fc1``
+include the norm before them, and the adapters see its output (``linear_io``). Every HF target has its own A and B, also inside the fused ``linear_qkv`` (q, k, v) and ``linear_fc1``
 (gate, up): the target's output lands in its block of the fused output, so the factors are PEFT's per-module ones.
 
 Tensor parallelism (the factors' split follows the base linear's):
@@ -156,11 +157,31 @@ class LinearAdapters(nn.Module):
 
 
 def _add_delta(module, args, output):
+    out, bias, x = linear_io(module, args, output)
     adapters = module.lora
-    if not adapters.enabled:
+    if adapters.enabled:
+        out = out + adapters.delta(x.float()).to(out.dtype)  # computed in the adapters' fp32
+    return out, bias
+
+
+def fuses_norm(module) -> bool:
+    """Transformer Engine's norm + linear (``TELayerNormColumnParallelLinear``: ``linear_qkv`` and ``linear_fc1`` under
+    TE's layer spec): its input is the un-normalised residual stream, its ``layer_norm_weight`` the norm's."""
+    return hasattr(module, "layer_norm_weight")
+
+
+def linear_io(module, args, output) -> tuple:
+    """(output, bias, the adapters' input) of one forward of an adapted linear. The adapters see what the linear
+    multiplies, as vLLM's do: a plain linear's input, or for a fused norm + linear the normalised input, which TE
+    returns beside the output once ``return_layernorm_output`` is set (``apply_lora`` sets it): Megatron's wrapper then
+    gives ``((out, normed), None)``, or ``(out, bias, normed)`` when TE returns the bias itself."""
+    if not getattr(module, "return_layernorm_output", False):
+        out, bias = output
+        return out, bias, args[0]
+    if len(output) == 3:
         return output
-    out, bias = output
-    return out + adapters.delta(args[0].float()).to(out.dtype), bias  # computed in the adapters' fp32
+    (out, normed), bias = output
+    return out, bias, normed
 
 
 def lora_layers(chunk) -> list[tuple[int, str, nn.Module]]:
@@ -202,6 +223,9 @@ def apply_lora(chunk, spec: ModelSpec, lora: LoraConfig, tp_rank: int, tp: int, 
         if not factors:
             continue
         module.lora = LinearAdapters(style, targets, factors, lora.scaling, spec, tp)
+        if fuses_norm(module):  # the normalised input comes back with the output (whole sequence under SP)
+            module.return_layernorm_output = True
+            module.return_layernorm_output_gathered = True
         module.register_forward_hook(_add_delta)
         count += sum(p.numel() for p in module.lora.parameters())
     return count
@@ -288,7 +312,9 @@ class MergedWeights(Mapping):
 
 def merged_weights(chunk) -> MergedWeights:
     """``MergedWeights`` of a LoRA chunk (its named parameters, adapted linears merged on read)."""
-    named = {n: p.detach() for n, p in chunk.named_parameters()}
+    from megarl.models.adapter import local_spec_names
+
+    named = local_spec_names((n, p.detach()) for n, p in chunk.named_parameters())
     adapted = {}
     for name, module in chunk.named_modules():
         if hasattr(module, "lora") and isinstance(module.lora, LinearAdapters):

@@ -8,6 +8,7 @@ import math
 import torch
 
 from megarl.lora.adapters import COLUMN, lora_layers, peft_key
+from megarl.models.adapter import local_spec_names
 
 KEY_PREFIX = "lora."
 """A checkpoint's adapter keys are this + the PEFT name (layout-independent)."""
@@ -57,7 +58,7 @@ def base_fingerprint(chunk) -> dict[str, list[float]]:
     local = {}
     offset = _layer_offset(chunk)
     tied = getattr(chunk, "share_embeddings_and_output_weights", False)
-    for name, p in chunk.named_parameters():
+    for name, p in local_spec_names(chunk.named_parameters()).items():
         if p.requires_grad or (tied and name == "output_layer.weight"):  # a PP>1 copy of the tied embedding
             continue
         x = p.detach().double()

@@ -15,10 +15,16 @@ Each Megatron full tensor (TP=1 names, global layer index) is built from one or 
 | output_layer.weight (untied only)  | lm_head.weight                           | rows padded                          |
 
 The resharding engine uses the same table to name and lay out destination tensors.
+
+Names are the local spec's. Transformer Engine's layer spec fuses each norm into the linear after it, so a TE model
+names the two norms ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``:
+``local_spec_name`` maps them back, from Megatron's own map (the local spec's ``sharded_state_dict_keys_map``, by
+which a local-spec model writes TE's names into a distributed checkpoint, so both load the same checkpoint).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +46,32 @@ class TensorMap:
     """How they combine: copy, qkv (grouped per query group), gate_up ([gate; up]) or vocab (rows padded)."""
     layer: int | None = None
     """Global layer index, None for embedding / final norm / output layer."""
+
+
+@functools.cache
+def fused_norm_prefixes() -> dict[str, str]:
+    """Local-spec prefix -> Transformer Engine prefix of the norms TE fuses into a linear, within a layer:
+    ``{"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}``,
+    as megatron-core's local layer spec declares them (a constant of the installed megatron-core)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return dict(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)
+
+
+def local_spec_name(name: str) -> str:
+    """A model parameter's name under the local spec, whichever spec built the model: TE's fused norm names
+    (``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``) become the norms' own
+    (``decoder.layers.3.input_layernorm.weight``); every other name is the same in both."""
+    for local, te in fused_norm_prefixes().items():
+        head, sep, tail = name.partition("." + te)
+        if sep and tail in ("weight", "bias"):
+            return f"{head}.{local}{tail}"
+    return name
+
+
+def local_spec_names(named) -> dict:
+    """``{local_spec_name(name): value}`` of ``(name, value)`` pairs (e.g. ``chunk.named_parameters()``)."""
+    return {local_spec_name(name): value for name, value in named}
 
 
 def tensor_maps(spec: ModelSpec) -> list[TensorMap]:

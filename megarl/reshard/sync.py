@@ -201,7 +201,8 @@ def run_sync(
 
 
 def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tensor]:
-    """The actor's current parameters by Megatron local name, read after any pending parameter all-gather.
+    """The actor's current parameters by Megatron local name (the local spec's names, also for a Transformer Engine
+    model: ``megarl.models.adapter.local_spec_name``), read after any pending parameter all-gather.
 
     ``model`` is a Megatron model chunk or its DistributedDataParallel wrapper. With the distributed optimizer and
     ``overlap_param_gather`` the updated parameters arrive only at the next forward; this forces that gather first.
@@ -219,7 +220,9 @@ def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tenso
         from megarl.lora.adapters import merged_weights
 
         return merged_weights(model)
-    return {name: p.detach() for name, p in model.named_parameters()}
+    from megarl.models.adapter import local_spec_names
+
+    return local_spec_names((name, p.detach()) for name, p in model.named_parameters())
 
 
 def push_actor(engine, model, version: int, *, resend_base: bool = False) -> SyncReport:

@@ -1,0 +1,53 @@
+"""Transformer Engine's layer spec on CPU, through a stand-in with TE's parameter names, fused norm and return
+convention (``tests/te_standin.py``; TE itself needs a GPU): HF loading, the weight sync's tensors, and LoRA on the
+fused norm + linear, against the local spec and HF + peft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config.schema import LORA_TARGETS
+from megarl.models.tiny import make_tiny_hf_model
+from megarl.parallel.spawn import run_on_ranks
+from tests.peft_adapter import write_random_adapter
+from tests.te_standin import te_case
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_tiny_hf_model(str(tmp_path_factory.mktemp("te") / "llama"), "llama", seed=3, init_std=0.08)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(hf_dir, tmp_path_factory):
+    return write_random_adapter(hf_dir, str(tmp_path_factory.mktemp("te-adapter") / "peft"), LORA_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def tp2(hf_dir, adapter_dir):
+    return run_on_ranks(te_case, 2, hf_dir, adapter_dir, 2)
+
+
+def test_te_names_load_from_hf_and_feed_the_weight_sync(tp2):
+    names = tp2["names"]
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in names
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)  # TE's names, not the local's
+    assert tp2["sync_names_match_layout"]  # the actor's tensors are the reshard layout's sources
+    assert tp2["sync_tensors_equal"]  # ... and equal the local-spec chunk's
+    assert torch.equal(tp2["base"], tp2["base_local"])  # same forward
+
+
+def test_lora_on_te_fused_norm_linear_equals_merged_weights_and_peft(tp2, hf_dir, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base_hf, adapter_dir)(tp2["tokens"]).logits.float()
+    adapted, merged = torch.log_softmax(tp2["adapted"], -1), torch.log_softmax(tp2["merged"], -1)
+    assert (adapted - torch.log_softmax(peft_logits, -1)).abs().max() <= 1e-5  # the adapters see the normed input
+    assert (adapted - merged).abs().max() <= 1e-5  # what the sync hands vLLM computes the same
+    assert (adapted - torch.log_softmax(tp2["base"], -1)).abs().max() > 1e-2  # the adapter's effect is visible
+    assert tp2["factors_equal"] and tp2["factor_grads_nonzero"] and tp2["factor_grads_equal"]
