@@ -8,7 +8,8 @@ import sys
 
 
 def _cmd_train(args) -> int:
-    from megarl.config import ConfigError, load_config, validate
+    from megarl.config import ConfigError, validate
+    from megarl.config.loader import load_config_and_defaults
     from megarl.config.validate import check_inputs
     from megarl.trainer import faults
     from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, plan_start
@@ -19,7 +20,7 @@ def _cmd_train(args) -> int:
 
         lifetime.start_rank(int(os.environ.get("RANK", "0")))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg, chosen = load_config_and_defaults(args.config, args.overrides)
         spec = validate(cfg, world_size=launched)
         if launched is None:  # once, before any process starts (not again on every launched rank)
             check_inputs(cfg)
@@ -59,6 +60,7 @@ def _cmd_train(args) -> int:
     from megarl.training.init_weights import model_source
 
     source = model_source(cfg.model.path)
+    _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
     if launched is not None:
         return _rank(train, cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
     from megarl.launch import lifetime
@@ -73,6 +75,15 @@ def _cmd_train(args) -> int:
         print(f"megarl: {e}", file=sys.stderr, flush=True)
         return 1
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
+
+
+def _device_defaults(chosen: list[str], say: bool) -> None:
+    """The training process's device settings: TF32 on CUDA, and one line naming what 'auto' chose."""
+    from megarl.config.device_defaults import apply_tf32, on_cuda
+
+    chosen = chosen + apply_tf32(on_cuda())
+    if say and chosen:
+        print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
 
 
 def _rank(train, *args) -> int:
@@ -142,7 +153,7 @@ def _cmd_plan(args) -> int:
     from megarl.plan import PlanError, format_plan
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, cuda=True)  # planned for GPUs, from any machine
         spec = validate(cfg)
         job = _plan_for(cfg, spec, args)
     except (ConfigError, PlanError, ValueError) as e:

@@ -240,3 +240,58 @@ def test_a_critic_pools_layout_must_divide_its_models_and_batch(tiny_llama_dir):
         cfg = load_config("configs/tiny_ppo.yaml", [f"model.path={tiny_llama_dir}", *pools, *extra])
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(cfg, world_size=7)
+
+
+def test_auto_settings_resolve_per_device_and_explicit_values_win(tiny_llama_dir, monkeypatch):
+    """A recipe that sets nothing: bf16, CUDA graphs and vLLM's own KV sizing on CUDA; fp32, eager and 1 GiB on
+    CPU. What was chosen is reported; an explicit value is kept on both."""
+    import torch
+
+    from megarl.config.device_defaults import apply_tf32, kv_cache_bytes
+    from megarl.config.loader import load_config_and_defaults
+    from megarl.rollout import vllm_engine
+
+    path = [f"model.path={tiny_llama_dir}"]
+    gpu, chosen = load_config_and_defaults(None, path, cuda=True)
+    assert (gpu.model.dtype, gpu.rollout.enforce_eager, gpu.rollout.kv_cache_mb) == ("bfloat16", False, "auto")
+    assert chosen[:2] == ["model.dtype=bfloat16", "rollout.enforce_eager=false"]
+    assert "gpu_memory_utilization=0.5" in chosen[2] and kv_cache_bytes(gpu.rollout, cuda=True) is None
+    cpu, chosen = load_config_and_defaults(None, path, cuda=False)
+    assert (cpu.model.dtype, cpu.rollout.enforce_eager, cpu.rollout.kv_cache_mb) == ("float32", True, 1024)
+    assert chosen == ["model.dtype=float32", "rollout.enforce_eager=true", "rollout.kv_cache_mb=1024"]
+    explicit = [*path, "model.dtype=float32", "rollout.enforce_eager=true", "rollout.kv_cache_mb=64"]
+    for cuda in (True, False):
+        cfg, chosen = load_config_and_defaults(None, explicit, cuda=cuda)
+        assert (cfg.model.dtype, cfg.rollout.enforce_eager, cfg.rollout.kv_cache_mb, chosen) == ("float32", True,
+                                                                                                   64, [])  # fmt: skip
+    with pytest.raises(ConfigError, match="rollout.kv_cache_mb: must be 'auto' or a number of MiB >= 1"):
+        load_config(None, [*path, "rollout.kv_cache_mb=lots"])
+    # what vLLM is given on CUDA: the share of the GPU ('auto'), or the explicit cache and what is free
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 80 * 2**30))
+    assert vllm_engine._memory_args(gpu.rollout) == {"gpu_memory_utilization": 0.5}
+    assert vllm_engine._memory_args(cfg.rollout) == {"kv_cache_memory_bytes": 64 * 2**20,
+                                                     "gpu_memory_utilization": 0.95 * 60 / 80}  # fmt: skip
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert apply_tf32(True) == ["fp32 matmuls on TF32"] and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert apply_tf32(False) == []
+
+
+def test_plan_resolves_auto_for_gpus_on_any_machine(tiny_llama_dir, capsys):
+    from megarl.cli import main
+
+    model = f"model.path={tiny_llama_dir}"
+    main(["plan", "configs/quickstart.yaml", model, "model.dtype=auto", "rollout.kv_cache_mb=auto"])
+    out = capsys.readouterr().out
+    assert "(bfloat16)" in out.splitlines()[0]
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.plan.memory import rank_memory
+
+    cfg = load_config("configs/quickstart.yaml", [model, "rollout.kv_cache_mb=auto"], cuda=True)
+    spec = spec_from_hf_config(read_hf_config(cfg.model.path))
+    (m,) = rank_memory(cfg, spec, ParallelLayout(), gpus_per_node=1, gpu_bytes=80 * 10**9)
+    assert m.consumers["KV cache (configured)"] == 40 * 10**9 - m.consumers["vLLM weights"] > 0  # vLLM's share

@@ -19,13 +19,23 @@ class ConfigError(ValueError):
     """A config could not be loaded; the message names the key and the fix."""
 
 
-def load_config(yaml_path: str | None = None, overrides: list[str] = ()) -> MegarlConfig:
-    """Merge the YAML file and ``a.b=value`` overrides onto the schema and return the typed config.
+def load_config(yaml_path: str | None = None, overrides: list[str] = (), *, cuda: bool | None = None) -> MegarlConfig:
+    """Merge the YAML file and ``a.b=value`` overrides onto the schema and return the typed config, its 'auto'
+    settings resolved for ``cuda`` (default: this machine; ``megarl.config.device_defaults``).
 
     Unknown keys, wrong types and field-local checks fail here with a ConfigError naming the key.
     """
-    merged = _merge_raw(yaml_path, overrides)
-    return _build(MegarlConfig, merged, "")
+    return load_config_and_defaults(yaml_path, overrides, cuda=cuda)[0]
+
+
+def load_config_and_defaults(
+    yaml_path: str | None = None, overrides: list[str] = (), *, cuda: bool | None = None
+) -> tuple[MegarlConfig, list[str]]:
+    """``load_config``, and one line per setting the device chose (``model.dtype=bfloat16``): what was left 'auto'."""
+    from megarl.config import device_defaults
+
+    cfg = _build(MegarlConfig, _merge_raw(yaml_path, overrides), "")
+    return cfg, device_defaults.resolve(cfg, device_defaults.on_cuda() if cuda is None else cuda)
 
 
 def _merge_raw(yaml_path, overrides) -> dict:

@@ -48,8 +48,9 @@ class ModelConfig:
 
     path: str = ""
     """HuggingFace model directory (config.json, tokenizer; weights for initialisation)."""
-    dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
+    dtype: str = "auto"
+    """Parameter dtype: float32, bfloat16 or float16; 'auto' (default): bfloat16 on CUDA, float32 on CPU (resolved by
+    the loader for the device it runs on, ``megarl.config.device_defaults``)."""
     transformer_impl: str = "local"
     """Megatron layer implementation: 'local' (torch, runs on CPU) or 'transformer_engine' (GPU, needs TE)."""
     vocab_pad_multiple: int = 128
@@ -60,7 +61,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _require(bool(self.path), "path", "is required (a HuggingFace model directory)")
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        dtypes = ["auto", *sorted(DTYPES)]
+        _require(self.dtype in dtypes, "dtype", f"must be one of {dtypes}, got {self.dtype!r}")
         impls = ("local", "transformer_engine")
         _require(self.transformer_impl in impls, "transformer_impl", f"must be one of {impls}")
         _require(self.vocab_pad_multiple >= 1, "vocab_pad_multiple", "must be >= 1")
@@ -610,12 +612,18 @@ class RolloutConfig:
     """Hash-check every weight sync (cheap); a mismatch marks the engine unhealthy."""
     verify_full: bool = False
     """Debug: also compare every received piece element by element with the sender's copy (slow, memory-heavy)."""
-    kv_cache_mb: int = 1024
-    """KV-cache memory per engine rank in MiB, given to vLLM explicitly (host RAM on CPU)."""
+    kv_cache_mb: int | str = "auto"
+    """KV-cache memory per engine rank in MiB, given to vLLM explicitly (host RAM on CPU); 'auto' (default): 1024 on
+    CPU, on CUDA vLLM's own sizing within ``gpu_memory_utilization``."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA with ``kv_cache_mb: auto``: the share of each GPU's memory the engine may take while it generates (its
+    weights, activations and KV cache; vLLM's ``gpu_memory_utilization``). Colocated, the training state is
+    offloaded meanwhile (``offload.*``), so the engine may take most of the GPU."""
     max_model_len: int = 0
     """Longest prompt + response in tokens the engine accepts; 0 means the model's max_position_embeddings."""
-    enforce_eager: bool = True
-    """Run vLLM without CUDA graphs / torch.compile (faster start; GPU recipes may set False)."""
+    enforce_eager: bool | str = "auto"
+    """Run vLLM without CUDA graphs / torch.compile; 'auto' (default): off on CUDA (graphs make decoding faster), on
+    on CPU (faster start)."""
     lora_merge: str = "auto"
     """With actor.lora: 'false' serves the adapters from vLLM's LoRA slots (every sync after the first moves only
     the adapters); 'true' merges them into the weights on the trainer side and syncs whole weights into an engine
@@ -632,7 +640,11 @@ class RolloutConfig:
         transports = ("auto", "shard_write", "full_reload")
         _require(self.transport in transports, "transport", f"must be one of {transports}, got {self.transport!r}")
         _require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
-        _require(self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1 (vLLM needs an explicit KV-cache budget)")
+        _require(self.kv_cache_mb == "auto" or (isinstance(self.kv_cache_mb, int) and self.kv_cache_mb >= 1),
+                 "kv_cache_mb", f"must be 'auto' or a number of MiB >= 1, got {self.kv_cache_mb!r}")  # fmt: skip
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.enforce_eager in (True, False, "auto"), "enforce_eager",
+                 f"must be true, false or 'auto', got {self.enforce_eager!r}")  # fmt: skip
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
         _require(self.val_sampling.n == 1, "val_sampling.n", "must be 1 (validation scores one sample per prompt)")
         self.lora_merge = str(self.lora_merge).lower()  # YAML true/false arrive as 'True'/'False'

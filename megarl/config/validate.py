@@ -175,7 +175,7 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
             f"data.max_prompt_length + rollout.sampling.max_new_tokens = {prompt} + {new} exceeds actor.seq_length="
             f"{cfg.actor.seq_length}; raise actor.seq_length or lower one of them"
         )
-    if ro.backend == "vllm":
+    if ro.backend == "vllm" and ro.kv_cache_mb != "auto":  # 'auto' on CUDA: vLLM sizes the cache and checks it
         kv_per_rank = max(1, kv // tp)
         per_token = 2 * spec.num_layers * kv_per_rank * spec.head_dim * BYTES[cfg.model.dtype]
         block = VLLM_CPU_BLOCK if on_cpu else 16

@@ -1,9 +1,10 @@
 """LoRA adapters applied to a built Megatron GPT chunk, without touching model code.
 
 Each targeted linear keeps its base weight (frozen) and gets a forward hook that adds ``scaling * B (A x)`` to its
-output, ``x`` being what the linear multiplies: under Transformer Engine's layer spec ``linear_qkv`` and ``linear_fc1``
-include the norm before them, and the adapters see its output (``linear_io``). Every HF target has its own A and B, also inside the fused ``linear_qkv`` (q, k, v) and ``linear_fc1``
-(gate, up): the target's output lands in its block of the fused output, so the factors are PEFT's per-module ones.
+output, ``x`` being what the linear multiplies: under Transformer Engine's layer spec ``linear_qkv`` and
+``linear_fc1`` include the norm before them, and the adapters see its output (``linear_io``). Every HF target has
+its own A and B, also inside the fused ``linear_qkv`` (q, k, v) and ``linear_fc1`` (gate, up): the target's
+output lands in its block of the fused output, so the factors are PEFT's per-module ones.
 
 Tensor parallelism (the factors' split follows the base linear's):
 - column-parallel (``linear_qkv``, ``linear_fc1``): A replicated, B split on its output dimension like the fused

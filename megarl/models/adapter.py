@@ -50,9 +50,10 @@ class TensorMap:
 
 @functools.cache
 def fused_norm_prefixes() -> dict[str, str]:
-    """Local-spec prefix -> Transformer Engine prefix of the norms TE fuses into a linear, within a layer:
-    ``{"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}``,
-    as megatron-core's local layer spec declares them (a constant of the installed megatron-core)."""
+    """Local-spec prefix -> Transformer Engine prefix of the norms TE fuses into a linear, within a layer
+    (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``, ``pre_mlp_layernorm.`` ->
+    ``mlp.linear_fc1.layer_norm_``), as megatron-core's local layer spec declares them (a constant of the installed
+    megatron-core)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return dict(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)

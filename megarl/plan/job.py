@@ -137,7 +137,8 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             dst = peft_adapter_layout(spec, lora, ranks, gpn).shifted(engines_at.start)
             stats["adapters"] = stats_of(plan(src, dst))
     step = step_time(cfg, spec, hw, stats["est_s"]) if stats else None
-    return JobPlan(cfg, spec, layout, hw, rank_memory(cfg, spec, layout, gpn), stats, step)
+    ranks = rank_memory(cfg, spec, layout, gpn, gpu_bytes=int(hw.gpu_mem_gb * 1e9))
+    return JobPlan(cfg, spec, layout, hw, ranks, stats, step)
 
 
 # --- what would make it fit ----------------------------------------------------------------------------------------

@@ -238,12 +238,16 @@ class RankMemory:
 GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
 
 
-def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int) -> list[RankMemory]:
+def rank_memory(
+    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int, gpu_bytes: int = 80 * 10**9
+) -> list[RankMemory]:
     """Every rank's consumers and phases. Colocated (GPU): vLLM sleeps while Megatron trains, freeing all of it (at
     level 2, or at level 1 with LoRA adapter slots, its weights then waiting in host memory), and the ``offload.*``
     state leaves for generation. With pools (``placement.pools``) each rank holds its pool's roles only, its Megatron
     models at its pool's layout (the actor's, else the critic's), and nothing sleeps or moves: every phase holds all
-    of its own state."""
+    of its own state. ``gpu_bytes``: one GPU's memory (``rollout.kv_cache_mb: auto`` sizes the KV cache from it).
+    """
+    from megarl.config.device_defaults import kv_cache_bytes
     from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
     from megarl.trainer.models import needs_critic, needs_reference, needs_reward_model, reward_model_spec
     from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
@@ -308,7 +312,11 @@ def rank_memory(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus
             e = rank - engines.ranks.start
             engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
             m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
-            kv = cfg.rollout.kv_cache_mb * MiB if cfg.rollout.backend == "vllm" and generates else 0
+            kv = 0
+            if cfg.rollout.backend == "vllm" and generates:
+                kv = kv_cache_bytes(cfg.rollout, cuda=True)  # 'auto': what vLLM leaves in its share of the GPU
+                share = int(cfg.rollout.gpu_memory_utilization * gpu_bytes)
+                kv = kv if kv is not None else share - m.consumers[engine_key]
             m.consumers["KV cache (configured)"] = kv
             staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
             sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers

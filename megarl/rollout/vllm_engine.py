@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import vllm_shm
+from megarl.config.device_defaults import enforce_eager
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.launch import lifetime
 from megarl.models.builder import DTYPES
@@ -67,13 +68,20 @@ def preserved_process_state():
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _gpu_memory_args() -> dict:
-    """On CUDA, vLLM refuses to start unless free memory >= gpu_memory_utilization x total, even with an explicit
-    KV-cache size (v1/worker/utils.py); the actor already holds its weights and optimizer, so ask for what is free."""
-    if not torch.cuda.is_available():
-        return {}
+def _memory_args(cfg) -> dict:
+    """How vLLM sizes its memory. ``rollout.kv_cache_mb`` set (and always on CPU): that KV cache, explicitly; on CUDA
+    vLLM still refuses to start unless free memory >= gpu_memory_utilization x total (v1/worker/utils.py), so it asks
+    for what is free. 'auto' on CUDA: ``rollout.gpu_memory_utilization`` of the GPU, vLLM sizing the cache in it."""
+    from megarl.config.device_defaults import kv_cache_bytes
+
+    cuda = torch.cuda.is_available()
+    kv = kv_cache_bytes(cfg, cuda)
+    if kv is None:
+        return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if not cuda:
+        return {"kv_cache_memory_bytes": kv}
     free, total = torch.cuda.mem_get_info()
-    return {"gpu_memory_utilization": max(0.01, 0.95 * free / total)}
+    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": max(0.01, 0.95 * free / total)}
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -160,14 +168,13 @@ class VLLMEngine:
                 distributed_executor_backend="external_launcher",
                 dtype=dtype,
                 seed=seed,
-                enforce_eager=cfg.enforce_eager,
-                kv_cache_memory_bytes=cfg.kv_cache_mb * 1024**2,
+                enforce_eager=enforce_eager(cfg, torch.cuda.is_available()),
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.sleep_mode,
                 distributed_timeout_seconds=collective_timeout_s,
                 cpu_distributed_timeout_seconds=collective_timeout_s,
-                **_gpu_memory_args(),
+                **_memory_args(cfg),
                 **_lora_args(lora),
             )
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}

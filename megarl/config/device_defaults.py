@@ -1,0 +1,67 @@
+"""What 'auto' means on each device, for the settings whose right value depends on it.
+
+| setting                  | on CUDA                                              | on CPU          |
+|--------------------------|------------------------------------------------------|-----------------|
+| ``model.dtype``          | bfloat16                                             | float32         |
+| ``rollout.enforce_eager``| false (CUDA graphs)                                  | true            |
+| ``rollout.kv_cache_mb``  | vLLM sizes it within ``rollout.gpu_memory_utilization`` | 1024 MiB     |
+| fp32 matmuls             | TF32 (``torch.set_float32_matmul_precision("high")``) | unchanged      |
+
+An explicit value always wins. The loader resolves ``model.dtype`` and ``rollout.enforce_eager`` for the device it
+runs on (``megarl plan`` for CUDA, whatever machine plans); ``rollout.kv_cache_mb`` stays 'auto' on CUDA (vLLM sizes
+the cache when it starts; ``RolloutConfig``'s reader is ``kv_cache_bytes``). ``megarl train`` prints the choices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AUTO = "auto"
+CPU_KV_CACHE_MB = 1024
+"""The KV cache on CPU with ``rollout.kv_cache_mb: auto`` (host memory; vLLM-CPU needs an explicit size)."""
+
+
+def on_cuda() -> bool:
+    """Whether this process trains on CUDA."""
+    return torch.cuda.is_available()
+
+
+def resolve(cfg, cuda: bool) -> list[str]:
+    """Replace the 'auto' values of ``cfg`` (a MegarlConfig) by ``cuda``'s choices, in place; returns one line per
+    choice made (``model.dtype=bfloat16``), nothing for values that were set."""
+    chosen = []
+    if cfg.model.dtype == AUTO:
+        cfg.model.dtype = "bfloat16" if cuda else "float32"
+        chosen.append(f"model.dtype={cfg.model.dtype}")
+    ro = cfg.rollout
+    if ro.enforce_eager == AUTO:
+        ro.enforce_eager = not cuda
+        chosen.append(f"rollout.enforce_eager={str(ro.enforce_eager).lower()}")
+    if ro.kv_cache_mb == AUTO:
+        if cuda:
+            chosen.append(f"rollout.kv_cache_mb=auto (vLLM sizes it within gpu_memory_utilization="
+                          f"{ro.gpu_memory_utilization})")  # fmt: skip
+        else:
+            ro.kv_cache_mb = CPU_KV_CACHE_MB
+            chosen.append(f"rollout.kv_cache_mb={CPU_KV_CACHE_MB}")
+    return chosen
+
+
+def kv_cache_bytes(rollout, cuda: bool) -> int | None:
+    """The engine's KV cache in bytes, or None where vLLM sizes it (CUDA with ``kv_cache_mb: auto``)."""
+    if rollout.kv_cache_mb != AUTO:
+        return rollout.kv_cache_mb * 1024**2
+    return None if cuda else CPU_KV_CACHE_MB * 1024**2
+
+
+def enforce_eager(rollout, cuda: bool) -> bool:
+    return (not cuda) if rollout.enforce_eager == AUTO else bool(rollout.enforce_eager)
+
+
+def apply_tf32(cuda: bool) -> list[str]:
+    """On CUDA, fp32 matmuls (an fp32 model, fp32 heads and losses) run on TF32 tensor cores."""
+    if not cuda:
+        return []
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return ["fp32 matmuls on TF32"]
