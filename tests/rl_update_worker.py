@@ -239,8 +239,15 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
                             *m.critic.parameters(), *grad_buffers(m.critic), *optimizer_tensors(m.critic_optim),
                             *m.reference.parameters()]  # fmt: skip
     before = [t.detach().clone() for t in everything(a)]
-    offloader = Offloader(a, cfg.offload, on_gpu=False)
-    freed = offloader.offload()
+    from megarl.training import offload
+
+    pinned, pin_in_place = [], offload.pin_in_place  # what the pinning path locks (on CPU: recorded, not pinned)
+    offload.pin_in_place = lambda buf: pinned.append(buf.untyped_storage().nbytes())
+    try:
+        offloader = Offloader(a, cfg.offload, on_gpu=True)
+        freed = offloader.offload()
+    finally:
+        offload.pin_in_place = pin_in_place
     moved = [t for group in offloader.moved.values() for t in group.storages]
     emptied = all(s.nbytes() == 0 for s in moved)
     actor_params_stay = all(p.untyped_storage().nbytes() > 0 for p in a.actor.parameters())
@@ -256,7 +263,7 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
         step(c)
         recomputed = step(c)
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, {"measured": measured, "freed": freed})
+    dist.all_gather_object(per_rank, {"measured": measured, "freed": freed, "pinned": pinned})
     return {"per_rank": per_rank, "emptied": emptied, "actor_params_stay": actor_params_stay,
             "bitwise": bitwise, "after_round_trip": after_round_trip, "never_offloaded": never_offloaded,
             "recomputed": recomputed}  # fmt: skip

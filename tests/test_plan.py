@@ -116,7 +116,11 @@ def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     assert job.sync["moved"] > 100 * adapters["moved"] and job.sync["est_s"] > 10 * adapters["est_s"]
     text = format_plan(job)
     assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in text
-    assert "host memory taken by vLLM's base weights while it sleeps (adapter slots)" in text
+    from megarl.plan.job import host_memory_per_node
+
+    asleep = sum(m.consumers["vLLM weights"] for m in job.ranks[:8])  # node 0's engines sleep at level 1
+    assert host_memory_per_node(job)[0]["vLLM weights while asleep"] == asleep > 0
+    assert "host memory (pinned) per node: up to " in text and "vLLM weights while asleep" in text
     merged = load_config(RECIPE, overrides)  # lora_merge: auto merges (a colocated engine)
     assert "adapters" not in make_plan(merged, validate(merged), Hardware(8, 8)).sync
 

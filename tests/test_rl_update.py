@@ -300,6 +300,7 @@ def test_offload_round_trip_is_bitwise_and_frees_what_the_planner_says(request, 
     case, planned = _memory_case(request, hf_dir, name)
     for rank, real in enumerate(case["per_rank"]):
         assert real["freed"] == planned[rank].offloaded, f"rank {rank}"
+        assert sum(real["pinned"]) == sum(planned[rank].offloaded.values()), f"rank {rank}"  # exact pinned sizes
         assert set(real["freed"]) == {"actor grads", "actor optimizer", "critic params+grads+optimizer",
                                       "reference params"}  # fmt: skip
     assert case["emptied"] and case["actor_params_stay"]

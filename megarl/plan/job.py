@@ -281,15 +281,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
                     f"  {'would fit' if fits else 'still over'} with {desc} ({' '.join(overrides)}): peak "
                     f"{_gb(new_peak)} GB"
                 )
-    per_node = [sum(sum(m.offloaded.values()) for m in job.ranks if m.rank // hw.gpus_per_node == n)
-                for n in range(hw.nodes)]  # fmt: skip
-    if max(per_node):
-        lines.append(f"host memory taken by offload: up to {_gb(max(per_node))} GB per node")
-    if adapter_slots(cfg):  # vLLM sleeps at level 1: its weights go to host memory and back every step
-        engine = max(sum(m.consumers["vLLM weights"] for m in job.ranks if m.rank // hw.gpus_per_node == n)
-                     for n in range(hw.nodes))  # fmt: skip
-        lines.append(f"host memory taken by vLLM's base weights while it sleeps (adapter slots): {_gb(engine)} GB per "
-                     "node, copied out and back every step")  # fmt: skip
+    lines += host_memory_lines(job)
     s = job.sync
     if s:
         lines += ["", f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})"]
@@ -325,6 +317,26 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         "KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
+
+
+def host_memory_per_node(job: JobPlan) -> list[dict[str, int]]:
+    """Per node, the host memory the job pins: the offloaded training state (``offload.*``: exact-size pinned copies,
+    ``megarl.training.offload.host_buffer``) and, with LoRA adapter slots, vLLM's base weights while it sleeps at
+    level 1 (vLLM's own pinned copies)."""
+    gpn, out = job.hw.gpus_per_node, []
+    for node in range(job.hw.nodes):
+        ranks = [m for m in job.ranks if m.rank // gpn == node]
+        sleeping = sum(m.consumers.get("vLLM weights", 0) for m in ranks) if adapter_slots(job.cfg) else 0
+        out.append({"offloaded training state": sum(sum(m.offloaded.values()) for m in ranks),
+                    "vLLM weights while asleep": sleeping})  # fmt: skip
+    return out
+
+
+def host_memory_lines(job: JobPlan) -> list[str]:
+    nodes = host_memory_per_node(job)
+    top = max(nodes, key=lambda n: sum(n.values()))
+    parts = ", ".join(f"{k} {_gb(v)}" for k, v in top.items())
+    return [f"host memory (pinned) per node: up to {_gb(sum(top.values()))} GB ({parts})"]
 
 
 def _memory_table(job: JobPlan) -> list[str]:
