@@ -2,9 +2,10 @@
 
 What moves is a set of tensor *storages*: the DDP gradient buffer (every ``main_grad`` and bucket is a view of it),
 the distributed optimizer's parameter buffer, optimizer state, a frozen model's parameters. Offloading copies each
-storage to a host buffer (pinned on CUDA at its exact size, ``host_buffer``; kept for the next round) and resizes the
-storage to zero bytes, which frees it; reloading grows it back in place and copies the bytes back. Every view (``param.data``, ``param.main_grad``,
-the optimizer's references) stays valid, so nothing has to be re-wired, and the round trip is bitwise.
+storage to a host buffer (pinned on CUDA at its exact size, ``host_buffer``; kept for the next round) and resizes
+the storage to zero bytes, which frees it; reloading grows it back in place and copies the bytes back. Every view
+(``param.data``, ``param.main_grad``, the optimizer's references) stays valid, so nothing has to be re-wired, and
+the round trip is bitwise.
 
 The groups are named like the planner's consumers (``megarl.plan.memory``), which models exactly these flags.
 Adam's ``step`` counters stay put (torch keeps them on the host).
