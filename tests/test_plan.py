@@ -173,3 +173,30 @@ def test_the_step_time_estimate_of_the_70b_pools_recipe_from_its_flops_and_bytes
     assert t.one_step_off_step_s == pytest.approx(max(learn, generate) + t.sync_s)
     assert t.sync_step_s == pytest.approx(learn + generate + t.sync_s)
     assert "one_step_off (async_training):" in format_plan(job)
+
+
+def test_startup_phase_equals_the_training_state_resident_when_the_engine_starts(tiny_llama_dir, tmp_path):
+    """A colocated bf16 PPO job (actor, critic, reference; Adam) at DP=2 with offload on, built as `megarl train`
+    builds it: its rollout engine is started, and takes the first sync, with the offloaded state already on the host.
+    The training bytes resident on each rank then (counted from the live storages) equal the planner's start-up
+    phase; the engine's share of the phase is the planner's exact weights, KV cache and buffers on top."""
+    from megarl.parallel.spawn import run_on_ranks
+    from megarl.plan.memory import STARTUP, rank_memory
+    from tests.startup_worker import run_startup
+
+    overrides = [f"model.path={tiny_llama_dir}", f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1",
+                 "actor.parallel.dp=2", "algorithm.adv_estimator=gae", "model.dtype=bfloat16", "offload.enable=true",
+                 "actor.optim.optimizer=adam", "critic.optim.optimizer=adam", "actor.kl_loss_coef=0.1",
+                 "data.train_files=[builtin:digits]", "data.val_files=[]", "reward.function=toy_digits",
+                 "rollout.backend=hf", "logging.wandb.mode=disabled", "data.train_batch_size=4",
+                 "actor.global_batch_size=8", "rollout.sampling.n=2"]  # fmt: skip
+    real = run_on_ranks(run_startup, 2, overrides)["per_rank"]
+    cfg = load_config(None, overrides)
+    spec = validate(cfg)
+    planned = rank_memory(cfg, spec, ParallelLayout(dp=2), gpus_per_node=2)
+    for m, seen in zip(planned, real):
+        training = [c for c in m.phases[STARTUP] if c.startswith(("actor", "critic", "reference"))]
+        assert training == ["actor params"] and set(m.offloaded) == {"actor grads", "actor optimizer",
+                                                                     "critic params+grads+optimizer",
+                                                                     "reference params"}  # fmt: skip
+        assert seen == {"built": m.consumers["actor params"], "first sync": m.consumers["actor params"]}, m.rank

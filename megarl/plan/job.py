@@ -335,7 +335,9 @@ def host_memory_per_node(job: JobPlan) -> list[dict[str, int]]:
 def host_memory_lines(job: JobPlan) -> list[str]:
     nodes = host_memory_per_node(job)
     top = max(nodes, key=lambda n: sum(n.values()))
-    parts = ", ".join(f"{k} {_gb(v)}" for k, v in top.items())
+    if not sum(top.values()):
+        return ["host memory (pinned) per node: none (nothing is offloaded, vLLM drops its weights when it sleeps)"]
+    parts = ", ".join(f"{k} {_gb(v)}" for k, v in top.items() if v)
     return [f"host memory (pinned) per node: up to {_gb(sum(top.values()))} GB ({parts})"]
 
 

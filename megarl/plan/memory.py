@@ -235,7 +235,7 @@ class RankMemory:
         return max(((p, self.phase_bytes(p)) for p in self.phases), key=lambda x: x[1])
 
 
-GENERATION, SYNC, TRAINING = "generation", "weight sync", "training"
+STARTUP, GENERATION, SYNC, TRAINING = "start-up", "generation", "weight sync", "training"
 
 
 def rank_memory(
@@ -329,10 +329,13 @@ def rank_memory(
             engine_state = [engine_key, "KV cache (configured)"]
             if not shared:  # dedicated pools: every phase holds all of its own state
                 held = training_state + engine_state + ["reserve (estimate)"]
+                m.phases[STARTUP] = held + ["reshard buffers"]  # the engine starts, then the first sync
                 m.phases[GENERATION] = held
                 m.phases[SYNC] = held + ["reshard buffers"]
                 m.phases[TRAINING] = held + ["activations (estimate)"]
-            else:
+            else:  # start-up: the engine is built (weights and KV cache) and first synced with the offloaded
+                # state already on the host (megarl.trainer.job.build_job)
+                m.phases[STARTUP] = resident + engine_state + ["reshard buffers", "reserve (estimate)"]
                 m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
                 m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
                 m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]

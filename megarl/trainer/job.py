@@ -388,6 +388,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if state.kl_ctrl:
         kl_ctrl.load_state_dict(state.kl_ctrl)
 
+    offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
+    if not place.pooled:  # start-up: the engine starts, and takes the first sync, with the training state the
+        offloader.offload()  # offload.* flags name on the host (megarl plan's start-up phase)
     if engine is None:
         engine = start_engine(cfg, spec, source, layout, place)
     elif engine.adapter_slots != adapter_slots(cfg) or (adapter_slots(cfg) and engine.lora != cfg.actor.lora):
@@ -412,7 +415,6 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     rewards = None
     if place.hosts("rollout"):  # scored where the samples are generated; last
         rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
-    offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
     learners = place
     if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
         learners = None if place.hosts("rollout") else place.without("rollout")
