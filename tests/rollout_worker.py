@@ -111,7 +111,7 @@ def main(args: dict) -> None:
                 entry["fixed_change_max"] = float((after - torch.tensor(fixed_before, dtype=torch.float64)).abs().max())
             out["version_steps"].append(entry)
         engine.sleep()  # HF: frees its model; vLLM on CPU: logged no-op
-    out["hf_freed"] = engines["hf"].model is None
+    out["hf_freed"] = engines["hf"].resident_bytes() == 0
 
     # an actor update that is not synced: the mismatch metric must flag it
     train_once(2)

@@ -1,9 +1,15 @@
 """The HF ``generate`` rollout engine: the fallback where vLLM is not installed.
 
-Every rank is its own engine (rollout TP = 1). For a rollout the resharding engine materialises the full HF tensors on
-every rank (``hf_layout``) straight into a transformers model; ``sleep`` frees that model, so no second copy of the
-weights is kept while the actor trains. Log-probabilities are those of softmax(logits / temperature), the quantity
-the trainer recomputes; top-k / top-p truncation, if configured, is ignored by them (said once in the log).
+Every rank is its own engine (rollout TP = 1). The transformers model is built once, on the rank's device; a weight
+sync writes the full HF tensors into it through the resharding engine (``hf_layout``); ``sleep`` frees its
+parameters' memory (the storages shrink to nothing, so no second copy of the weights is kept while the actor trains)
+and the next sync grows them back and overwrites every one. A step's prompts are generated as one batch, left-padded.
+
+Sampling is HF's greedy search over Gumbel-perturbed logits (``SeededSampling``): argmax(logits / T + g) with g a
+hash of (the sample's seed, the step, the token id) is a sample of softmax(logits / T), and each sample depends on its
+own seed only, whatever else is in the batch (torch's generator would be shared by the whole batch). Log-probabilities
+are those of softmax(logits / temperature), the quantity the trainer recomputes; top-k / top-p truncation, if
+configured, is ignored by them (said once in the log).
 """
 
 from __future__ import annotations
@@ -36,9 +42,60 @@ class _HFModelWrite:
 
     @torch.no_grad()
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        written = set()
         for tensors in layers:
             for name, value in tensors.items():
                 self.params[name].copy_(value)
+                written.add(name)
+        missing = sorted(set(self.params) - written)
+        if missing:  # a parameter the sync does not cover would keep whatever its regrown memory held
+            raise RuntimeError(f"the weight sync wrote no tensor into {missing[:3]} of the HF engine's model")
+
+
+_M1, _M2 = -0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15  # splitmix64's multipliers as signed int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (multiplications wrap mod 2^64; shifts made logical)."""
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        x = x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))
+        if mult is not None:
+            x = x * mult
+    return x
+
+
+def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] standard Gumbel noise, a pure function of (each row's key, the step, the token id)."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = _mix(_mix(keys[:, None] + step * 0x2545F491) + tokens[None, :] * 0x9E3779B9)
+    u = (((x >> 40) & 0xFFFFFF).float() + 0.5) / 2.0**24  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Scores outside the top-k tokens / the top-p nucleus set to -inf (at least one token kept)."""
+    if top_k:
+        kth = z.topk(min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(-1).cumsum(-1)
+        drop = cum - sorted_z.softmax(-1) > top_p  # tokens whose predecessors already cover top_p
+        z = z.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return z
+
+
+class SeededSampling:
+    """A logits processor for HF's greedy search that makes it sample: row r's scores become
+    truncate(logits / T) + Gumbel noise keyed by ``keys[r]`` (its sample's seed) and the step."""
+
+    def __init__(self, keys: torch.Tensor, prompt_width: int, sampling: SamplingConfig):
+        self.keys, self.width, self.sampling = keys, prompt_width, sampling
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        z = truncate(scores.float() / s.temperature, s.top_k, s.top_p)
+        return z + gumbel_noise(self.keys, input_ids.shape[1] - self.width, z.shape[-1])
 
 
 class HFEngine:
@@ -48,7 +105,7 @@ class HFEngine:
     def __init__(
         self, cfg: RolloutConfig, engine_dir: str, spec: ModelSpec, src_layout: SideLayout, *, dtype="float32"
     ):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.cfg, self.spec, self.dtype = cfg, spec, DTYPES[dtype]
         self.hf_config = AutoConfig.from_pretrained(engine_dir)
@@ -57,31 +114,35 @@ class HFEngine:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
         world = dist.get_world_size()
         self.sub_plans = split_by_layer(plan(src_layout, hf_layout(spec, list(range(world)), src_layout.gpus_per_node)))
-        self.model = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        with torch.device(self.device):  # built once, where it runs (no host copy first); the first sync fills it
+            self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).eval()
+        self.storages = list({p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()
+                              }.values())  # fmt: skip
+        self.sizes = [st.nbytes() for st in self.storages]
+        self.asleep = False
         self.weight_version: int | None = None
         self._said_truncation = [False]
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
 
     @property
     def healthy(self) -> bool:
-        return self.weight_version is not None and self.model is not None
+        return self.weight_version is not None and not self.asleep
 
     def update_weights(
         self, src_tensors: dict[str, torch.Tensor], version: int, *, resend_base: bool = True, on_send=None
     ) -> SyncReport:
-        """Collective: materialise the HF model on this rank from the actor's shards (verified; every sync is whole,
-        ``resend_base`` changes nothing)."""
-        from transformers import AutoModelForCausalLM
-
+        """Collective: write the actor's weights into this rank's model (verified; every sync is whole,
+        ``resend_base`` changes nothing). An asleep model gets its memory back first."""
         self.weight_version = None
-        if self.model is None:
-            self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).to(self.device).eval()
-        params = dict(self.model.named_parameters())
+        if self.asleep:
+            for storage, size in zip(self.storages, self.sizes):
+                storage.resize_(size)
+            self.asleep = False
         report = run_sync(
             self.sub_plans,
             src_tensors,
-            _HFModelWrite(params, self.dtype),
+            _HFModelWrite(dict(self.model.named_parameters()), self.dtype),
             bucket_bytes=self.cfg.bucket_mb * 1024**2,
             verify=self.cfg.verify,
             compare_full=self.cfg.verify_full,
@@ -91,9 +152,15 @@ class HFEngine:
         return report
 
     def sleep(self) -> None:
-        """Free the model: the actor keeps the only copy of the weights while it trains."""
-        self.model = None
+        """Free the parameters' memory: the actor keeps the only copy of the weights while it trains."""
+        for storage in self.storages:
+            storage.resize_(0)
+        self.asleep = True
         self.weight_version = None
+
+    def resident_bytes(self) -> int:
+        """Bytes of the model's parameters in memory now (0 asleep)."""
+        return sum(st.nbytes() for st in self.storages)
 
     def wake(self) -> None:
         pass
@@ -103,40 +170,39 @@ class HFEngine:
         self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
         on_group=None,
     ) -> tuple[list[Sample], RolloutStats]:  # fmt: skip
-        """``sampling.n`` samples per prompt, one prompt at a time (``on_group(samples)`` after each)."""
+        """``sampling.n`` samples per prompt, all prompts as one left-padded batch (``on_group(samples)`` per prompt
+        once the batch is done). Sample j of a prompt is keyed by its seed + j, as vLLM seeds it."""
+        from transformers import GenerationConfig
+
         if not self.healthy:
             raise EngineUnhealthyError("the HF engine holds no verified weights; run update_weights first")
         note_truncation(sampling, log, self._said_truncation)
         check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
-        stops = [self.eos, *sampling.stop_token_ids]
-        samples, start = [], time.perf_counter()
-        for idx, prompt, seed in zip(prompt_indices, prompts, seeds):
-            with torch.random.fork_rng(devices=[self.device] if torch.cuda.is_available() else []):
-                torch.manual_seed(seed)
-                out = self.model.generate(
-                    torch.tensor([prompt], device=self.device),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.device),
-                    do_sample=True,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k or None,
-                    max_new_tokens=sampling.max_new_tokens,
-                    num_return_sequences=sampling.n,
-                    eos_token_id=stops,
-                    pad_token_id=self.pad,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-            new = out.sequences[:, len(prompt) :]
-            logprobs = torch.stack([torch.log_softmax(lg.float() / sampling.temperature, -1) for lg in out.logits], 1)
-            for j in range(sampling.n):
-                ids = new[j].tolist()
-                end = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
-                ids = ids[:end]
-                lps = [float(logprobs[j, k, t]) for k, t in enumerate(ids)]
-                reason = "stop" if ids and ids[-1] in stops else "length"
-                samples.append(Sample(idx, j, list(prompt), ids, lps, reason, [self.weight_version] * len(ids)))
+        if not prompts:
+            return [], RolloutStats(0.0, 0)
+        n, stops, start = sampling.n, [self.eos, *sampling.stop_token_ids], time.perf_counter()
+        width = max(len(p) for p in prompts)
+        rows = [p for p in prompts for _ in range(n)]
+        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
+        keys = _mix(torch.tensor([seed + j for seed in seeds for j in range(n)], device=self.device))
+        config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=stops,
+                                  pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        out = self.model.generate(ids, attention_mask=mask, generation_config=config,
+                                  logits_processor=[SeededSampling(keys, width, sampling)])  # fmt: skip
+        new = out.sequences[:, width:]
+        logprobs = torch.stack([torch.log_softmax(lg.float() / sampling.temperature, -1) for lg in out.logits], 1)
+        samples = []
+        for i, (idx, prompt) in enumerate(zip(prompt_indices, prompts)):
+            for j in range(n):
+                row = i * n + j
+                ids_j = new[row].tolist()
+                end = next((k + 1 for k, t in enumerate(ids_j) if t in stops), len(ids_j))
+                ids_j = ids_j[:end]
+                lps = [float(logprobs[row, k, t]) for k, t in enumerate(ids_j)]
+                reason = "stop" if ids_j and ids_j[-1] in stops else "length"
+                samples.append(Sample(idx, j, list(prompt), ids_j, lps, reason, [self.weight_version] * len(ids_j)))
             if on_group is not None:
-                on_group(samples[-sampling.n :])
+                on_group(samples[-n:])
         seconds = time.perf_counter() - start
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))

@@ -1,0 +1,51 @@
+"""The HF generate engine (the fallback the GPU smoke check uses): a step's prompts in one batch, each sample a
+function of its own seed whatever the batch holds, the model kept (its memory freed) across sleeps; and the sampling
+itself against the softmax it must draw from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models import read_hf_config
+from megarl.models.tiny import make_tiny_hf_model
+from megarl.parallel.spawn import run_on_ranks
+from megarl.rollout.hf_engine import gumbel_noise, truncate
+from tests.hf_engine_worker import run_hf_engine
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    from megarl.rollout import write_engine_dir
+
+    root = tmp_path_factory.mktemp("hf-engine")
+    hf_dir = make_tiny_hf_model(str(root / "llama"), "llama", seed=3, init_std=0.08)
+    engine_dir = write_engine_dir(read_hf_config(hf_dir), hf_dir, str(root / "engine"))
+    return run_on_ranks(run_hf_engine, 2, hf_dir, engine_dir)
+
+
+def test_one_batch_per_step_and_samples_independent_of_the_batch(dp2):
+    assert dp2["calls"] == [dp2["rows"]]  # 4 prompts x n=3 rows, one generate call
+    assert dp2["same_tokens_alone"] and dp2["same_tokens_pairs"]  # left padding and batch-mates change nothing
+    assert dp2["logprob_diff_alone"] <= 1e-5
+    assert dp2["distinct_samples"] > 6  # the n samples of a prompt are not copies of each other
+
+
+def test_sleep_frees_the_weights_and_the_next_sync_restores_them(dp2):
+    assert dp2["asleep_bytes"] == 0 and dp2["awake_bytes"] > 0
+    assert dp2["model_kept"] and dp2["same_after_sleep"]  # built once; every parameter rewritten by the sync
+
+
+def test_gumbel_max_draws_from_the_truncated_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    keys = torch.arange(40_000, dtype=torch.int64) * 7919
+    z = logits.expand(len(keys), -1)
+    for step in (0, 5):
+        picks = (z + gumbel_noise(keys, step, 6)).argmax(-1)
+        freq = torch.bincount(picks, minlength=6).float() / len(keys)
+        assert (freq - logits.softmax(-1)).abs().max() < 0.01, (step, freq)
+    kept = truncate(z[:1], top_k=3, top_p=1.0)
+    assert torch.isinf(kept[0, 3:]).all() and torch.equal(kept[0, :3], logits[:3])
+    nucleus = truncate(z[:1], top_k=0, top_p=0.7)  # softmax: 0.561, 0.206, ...: the first two cover 0.7
+    assert torch.isfinite(nucleus[0]).tolist() == [True, True, False, False, False, False]
+    assert not torch.equal(gumbel_noise(keys[:4], 0, 6), gumbel_noise(keys[:4], 1, 6))  # fresh noise every step
