@@ -18,7 +18,10 @@ default):
   F. a reward model (a tiny ``LlamaForSequenceClassification``) combined with the reward function, 2 steps;
   G. the exact parts of ``megarl plan`` (actor parameters, gradient buffers, optimizer state: bf16 parameters, fp32
      main parameters, gradients and Adam moments) against ``torch.cuda.memory_allocated`` of the actor built, wrapped
-     and stepped once in this process, on a model large enough to measure (~64M parameters).
+     and stepped once in this process, on a model large enough to measure (~64M parameters); in the same process,
+     the weight sync's transfer device under the default group (``cpu:gloo,cuda:nccl``) is the GPU;
+  H. a 1.2B Llama (hidden 2048, 16 layers, 16 heads / 8 KV, FFN 5632, vocab 32000), one GRPO step with the HF engine
+     (16 prompts x 8 samples, 64 new tokens): its per-phase times are printed.
 
     python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
 """
@@ -81,6 +84,11 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     spec = validate(cfg)
     layout = ParallelLayout()
     init_distributed(layout)
+    import torch.distributed as dist
+
+    from megarl.reshard.executor import comm_device
+
+    sync = {"backend": str(dist.get_backend()), "device": str(comm_device())}
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     chunk = build_model_chunk(spec, layout, dtype=cfg.model.dtype, init_weights=True)
@@ -93,9 +101,25 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     torch.cuda.synchronize()
     rest = torch.cuda.memory_allocated() - start - params
     planned = rank_memory(cfg, spec, layout, gpus_per_node=1)[0].consumers
-    return {"measured": {"actor params": params, "grads+optimizer": rest},
+    return {"sync": sync, "measured": {"actor params": params, "grads+optimizer": rest},
             "planned": {"actor params": planned["actor params"],
                         "grads+optimizer": planned[ACTOR_GRADS] + planned[ACTOR_OPTIMIZER]}}  # fmt: skip
+
+
+def _step_at_1_2b(path) -> tuple[str, bool]:
+    """One GRPO step of a 1.2B Llama with the HF engine (16 prompts x 8, 64 new tokens); prints its phases."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    model = make_tiny_hf_model(path("1.2b"), "llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
+                               ffn_hidden_size=5632, vocab_size=32000)  # fmt: skip
+    (row,) = _train("configs/quickstart.yaml", model, path("1.2b-run"), "trainer.total_steps=1", "trainer.save_every=0",
+                    "model.dtype=bfloat16", "data.train_batch_size=16", "rollout.sampling.n=8",
+                    "actor.global_batch_size=128", "rollout.sampling.max_new_tokens=64", "actor.seq_length=128",
+                    "rollout.max_model_len=128", "actor.max_tokens_per_micro_batch=4096")  # fmt: skip
+    phases = {k.removeprefix("timing/"): v for k, v in row.items() if k.startswith("timing/")}
+    print("gpu_smoke: 1.2B GRPO step (HF engine, 16x8 samples, 64 new tokens): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))  # fmt: skip
+    return "a 1.2B step with the HF engine: rewards finite", _finite([row], "reward/mean")
 
 
 def main() -> int:
@@ -142,12 +166,17 @@ def main() -> int:
                                  ffn_hidden_size=2816, vocab_size=8192)  # fmt: skip
         parts = run_on_ranks(measure_exact_parts, 1, os.path.join(REPO, grpo),
                              [f"model.path={big}", dtype, *COMMON])  # fmt: skip
+        print(f"gpu_smoke: weight sync under the {parts['sync']['backend']} default group moves buffers on "
+              f"{parts['sync']['device']}")  # fmt: skip
+        on_gpu = parts["sync"]["device"].startswith("cuda")
+        checks.append(("the weight sync's buffers and hashes are on the GPU", on_gpu))
         for part, planned in parts["planned"].items():
             measured = parts["measured"][part]
             print(f"gpu_smoke: {torch.cuda.get_device_name()}: {part}: planned {planned / 1e6:.2f} MB, allocated "
                   f"{measured / 1e6:.2f} MB (ratio {measured / planned:.4f})")  # fmt: skip
             checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
                            abs(measured / planned - 1) <= 0.01))  # fmt: skip
+        checks.append(_step_at_1_2b(path))
     for what, ok in checks:
         print(f"gpu_smoke: {'ok  ' if ok else 'FAIL'} {what}")
     passed = all(ok for _, ok in checks)
