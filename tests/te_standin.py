@@ -87,6 +87,10 @@ def te_case(hf_dir: str, adapter_dir: str, tp: int) -> dict:
         apply_lora(chunk, spec, lora, layout.coords(rank).tp, tp, full=full, seed=0)
     out["tokens"] = tokens
     out["adapted"] = megatron_logits(te, tokens, spec.vocab_size)
+    from megarl.lora import adapters_off
+
+    with adapters_off(te):  # the reference policy with LoRA: TE's extra output still taken off
+        out["adapters_off"] = megatron_logits(te, tokens, spec.vocab_size)
     merged = build_model_chunk(spec, layout, init_weights=False)  # W + s B A of the TE chunk, in a plain chunk
     with torch.no_grad():
         params = dict(merged.named_parameters())

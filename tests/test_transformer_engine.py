@@ -50,4 +50,6 @@ def test_lora_on_te_fused_norm_linear_equals_merged_weights_and_peft(tp2, hf_dir
     assert (adapted - torch.log_softmax(peft_logits, -1)).abs().max() <= 1e-5  # the adapters see the normed input
     assert (adapted - merged).abs().max() <= 1e-5  # what the sync hands vLLM computes the same
     assert (adapted - torch.log_softmax(tp2["base"], -1)).abs().max() > 1e-2  # the adapter's effect is visible
+    off = torch.log_softmax(tp2["adapters_off"], -1)  # adapters off: the base model (the LoRA reference)
+    assert (off - torch.log_softmax(tp2["base"], -1)).abs().max() <= 1e-5
     assert tp2["factors_equal"] and tp2["factor_grads_nonzero"] and tp2["factor_grads_equal"]
