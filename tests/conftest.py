@@ -1,7 +1,9 @@
 import pytest
 
+from megarl.config.schema import LORA_TARGETS
 from megarl.models.tiny import make_tiny_hf_model
 from tests import leftovers
+from tests.peft_adapter import write_random_adapter
 
 
 def pytest_sessionstart(session):
@@ -16,3 +18,15 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return make_tiny_hf_model(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def lora_llama_dir(tmp_path_factory):
+    """A tiny Llama with larger weights (init_std 0.08), where LoRA adapters visibly change the log-probs."""
+    return make_tiny_hf_model(str(tmp_path_factory.mktemp("lora-llama") / "llama"), "llama", seed=3, init_std=0.08)
+
+
+@pytest.fixture(scope="session")
+def random_adapter_dir(lora_llama_dir, tmp_path_factory):
+    """A random, non-zero PEFT adapter (rank 4, every target) for lora_llama_dir, written by peft itself."""
+    return write_random_adapter(lora_llama_dir, str(tmp_path_factory.mktemp("adapter") / "peft"), LORA_TARGETS)

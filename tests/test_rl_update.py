@@ -9,12 +9,9 @@ bonus (vocab-parallel entropy under TP), one mini-batch. One spawned group per w
 import pytest
 import torch
 
-from megarl.config.schema import LORA_TARGETS
-from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import far_apart
-from tests.peft_adapter import write_random_adapter
 from tests.rl_update_worker import lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
@@ -74,14 +71,13 @@ WORLD4 += [(n, dict(layout=lay, distopt=d)) for n, (w, lay, d) in MEMORY.items()
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_tiny_hf_model(str(tmp_path_factory.mktemp("rl-update") / "llama"), "llama", seed=3, init_std=0.08)
+def hf_dir(lora_llama_dir):
+    return lora_llama_dir
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(hf_dir, tmp_path_factory):
-    """A random, non-zero PEFT adapter (rank 4, every target) for hf_dir, written by peft itself."""
-    return write_random_adapter(hf_dir, str(tmp_path_factory.mktemp("adapter") / "peft"), LORA_TARGETS)
+def adapter_dir(random_adapter_dir):
+    return random_adapter_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,26 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.config.schema import LORA_TARGETS
-from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
-from tests.peft_adapter import write_random_adapter
 from tests.te_standin import te_case
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_tiny_hf_model(str(tmp_path_factory.mktemp("te") / "llama"), "llama", seed=3, init_std=0.08)
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(hf_dir, tmp_path_factory):
-    return write_random_adapter(hf_dir, str(tmp_path_factory.mktemp("te-adapter") / "peft"), LORA_TARGETS)
-
-
-@pytest.fixture(scope="module")
-def tp2(hf_dir, adapter_dir):
-    return run_on_ranks(te_case, 2, hf_dir, adapter_dir, 2)
+def tp2(lora_llama_dir, random_adapter_dir):
+    return run_on_ranks(te_case, 2, lora_llama_dir, random_adapter_dir, 2)
 
 
 def test_te_names_load_from_hf_and_feed_the_weight_sync(tp2):
@@ -39,13 +26,13 @@ def test_te_names_load_from_hf_and_feed_the_weight_sync(tp2):
     assert torch.equal(tp2["base"], tp2["base_local"])  # same forward
 
 
-def test_lora_on_te_fused_norm_linear_equals_merged_weights_and_peft(tp2, hf_dir, adapter_dir):
+def test_lora_on_te_fused_norm_linear_equals_merged_weights_and_peft(tp2, lora_llama_dir, random_adapter_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    base_hf = AutoModelForCausalLM.from_pretrained(lora_llama_dir, dtype=torch.float32)
     with torch.no_grad():
-        peft_logits = PeftModel.from_pretrained(base_hf, adapter_dir)(tp2["tokens"]).logits.float()
+        peft_logits = PeftModel.from_pretrained(base_hf, random_adapter_dir)(tp2["tokens"]).logits.float()
     adapted, merged = torch.log_softmax(tp2["adapted"], -1), torch.log_softmax(tp2["merged"], -1)
     assert (adapted - torch.log_softmax(peft_logits, -1)).abs().max() <= 1e-5  # the adapters see the normed input
     assert (adapted - merged).abs().max() <= 1e-5  # what the sync hands vLLM computes the same
