@@ -23,10 +23,10 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
     chunk = build_model_chunk(spec, layout, init_weights=False)
     load_hf_into_chunk(chunk, hf_dir, spec, layout, torch.distributed.get_rank(), progress=False)
     engine = HFEngine(RolloutConfig(max_model_len=256, bucket_mb=1), engine_dir, spec, megatron_layout(spec, layout, 2))
+    engine.update_weights(actor_tensors(chunk), 0)
     model, calls = engine.model, []
     generate = model.generate
     model.generate = lambda *a, **k: calls.append(len(a[0])) or generate(*a, **k)
-    engine.update_weights(actor_tensors(chunk), 0)
     gen = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(3, 259, (n,), generator=gen)] for n in (5, 17, 9, 30)]
     seeds = [11, 22, 33, 44]

@@ -314,3 +314,28 @@ def test_the_suite_left_no_megarl_process_or_shared_memory(request):
         time.sleep(0.2)
     assert processes == {}, processes
     assert sorted(now["shm"] - start["shm"]) == []
+
+
+def _rendezvous_worker() -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    return world
+
+
+def test_ranks_start_again_on_a_new_port_when_the_rendezvous_port_is_taken(monkeypatch):
+    """The port is free when chosen and bound by rank 0 seconds later; another process may take it in between (a
+    suite went red on EADDRINUSE). The ranks are started again on a new port."""
+    import socket
+
+    from megarl.parallel import spawn
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken, free, chosen = busy.getsockname()[1], spawn._free_port, []
+        monkeypatch.setattr(spawn, "_free_port", lambda: chosen.append(taken if not chosen else free()) or chosen[-1])
+        assert run_on_ranks(_rendezvous_worker, 2) == 2
+        assert chosen[0] == taken and len(chosen) == 2

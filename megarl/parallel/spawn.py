@@ -71,6 +71,24 @@ def run_on_ranks(fn, world: int, *args):
         )
         lifetime.join_run()
         return fn(*args)
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _spawn(fn, world, args)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeError(f"the ranks' rendezvous port was taken {PORT_ATTEMPTS} times in a row") from None
+
+
+PORT_ATTEMPTS = 3
+"""The rendezvous port is free when chosen, but another process may bind it before rank 0 does (the ranks take
+seconds to start): the ranks are then started again on a new port."""
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port (EADDRINUSE) before anything else ran."""
+
+
+def _spawn(fn, world: int, args):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, lifetime.Supervisor(say=_note) as run:
         path = os.path.join(tmp, "result.pt")
@@ -88,6 +106,8 @@ def run_on_ranks(fn, world: int, *args):
         failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
         if failed:
             errors = [open(os.path.join(tmp, n)).read() for n in sorted(os.listdir(tmp)) if ".err" in n]
+            if errors and all("EADDRINUSE" in e and "TCPStore(" in e for e in errors):
+                raise _PortTaken()
             codes = ", ".join(f"rank {r}: exit status {c}" for r, c in failed)
             raise RuntimeError(f"a rank failed ({codes}; {run.failure or 'no rank died'}):\n" + "\n".join(errors))
         return torch.load(path, weights_only=False)
