@@ -158,3 +158,38 @@ def test_transfers_run_on_the_accelerator_under_the_gpu_default_group(monkeypatc
     report = sync.SyncReport(transport="t")
     list(sync.stream_layers([sub], {}, torch.bfloat16, report, bucket_bytes=1024, verify=True, comm=Comm()))
     assert seen == ["meta"]
+
+
+def test_cross_pool_exchange_on_cuda_is_one_coalesced_nccl_call():
+    """Between pools on CUDA (``GroupComm.cuda``): a bucket's sends and receives are queued between
+    ``_start_coalescing`` and ``_end_coalescing`` (one NCCL group call, as ``batch_isend_irecv`` makes for a
+    registered group), then waited on. A recording stand-in for the NCCL process group (no GPU here)."""
+    import torch
+
+    from megarl.reshard.comm import coalesced_exchange
+
+    calls = []
+
+    class Work:
+        def wait(self):
+            calls.append(("wait",))
+
+    class RecordingGroup:
+        def _start_coalescing(self, device):
+            calls.append(("start", device.type))
+
+        def send(self, tensors, peer, tag):
+            calls.append(("send", peer, tensors[0].numel()))
+
+        def recv(self, tensors, peer, tag):
+            calls.append(("recv", peer, tensors[0].numel()))
+
+        def _end_coalescing(self, device):
+            calls.append(("end", device.type))
+            return Work()
+
+    coalesced_exchange(RecordingGroup(), [(1, torch.zeros(3)), (2, torch.zeros(4))], [(1, torch.zeros(5))])
+    assert calls == [("start", "cpu"), ("send", 1, 3), ("send", 2, 4), ("recv", 1, 5), ("end", "cpu"), ("wait",)]
+    calls.clear()
+    coalesced_exchange(RecordingGroup(), [], [])  # a rank with nothing in this bucket makes no call
+    assert calls == []

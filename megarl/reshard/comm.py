@@ -2,12 +2,13 @@
 collectives of verification.
 
 - ``WorldComm``: the default process group (colocated: the plan's rank ids are the torchrun ranks).
-- ``GroupComm``: a gloo group over the ranks of several pools (resource pools: every process's default group holds
+- ``GroupComm``: a group over the ranks of several pools (resource pools: every process's default group holds
   only its pool, ``megarl.parallel.pools``), built on torchrun's store under a prefix. Such a group is not
   registered with ``torch.distributed``, so ``batch_isend_irecv`` and the object collectives refuse it
   (facts/pools-and-async.md section 1.2): it posts raw sends and receives and moves objects as byte tensors.
-  Gloo moves host memory: CUDA tensors are staged through the host (correct on GPU, not fast; an NCCL group is
-  the GPU variant still to build).
+  Host tensors go over gloo. On CUDA the group also has an NCCL backend (``nccl_group``): CUDA tensors (the weight
+  sync's buckets and hashes) go over it, a bucket's sends and receives coalesced into one NCCL group call as
+  ``batch_isend_irecv`` does for a registered group (unbatched mutual sends would deadlock).
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ class GroupComm:
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"megarl/x/{name}", store), rank, size, timeout)
+        self.cuda = nccl_group(dist.PrefixStore(f"megarl/x/{name}/cuda", store), rank, size, timeout) if (
+            torch.cuda.is_available()) else None  # fmt: skip
+        """The NCCL side of the group (None without CUDA)."""
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        """Gloo's point-to-point calls are asynchronous: post everything, then wait."""
+        """One bucket's buffers: CUDA buffers over NCCL in one coalesced call; host buffers over gloo, whose
+        point-to-point calls are asynchronous: post everything, then wait."""
+        if self.cuda is not None and any(t.is_cuda for _, t in (*sends, *recvs)):
+            coalesced_exchange(self.cuda, sends, recvs)
+            return
         staged = [(peer, t, t.cpu()) for peer, t in recvs]
         works = [self.pg.send([t.cpu()], peer, 0) for peer, t in sends]
         works += [self.pg.recv([host], peer, 0) for peer, _, host in staged]
@@ -75,6 +83,9 @@ class GroupComm:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
+        if self.cuda is not None and t.is_cuda:
+            self.cuda.allreduce([t], opts).wait()
+            return
         host = t.cpu()
         self.pg.allreduce([host], opts).wait()
         if host is not t:
@@ -102,3 +113,36 @@ class GroupComm:
         buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast(buf, src).wait()
         return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
+
+
+def nccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+    """An unregistered process group whose CUDA backend is NCCL (as ``torch.distributed.new_group`` builds one,
+    without the default group's ranks: a group across pools), its communicator set up by one all-reduce of every
+    member (NCCL's first call on a group must include all of its ranks; later coalesced point-to-point calls may
+    involve some)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    opts.is_high_priority_stream = False
+    backend = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+    backend._set_sequence_number_for_group()
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    pg.allreduce([torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))]).wait()
+    return pg
+
+
+def coalesced_exchange(pg, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """A rank's sends and receives of one bucket in one NCCL group call (``torch.distributed._coalescing_manager``
+    for a backend that supports coalescing): each rank's ops are queued, then launched together, so two ranks that
+    exchange pieces cannot each block in a send queued before the matching receive."""
+    tensors = [t for _, t in (*sends, *recvs)]
+    if not tensors:
+        return
+    device = tensors[0].device
+    pg._start_coalescing(device)
+    for peer, t in sends:
+        pg.send([t], peer, 0)
+    for peer, t in recvs:
+        pg.recv([t], peer, 0)
+    pg._end_coalescing(device).wait()
