@@ -5,6 +5,8 @@ Two spawned gloo ranks, colocated as in training: a Megatron actor at TP=2, one 
 take half of the prompts, as the data contract assigns them). Weight updates go through the resharding engine into
 each transport; bytes, the executor's buffer peak, the staged layer, and the process's peak RSS growth during the
 update (sampled every millisecond; for the full reload it includes the layer vLLM buffers internally) are reported.
+"HF after sleep" is the HF engine's sync as a training step has it: the engine slept (its weights' memory freed)
+while the actor trained.
 
     python benchmarks/rollout.py            # ~2-3 minutes here
 """
@@ -88,6 +90,7 @@ def _worker(hf_dir: str, engine_dir: str, num_prompts: int, new_tokens: int, rep
         ("vLLM shard_write", lambda v: vllm.update_weights(tensors, v, transport="shard_write")),
         ("vLLM full_reload", lambda v: vllm.update_weights(tensors, v, transport="full_reload")),
         ("HF model write", lambda v: hf.update_weights(tensors, v)),
+        ("HF after sleep", lambda v: (hf.sleep(), hf.update_weights(tensors, v))[1]),  # a step's sleep, then sync
     ):
         rows = []
         for v in range(repeats + 1):  # the first update of each transport is a warm-up (allocations), not counted
