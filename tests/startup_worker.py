@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.reshard.sync import SyncReport
+from tests.rl_update_worker import _storage_bytes
 
 
 def _resident_bytes(models) -> int:
@@ -26,8 +27,7 @@ def _resident_bytes(models) -> int:
         for opt in getattr(optim, "chained_optimizers", [optim] if optim is not None else []):
             tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
             tensors += [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in storages.items() if n)
+    return _storage_bytes(tensors)
 
 
 class RecordingEngine:

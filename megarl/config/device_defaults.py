@@ -35,15 +35,16 @@ def resolve(cfg, cuda: bool) -> list[str]:
         chosen.append(f"model.dtype={cfg.model.dtype}")
     ro = cfg.rollout
     if ro.enforce_eager == AUTO:
-        ro.enforce_eager = not cuda
+        ro.enforce_eager = enforce_eager(ro, cuda)
         chosen.append(f"rollout.enforce_eager={str(ro.enforce_eager).lower()}")
     if ro.kv_cache_mb == AUTO:
-        if cuda:
+        kv = kv_cache_bytes(ro, cuda)
+        if kv is None:  # stays 'auto': vLLM sizes it when it starts
             chosen.append(f"rollout.kv_cache_mb=auto (vLLM sizes it within gpu_memory_utilization="
                           f"{ro.gpu_memory_utilization})")  # fmt: skip
         else:
-            ro.kv_cache_mb = CPU_KV_CACHE_MB
-            chosen.append(f"rollout.kv_cache_mb={CPU_KV_CACHE_MB}")
+            ro.kv_cache_mb = kv // 1024**2
+            chosen.append(f"rollout.kv_cache_mb={ro.kv_cache_mb}")
     return chosen
 
 

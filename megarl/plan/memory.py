@@ -312,11 +312,9 @@ def rank_memory(
             e = rank - engines.ranks.start
             engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
             m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
-            kv = 0
-            if cfg.rollout.backend == "vllm" and generates:
-                kv = kv_cache_bytes(cfg.rollout, cuda=True)  # 'auto': what vLLM leaves in its share of the GPU
-                share = int(cfg.rollout.gpu_memory_utilization * gpu_bytes)
-                kv = kv if kv is not None else share - m.consumers[engine_key]
+            kv = kv_cache_bytes(cfg.rollout, cuda=True) if cfg.rollout.backend == "vllm" and generates else 0
+            if kv is None:  # 'auto': what vLLM leaves of its share of the GPU once its weights are in
+                kv = int(cfg.rollout.gpu_memory_utilization * gpu_bytes) - m.consumers[engine_key]
             m.consumers["KV cache (configured)"] = kv
             staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
             sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers

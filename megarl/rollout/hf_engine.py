@@ -28,6 +28,7 @@ from megarl.reshard.layout import SideLayout, hf_layout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
+from megarl.training.offload import distinct_storages
 
 log = logging.getLogger("megarl.rollout")
 
@@ -117,8 +118,7 @@ class HFEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         with torch.device(self.device):  # built once, where it runs (no host copy first); the first sync fills it
             self.model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype).eval()
-        self.storages = list({p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()
-                              }.values())  # fmt: skip
+        self.storages = distinct_storages(self.model.parameters())  # a tied lm_head shares the embedding's
         self.sizes = [st.nbytes() for st in self.storages]
         self.asleep = False
         self.weight_version: int | None = None

@@ -94,17 +94,22 @@ def pin_in_place(buf: torch.Tensor) -> None:
     weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
 
 
+def distinct_storages(tensors) -> list[torch.UntypedStorage]:
+    """The non-empty storages behind ``tensors``, each once (views of one buffer share it), in first-seen order."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())
+
+
 class HostCopies:
     """The storages of some tensors, each with a host buffer of its size."""
 
     def __init__(self, tensors: list[torch.Tensor], previous: HostCopies | None = None, pin: bool = False):
         """``pin``: page-locked host buffers (the state lives on a GPU)."""
-        seen = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.nbytes():
-                seen.setdefault(s.data_ptr(), s)
-        self.storages = list(seen.values())
+        self.storages = distinct_storages(tensors)
         sizes = [s.nbytes() for s in self.storages]
         if previous is not None and [h.numel() for h in previous.host] == sizes:
             self.host = previous.host  # the last round's buffers (pinned allocations are slow)
