@@ -53,6 +53,10 @@ class ModelConfig:
     the loader for the device it runs on, ``megarl.config.device_defaults``)."""
     transformer_impl: str = "local"
     """Megatron layer implementation: 'local' (torch, runs on CPU) or 'transformer_engine' (GPU, needs TE)."""
+    attention: str = "sdpa"
+    """Core attention of the 'local' layer spec: 'sdpa' (torch's scaled_dot_product_attention: fused kernels that
+    never hold the [heads, s, s] scores) or 'unfused' (Megatron's DotProductAttention, scores materialised; kept for
+    comparison). Transformer Engine brings its own fused attention and ignores this."""
     vocab_pad_multiple: int = 128
     """The vocabulary is padded to a multiple of this; must be divisible by every TP size you use."""
     recompute: bool = False
@@ -65,6 +69,7 @@ class ModelConfig:
         _require(self.dtype in dtypes, "dtype", f"must be one of {dtypes}, got {self.dtype!r}")
         impls = ("local", "transformer_engine")
         _require(self.transformer_impl in impls, "transformer_impl", f"must be one of {impls}")
+        _require(self.attention in ("sdpa", "unfused"), "attention", "must be one of ('sdpa', 'unfused')")
         _require(self.vocab_pad_multiple >= 1, "vocab_pad_multiple", "must be >= 1")
 
 

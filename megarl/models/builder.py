@@ -85,9 +85,18 @@ def transformer_config(
     )
 
 
-def layer_spec(transformer_impl: str):
-    """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable."""
+def layer_spec(transformer_impl: str, attention: str = "sdpa"):
+    """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable.
+
+    The local spec's core attention is ``attention``: ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's
+    fused kernels) or ``unfused`` (Megatron's ``DotProductAttention``, which materialises the scores). TE's spec
+    has its own fused attention."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from megarl.models.attention import ATTENTION, SdpaAttention
+
+    if attention not in ATTENTION:
+        raise ValueError(f"model.attention must be one of {ATTENTION}, got {attention!r}")
 
     if transformer_impl == "transformer_engine":
         if not transformer_engine_available():
@@ -96,7 +105,10 @@ def layer_spec(transformer_impl: str):
                 "(GPU only: pip install -e .[gpu]); use model.transformer_impl=local"
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
 
 
 def build_model_chunk(
@@ -109,10 +121,12 @@ def build_model_chunk(
     init_weights: bool = True,
     recompute: bool = False,
     device: torch.device | str | None = None,
+    attention: str = "sdpa",
 ):
     """This rank's GPTModel chunk (its pipeline stage and TP shard), every tensor on ``device`` (default: the
     rank's, ``rank_device()``; conversion passes ``"cpu"``) and every parameter in ``dtype``. ``value_head=True``
-    builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias."""
+    builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias. ``attention``:
+    the local spec's core attention (``layer_spec``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -124,7 +138,7 @@ def build_model_chunk(
     with megatron_mode():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(transformer_impl),
+            transformer_layer_spec=layer_spec(transformer_impl, attention),
             vocab_size=spec.padded_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

@@ -25,6 +25,7 @@ from megarl.plan.memory import (
     RankMemory,
     lora_params,
     lora_sync_bytes,
+    micro_batch_shape,
     micro_batch_tokens,
     rank_memory,
 )
@@ -310,11 +311,13 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
             + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
                "rollout.lora_merge: every sync sends the merged whole weights instead)"),
         ]
+    mb = micro_batch_shape(cfg.actor, cfg.actor.seq_length)
     lines += [
         "",
-        "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Estimates: activations "
-        f"(megarl/plan/memory.py activation_bytes; {micro_batch_tokens(cfg)} tokens per micro-batch), the configured "
-        "KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
+        "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Accounted: activations, "
+        f"tensor by tensor as the model saves them (megarl/plan/activations.py; the largest micro-batch: "
+        f"{mb.sequences} x {mb.length} tokens). Estimates: the logits around the loss, the configured KV cache, a "
+        "2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
 

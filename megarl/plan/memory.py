@@ -9,8 +9,10 @@ multiple of 64 elements, a tied embedding gets a bucket of its own, and every bu
 lcm(DP, 128) and split evenly over the DP ranks. Gradients are reduced in fp32 (megarl's DDP setting).
 Adam's per-parameter ``step`` counters live on the host (torch Adam without ``capturable``) and are not counted.
 
-Estimates (labelled as such wherever they are printed): activations (``activation_bytes``), the KV cache (the
-configured ``rollout.kv_cache_mb``) and a fixed per-GPU reserve for the CUDA context, NCCL and allocator slack.
+Accounted: activations, tensor by tensor as the model saves them for backward (``megarl.plan.activations``; within
+15% of what autograd really holds, counted on CPU in ``tests/test_plan_activations.py``). Estimates (labelled as such
+wherever they are printed): the logits' transient copies around the loss, the KV cache (``rollout.kv_cache_mb``) and a
+fixed per-GPU reserve for the CUDA context, NCCL and allocator slack.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
 from megarl.parallel.layout import ParallelLayout
+from megarl.plan.activations import Kernels, MicroBatchShape, Model, logits_transient_bytes, stage_activation_bytes
 from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, vllm_layout
 
 GiB = 1024**3
@@ -183,37 +186,55 @@ def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp
     return ModelBytes(param_numel * DTYPE_BYTES[dtype], buf.numel * GRAD_BYTES, 4 * (moments + main) * state_numel)
 
 
-def activation_bytes(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> int:
-    """Estimate of the activations one pipeline stage keeps for the backward pass of the actor update.
+def activation_bytes(
+    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int, *, critic: bool = False, cuda: bool = True
+) -> int:
+    """Bytes one pipeline stage saves for backward during the actor's (``critic``: the critic's) update, at its
+    largest micro-batch (``micro_batch_shape``), as ``megarl.plan.activations`` accounts them tensor by tensor: up to
+    PP - stage micro-batches in flight (1F1B), ``model.recompute`` keeping one input per layer. ``cuda``: with the
+    CUDA kernels' saved tensors (the plan is for GPUs); else the CPU's."""
+    role = cfg.critic if critic else cfg.actor
+    model = activation_model(cfg, spec, layout, cuda)
+    return stage_activation_bytes(
+        model,
+        micro_batch_shape(role, cfg.actor.seq_length),
+        layers=spec.num_layers // layout.pp,
+        first=pp_rank == 0,
+        last=pp_rank == layout.pp - 1,
+        in_flight=layout.pp - pp_rank,
+        recompute=cfg.model.recompute,
+        value_head=critic,
+    )
 
-    Per token and layer, in the model dtype (b bytes), with t = TP, a = heads, g = KV heads, d = head_dim,
-    f = ffn size: b * (4h + (a + 2g)d/t + ad/t + 4f/t) for the saved norm inputs, QKV, attention output and SwiGLU
-    tensors; the local (non-flash) attention also keeps scores and probabilities, b * 2(a/t) * T per token. With
-    ``model.recompute`` only each layer's input (b * h) is kept, plus one layer's full set while it is recomputed.
-    A stage holds up to (PP - stage) micro-batches in flight (1F1B), T = the micro-batch token budget. The last
-    stage adds fp32 logits, log-softmax and their gradient: 3 * 4 * T * vocab/t.
-    """
-    b, h, t = DTYPE_BYTES[cfg.model.dtype], spec.hidden_size, layout.tp
-    a, g, d, f = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size
-    tokens = micro_batch_tokens(cfg)
-    per_token = b * (4 * h + (a + 2 * g) * d // t + a * d // t + 4 * f // t)
-    if cfg.model.transformer_impl == "local":
-        per_token += b * 2 * (a // t) * tokens
-    layers = spec.num_layers // layout.pp
-    in_flight = layout.pp - pp_rank
-    if cfg.model.recompute:
-        stage = in_flight * tokens * layers * b * h + tokens * per_token
-    else:
-        stage = in_flight * tokens * layers * per_token
-    if pp_rank == layout.pp - 1:
-        stage += 3 * 4 * tokens * spec.padded_vocab_size // t
-    return stage
+
+def logits_bytes(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> int:
+    """The actor's logits around its loss on the last stage (not saved for backward: ``logits_transient_bytes``)."""
+    if pp_rank != layout.pp - 1:
+        return 0
+    shape = micro_batch_shape(cfg.actor, cfg.actor.seq_length)
+    return logits_transient_bytes(activation_model(cfg, spec, layout), shape)
+
+
+def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, cuda: bool = True) -> Model:
+    """The model as the activation accounting sees it: dtype, TP, and which kernels save what."""
+    attention = cfg.model.attention if cfg.model.transformer_impl == "local" else "sdpa"  # TE: fused attention
+    return Model(spec, DTYPE_BYTES[cfg.model.dtype], layout.tp, Kernels(attention, fused_norm=cuda))
+
+
+def micro_batch_shape(role, seq_length: int) -> MicroBatchShape:
+    """The largest micro-batch ``role`` (the actor's or critic's config) can form: its token budget filled with
+    sequences of ``min(seq_length, budget)`` tokens (the longest, for the per-sequence attention terms), or
+    ``micro_batch_size`` sequences of ``seq_length``."""
+    budget = role.max_tokens_per_micro_batch
+    if not budget:
+        return MicroBatchShape(role.micro_batch_size, seq_length)
+    length = min(seq_length, budget)
+    return MicroBatchShape(budget // length, length)
 
 
 def micro_batch_tokens(cfg: MegarlConfig) -> int:
-    """Tokens in one training micro-batch: the token budget, or micro_batch_size sequences of seq_length."""
-    a = cfg.actor
-    return a.max_tokens_per_micro_batch or a.micro_batch_size * a.seq_length
+    """Tokens in the actor's largest training micro-batch."""
+    return micro_batch_shape(cfg.actor, cfg.actor.seq_length).tokens
 
 
 @dataclass
@@ -236,6 +257,7 @@ class RankMemory:
 
 
 STARTUP, GENERATION, SYNC, TRAINING = "start-up", "generation", "weight sync", "training"
+ACTIVATIONS, LOGITS = "activations (saved for backward)", "logits around the loss (estimate)"
 
 
 def rank_memory(
@@ -319,7 +341,10 @@ def rank_memory(
             staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
             sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers
             m.consumers["reshard buffers"] = (2 * cfg.rollout.bucket_mb * MiB if sends else 0) + staged
-            m.consumers["activations (estimate)"] = activation_bytes(cfg, spec, lay, c.pp) if lay else 0
+            trains = "actor" if "actor" in pool.roles else "critic" if "critic" in pool.roles else None
+            saved = activation_bytes(cfg, spec, lay, c.pp, critic=trains == "critic") if lay and trains else 0
+            m.consumers[ACTIVATIONS] = saved
+            m.consumers[LOGITS] = logits_bytes(cfg, spec, lay, c.pp) if lay and trains == "actor" else 0
             m.consumers["reserve (estimate)"] = RESERVE_BYTES
             training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference", "reward model"))]
             m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
@@ -330,13 +355,13 @@ def rank_memory(
                 m.phases[STARTUP] = held + ["reshard buffers"]  # the engine starts, then the first sync
                 m.phases[GENERATION] = held
                 m.phases[SYNC] = held + ["reshard buffers"]
-                m.phases[TRAINING] = held + ["activations (estimate)"]
+                m.phases[TRAINING] = held + [ACTIVATIONS, LOGITS]
             else:  # start-up: the engine is built (weights and KV cache) and first synced with the offloaded
                 # state already on the host (megarl.trainer.job.build_job)
                 m.phases[STARTUP] = resident + engine_state + ["reshard buffers", "reserve (estimate)"]
                 m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
                 m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
-                m.phases[TRAINING] = training_state + ["activations (estimate)", "reserve (estimate)"]
+                m.phases[TRAINING] = training_state + [ACTIVATIONS, LOGITS, "reserve (estimate)"]
             out.append(m)
     return out
 

@@ -82,6 +82,7 @@ def build_rl_models(
             transformer_impl=cfg.model.transformer_impl,
             init_weights=False,
             recompute=cfg.model.recompute and trained,
+            attention=cfg.model.attention,
         )
         if load:
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
@@ -106,7 +107,7 @@ def build_rl_models(
     if needs_reward_model(cfg) and "reward_model" in roles:
         rm_source, rm_spec = reward_model_spec(cfg)
         rm = build_model_chunk(rm_spec, layout, dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
-                               init_weights=False)  # fmt: skip
+                               init_weights=False, attention=cfg.model.attention)  # fmt: skip
         load_initial_weights(rm, rm_source, rm_spec, layout, rank)
         models.reward_model = rm.eval().requires_grad_(False)
     return models

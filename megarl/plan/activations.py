@@ -1,0 +1,154 @@
+"""What a Megatron model chunk saves for backward, tensor by tensor: the activation bytes of ``megarl plan``.
+
+Every count below is a tensor that autograd keeps from the forward to the backward of one micro-batch, with views of
+one storage counted once, as ``tests/test_plan_activations.py`` counts them (``torch.autograd.graph.
+saved_tensors_hooks`` over a real model, on CPU). A micro-batch is ``n`` sequences right-padded to ``s`` tokens
+(``megarl.training.batch``): most terms are per token (``n * s``), attention's scores are per sequence (``n * s * s``),
+RoPE's cos/sin per position (``s``).
+
+Notation, per tensor-parallel rank: ``b`` the model dtype's bytes, ``h`` hidden, ``a``/``g`` query/KV heads of this
+rank (heads / TP), ``d`` head dim, ``f`` FFN width of this rank, ``v`` vocabulary rows of this rank. Sequence
+parallelism is off in megarl, so norms and the inputs of the column-parallel linears hold the full ``h`` on every
+TP rank. Per token and layer:
+
+====================  ===================================================  ====================================
+where                 saved                                                bytes per token
+====================  ===================================================  ====================================
+each RMSNorm (x2)     CUDA (fused kernel): its input, 1/rms in fp32        ``b h + 4``
+                      CPU (composite): fp32 input and normalised, 1/rms    ``4 (2h + 1)``
+linear_qkv            its input (the normed hidden state)                  ``b h``
+attention: sdpa       q and k rotated, v (a view of the fused QKV output:  ``b ((a + g) d + (a + 2g) d + a d)``
+                      all of it), the output (linear_proj's input, a       ``+ 4 a``
+                      view), one fp32 log-sum-exp per head
+attention: unfused    q rotated and K/V repeated to the query heads (GQA;  ``b (3 a d + a d)`` (GQA) or
+                      without GQA: q, k and v's view as sdpa), the         ``b ((a + g) d + (a + 2g) d + a d)``,
+                      context (linear_proj's input), softmax probabilities ``+ 4 a s`` ``(+ b a s`` if ``b < 4)``
+                      in fp32 and, below fp32, their cast for the matmul
+MLP (SwiGLU)          fc1's input and output, silu(gate), up + 0 (Megatron ``b (h + 2f + f + f + f)``
+                      adds its GLU offset), fc2's input
+====================  ===================================================  ====================================
+
+Per micro-batch and layer: RoPE's cos and sin for q and k, ``4 b s d``; the unfused causal mask, ``s * s`` bools.
+First stage: the token ids (``8`` per token). Last stage: the final norm, the output layer's input (``b h``) and the
+loss: the actor's vocab-parallel cross-entropy keeps the softmax in fp32 (``4 v``) and its target masks (``9``); a
+critic's value head keeps its input (``b h``) and the fp32 value (``4``).
+
+With recompute (Megatron full, uniform, one layer per checkpoint) a layer keeps only its input (``b h``) until its
+backward recomputes it, when that one layer holds its whole set again. Under PP, Megatron's 1F1B schedule keeps up to
+``PP - stage`` micro-batches in flight on a stage; the planner counts all of them.
+
+Not saved, and planned as their own line (``logits_transient_bytes``): the model-dtype logits and their fp32 copies
+(scaled, masked, the loss's gradient) alive around the loss. Transformer Engine's layers save what its fused kernels
+keep; they are planned with the sdpa row and fused norms (an estimate, not counted on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.models.spec import ModelSpec
+
+FP32 = 4
+TOKEN_ID_BYTES = 8  # int64 token ids kept by the embedding
+TARGET_MASK_BYTES = 9  # vocab-parallel cross-entropy: a bool target mask and the int64 masked targets
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """One micro-batch: ``sequences`` right-padded to ``length`` tokens."""
+
+    sequences: int
+    """Sequences in the micro-batch."""
+    length: int
+    """Padded length of each (its longest sequence)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.length
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs: what it saves differs."""
+
+    attention: str = "sdpa"
+    """'sdpa' (fused, no scores kept) or 'unfused' (Megatron's DotProductAttention)."""
+    fused_norm: bool = True
+    """torch's fused RMSNorm (CUDA) saves its input and 1/rms; the CPU composite saves an fp32 input and output."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model as one TP rank of one pipeline stage sees it."""
+
+    spec: ModelSpec
+    """The architecture."""
+    dtype_bytes: int
+    """Bytes per element of the model dtype."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    kernels: Kernels = Kernels()
+    """What the device's kernels save."""
+
+    def _per_rank(self, n: int) -> int:
+        return n // self.tp
+
+    def norm_bytes(self, tokens: int) -> int:
+        h = self.spec.hidden_size
+        return tokens * (self.dtype_bytes * h + FP32 if self.kernels.fused_norm else FP32 * (2 * h + 1))
+
+    def layer_bytes(self, mb: MicroBatchShape) -> int:
+        """Saved by one transformer layer for one micro-batch."""
+        s, b, T = self.spec, self.dtype_bytes, mb.tokens
+        h, d = s.hidden_size, s.head_dim
+        a, g, f = self._per_rank(s.num_heads), self._per_rank(s.num_kv_heads), self._per_rank(s.ffn_hidden_size)
+        total = 2 * self.norm_bytes(T) + T * b * h + 4 * b * mb.length * d  # two norms, linear_qkv's input, RoPE
+        q_k, qkv, out = (a + g) * d, (a + 2 * g) * d, a * d  # rotated q and k; the fused QKV output; attention's
+        if self.kernels.attention == "sdpa":
+            total += T * (b * (q_k + qkv + out) + FP32 * a)  # v is a view of the QKV output: all of it stays
+        else:  # GQA: q, and K/V repeated to the query heads (new tensors); else q, k and v's view as with sdpa
+            kept = 3 * a * d if g < a else q_k + qkv
+            probs = FP32 * a * mb.length + (b * a * mb.length if b < FP32 else 0)
+            total += T * (b * (kept + out) + probs) + mb.length * mb.length  # + the causal mask
+        total += T * b * (h + 5 * f)  # fc1 in, fc1 out (2f), silu(gate), up + 0, fc2 in
+        return total
+
+    def recomputed_layer_bytes(self, mb: MicroBatchShape) -> int:
+        """What a checkpointed layer keeps between forward and backward: its input."""
+        return mb.tokens * self.dtype_bytes * self.spec.hidden_size
+
+    def last_stage_bytes(self, mb: MicroBatchShape, value_head: bool) -> int:
+        """The final norm, the output layer's input and what the loss keeps."""
+        T, b, h = mb.tokens, self.dtype_bytes, self.spec.hidden_size
+        head = T * (b * h + FP32) if value_head else T * (b * h + FP32 * self._per_rank(self.spec.padded_vocab_size))
+        return self.norm_bytes(T) + head + (0 if value_head else T * TARGET_MASK_BYTES)
+
+
+def stage_activation_bytes(
+    model: Model,
+    mb: MicroBatchShape,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    in_flight: int = 1,
+    recompute: bool = False,
+    value_head: bool = False,
+) -> int:
+    """Peak bytes saved for backward on one pipeline stage holding ``layers`` layers, with ``in_flight``
+    micro-batches between their forward and backward (1F1B: PP - stage)."""
+    ends = (mb.tokens * TOKEN_ID_BYTES if first else 0) + (model.last_stage_bytes(mb, value_head) if last else 0)
+    if not recompute:
+        return in_flight * (layers * model.layer_bytes(mb) + ends)
+    kept = layers * model.recomputed_layer_bytes(mb)
+    recomputed = model.layer_bytes(mb)
+    if model.kernels.fused_norm or model.dtype_bytes == FP32:  # its first norm keeps the very input the checkpoint
+        recomputed -= model.recomputed_layer_bytes(mb)  # holds (the CPU norm's fp32 copy is the input in fp32)
+    # the loss's tensors are freed before the last layer's backward recomputes it: the larger of the two is the peak
+    return in_flight * kept + (in_flight - 1) * ends + max(ends, recomputed)
+
+
+def logits_transient_bytes(model: Model, mb: MicroBatchShape) -> int:
+    """The actor's logits around the loss, not saved for backward: the model-dtype logits and two fp32 copies
+    (scaled and masked; then the softmax's gradient and its way back) on the last stage."""
+    return mb.tokens * model._per_rank(model.spec.padded_vocab_size) * (model.dtype_bytes + 2 * FP32)

@@ -1,0 +1,84 @@
+"""Runs inside every spawned rank: what a real Megatron chunk saves for backward (``tests.saved_tensors``), per case,
+through the actor's or the critic's loss and Megatron's schedule (1F1B under PP), at the case's layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import OptimConfig
+from megarl.models.builder import build_model_chunk
+from megarl.parallel.init import init_distributed
+from megarl.parallel.layout import ParallelLayout
+from megarl.training.logprobs import logprobs_from_logits
+from megarl.training.setup import wrap_for_training
+from megarl.training.step import run_schedule
+from tests.parity_worker import tiny_spec
+from tests.saved_tensors import SavedBytes
+
+
+@dataclass(frozen=True)
+class Case:
+    """One counted micro-batch schedule."""
+
+    layout: ParallelLayout
+    sequences: int
+    length: int
+    attention: str = "sdpa"
+    dtype: str = "float32"
+    recompute: bool = False
+    micro_batches: int = 1
+    value_head: bool = False
+    gqa: bool = True
+
+    @property
+    def spec(self):
+        spec = tiny_spec()
+        return spec if self.gqa else replace(spec, num_kv_heads=spec.num_heads)
+
+
+def actor_loss(vocab: int):
+    def loss_fn(mb, logits_BSV):
+        loss = -(logprobs_from_logits(logits_BSV, mb["targets"], 1.0, vocab) * mb["loss_mask"]).mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    return loss_fn
+
+
+def critic_loss(mb, values_BS1):
+    loss = ((values_BS1.squeeze(-1).float() - mb["returns"]) ** 2).mean()
+    return loss, {"loss": loss.detach().clone()}
+
+
+def count(case: Case) -> dict:
+    """Peak saved bytes of this rank over one forward/backward schedule of the case; per rank, gathered."""
+    init_distributed(case.layout, seed=1)
+    spec = case.spec
+    chunk = build_model_chunk(
+        spec, case.layout, attention=case.attention, dtype=case.dtype, recompute=case.recompute,
+        value_head=case.value_head,
+    )  # fmt: skip
+    model, _ = wrap_for_training(chunk, OptimConfig(optimizer="sgd", lr=0.1))
+    gen = torch.Generator().manual_seed(3)
+    n, s = case.sequences, case.length
+    mbs = [
+        {
+            "tokens": torch.randint(0, spec.vocab_size, (n, s), generator=gen),
+            "position_ids": torch.arange(s).expand(n, s).contiguous(),
+            "targets": torch.randint(0, spec.vocab_size, (n, s), generator=gen),
+            "returns": torch.randn(n, s, generator=gen),
+            "loss_mask": torch.ones(n, s),
+        }
+        for _ in range(case.micro_batches)
+    ]
+    with SavedBytes(chunk.parameters()) as saved:
+        run_schedule(model, mbs, critic_loss if case.value_head else actor_loss(spec.vocab_size))
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (saved.peak, saved.live))
+    return {"peak": [p for p, _ in peaks], "left": [left for _, left in peaks]}
+
+
+def count_cases(cases: list[Case]) -> list[dict]:
+    return [count(c) for c in cases]
