@@ -21,7 +21,11 @@ default):
      and stepped once in this process, on a model large enough to measure (~64M parameters); in the same process,
      the weight sync's transfer device under the default group (``cpu:gloo,cuda:nccl``) is the GPU;
   H. a 1.2B Llama (hidden 2048, 16 layers, 16 heads / 8 KV, FFN 5632, vocab 32000), one GRPO step with the HF engine
-     (16 prompts x 8 samples, 64 new tokens): its per-phase times are printed.
+     (16 prompts x 8 samples, 64 new tokens): its per-phase times are printed;
+  I. the actor update at that 1.2B shape (16 x 2048 tokens, micro-batches of 2, bf16, sdpa attention), as
+     ``benchmarks/train_step.py`` runs it: ``megarl plan``'s training peak for the actor (parameters, gradient buffer,
+     optimizer state, activations saved for backward, the logits around the loss) within 20% of
+     ``torch.cuda.max_memory_allocated`` over a step.
 
     python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
 """
@@ -106,12 +110,51 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
                         "grads+optimizer": planned[ACTOR_GRADS] + planned[ACTOR_OPTIMIZER]}}  # fmt: skip
 
 
+def measure_training_peak(hf_dir: str) -> dict:
+    """World 1: the actor update of ``benchmarks/train_step.py`` at 16 x 2048 tokens, its peak over one step after a
+    warm-up step; and the plan's training-phase bytes of the same actor (no engine, no reserve: not allocated here)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from train_step import megarl_step
+
+    from megarl.config import load_config, validate
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.plan.memory import ACTIVATIONS, LOGITS, rank_memory
+    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
+
+    init_distributed(ParallelLayout())
+    step, _ = megarl_step(hf_dir, "sdpa", "bfloat16", sequences=16, length=2048, micro=2)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    overrides = [f"model.path={hf_dir}", "model.dtype=bfloat16", "actor.parallel.tp=1", "actor.seq_length=2048",
+                 "actor.max_tokens_per_micro_batch=4096", "rollout.backend=hf", "rollout.max_model_len=2048"]
+    cfg = load_config(os.path.join(REPO, "configs/quickstart.yaml"), overrides, cuda=True)
+    consumers = rank_memory(cfg, validate(cfg), ParallelLayout(), gpus_per_node=1)[0].consumers
+    parts = ("actor params", ACTOR_GRADS, ACTOR_OPTIMIZER, ACTIVATIONS, LOGITS)
+    return {"measured": torch.cuda.max_memory_allocated(), "planned": {k: consumers[k] for k in parts}}
+
+
+def _training_peak_at_1_2b(path) -> tuple[str, bool]:
+    from megarl.parallel.spawn import run_on_ranks
+
+    got = run_on_ranks(measure_training_peak, 1, path("1.2b"))  # the model of _step_at_1_2b
+    planned = sum(got["planned"].values())
+    print(f"gpu_smoke: 1.2B actor update peak {got['measured'] / 1e9:.2f} GB measured, {planned / 1e9:.2f} GB planned ("
+          + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in got["planned"].items()) + ")")  # fmt: skip
+    return "megarl plan's training peak of the 1.2B actor update within 20%", abs(got["measured"] / planned - 1) <= 0.2
+
+
 def _step_at_1_2b(path) -> tuple[str, bool]:
     """One GRPO step of a 1.2B Llama with the HF engine (16 prompts x 8, 64 new tokens); prints its phases."""
     from megarl.models.tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model(path("1.2b"), "llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
-                               ffn_hidden_size=5632, vocab_size=32000)  # fmt: skip
+                               ffn_hidden_size=5632, vocab_size=32000, max_position_embeddings=2048)  # fmt: skip
     (row,) = _train("configs/quickstart.yaml", model, path("1.2b-run"), "trainer.total_steps=1", "trainer.save_every=0",
                     "model.dtype=bfloat16", "data.train_batch_size=16", "rollout.sampling.n=8",
                     "actor.global_batch_size=128", "rollout.sampling.max_new_tokens=64", "actor.seq_length=128",
@@ -177,6 +220,7 @@ def main() -> int:
             checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
                            abs(measured / planned - 1) <= 0.01))  # fmt: skip
         checks.append(_step_at_1_2b(path))
+        checks.append(_training_peak_at_1_2b(path))
     for what, ok in checks:
         print(f"gpu_smoke: {'ok  ' if ok else 'FAIL'} {what}")
     passed = all(ok for _, ok in checks)

@@ -1,0 +1,232 @@
+"""The actor's update step: megarl against a plain transformers step, same model, tokens and optimizer, one run.
+
+megarl: ``megarl.training.step.train_step`` (what the trainer's actor update calls) with the trainer's actor loss
+(``megarl.training.losses.actor_loss``: GRPO/PPO's clipped token-mean, on-policy, its entropy metric included), on a
+Megatron chunk with the local spec, once per core attention (``model.attention``: ``sdpa``, ``unfused``). Baseline:
+``AutoModelForCausalLM`` with ``attn_implementation="sdpa"``, the same PPO loss on ``log_softmax`` of its logits,
+``torch.optim.AdamW`` (fused on CUDA, its default foreach implementation on CPU), gradient clipping at 1.0. Both:
+the same weights (one HF folder), tokens, advantages, micro-batches and gradient accumulation; dtype policy fp32 on
+CPU; on CUDA fp32 master weights with bf16 compute (megarl: bf16 parameters + Megatron's fp32 main parameters;
+HF: fp32 parameters under bf16 autocast). Medians of ``--steps`` steps after ``--warmup`` steps, CUDA-synchronised.
+
+MFU counts 6 x parameters x tokens plus causal attention's 6 x layers x seq x heads x head_dim x tokens (the
+convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense bf16 peak.
+
+    python benchmarks/train_step.py            # CPU: a 34M-parameter Llama, 8 x 256 tokens (~3 minutes here)
+    python benchmarks/train_step.py --json     # the same rows as a JSON list
+    python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, ffn_hidden_size=1536, vocab_size=8192)
+CUDA_MODEL = dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, ffn_hidden_size=5632, vocab_size=32000)
+"""configs/models/llama-1.2b/config.json"""
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+"""Dense bf16 peak per GPU model name."""
+LR = 1e-5
+
+
+def _peak_tflops() -> float | None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def _flops_per_step(shape: dict, params: int, tokens: int, length: int) -> float:
+    attention = 6 * shape["num_layers"] * length * shape["hidden_size"] * tokens  # causal: half of 12 L s h
+    return 6 * params * tokens + attention
+
+
+def _batch(vocab: int, sequences: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random training sequences [n, length + 1] and one advantage per sequence, broadcast to its tokens."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (sequences, length + 1), generator=gen)
+    advantages = torch.randn(sequences, 1, generator=gen).expand(sequences, length).contiguous()
+    return tokens, advantages
+
+
+def _timed(step, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float | None, float]:
+    """(step times, peak GPU bytes over the measured steps, first step's grad norm)."""
+    first = step()
+    for _ in range(warmup - 1):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, (torch.cuda.max_memory_allocated() if cuda else None), first
+
+
+def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int):
+    """The actor's update as the trainer runs it, on the HF folder's weights (world 1, TP=PP=1): a callable taking
+    one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``) and returning its
+    gradient norm; and the parameter count."""
+    from megarl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.models.builder import build_model_chunk
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.training.init_weights import load_initial_weights, model_source
+    from megarl.training.losses import GlobalNorm, actor_loss
+    from megarl.training.setup import wrap_for_training
+    from megarl.training.step import SUM, train_step
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    layout = ParallelLayout()
+    chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, attention=attention)
+    load_initial_weights(chunk, model_source(hf_dir), spec, layout, 0)
+    model, optimizer = wrap_for_training(chunk, OptimConfig(optimizer="adam", lr=LR, clip_grad=1.0))
+    tokens, advantages = _batch(spec.vocab_size, sequences, length)
+    batches = []
+    for i in range(0, sequences, micro):
+        ids, rows = tokens[i : i + micro], len(tokens[i : i + micro])
+        batches.append({"tokens": ids[:, :-1].contiguous(), "targets": ids[:, 1:].contiguous(),
+                        "position_ids": torch.arange(length).expand(rows, -1).contiguous(),
+                        "loss_mask": torch.ones(rows, length), "advantages": advantages[i : i + micro],
+                        "rollout_logp": torch.zeros(rows, length)})  # fmt: skip
+    norm = GlobalNorm(tokens=sequences * length, seqs=sequences, norm_len=length, scale=len(batches))
+    loss = actor_loss(ActorConfig(), AlgorithmConfig(adv_estimator="grpo"), norm, temperature=1.0,
+                      true_vocab=spec.vocab_size)  # fmt: skip
+
+    def step() -> float:
+        return train_step(model, optimizer, batches, loss, reduce=SUM)["grad_norm"]
+
+    return step, sum(p.numel() for p in chunk.parameters())
+
+
+def megarl_row(hf_dir: str, attention: str, args, cuda: bool) -> dict:
+    dtype = "bfloat16" if cuda else "float32"
+    step, params = megarl_step(hf_dir, attention, dtype, args.sequences, args.length, args.micro)
+    times, peak, grad_norm = _timed(step, args.steps, args.warmup, cuda)
+    return _row(f"megarl-{attention}", times, peak, grad_norm, params, args)
+
+
+def hf_row(hf_dir: str, args, cuda: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algos import aggregate, ppo_policy_loss
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=1e-8, fused=cuda or None)
+    tokens, advantages = _batch(args.shape["vocab_size"], args.sequences, args.length)
+    n = args.sequences
+    params = sum(p.numel() for p in model.parameters())
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(0, n, args.micro):
+            ids = tokens[i : i + args.micro].to(device, non_blocking=True)
+            adv = advantages[i : i + args.micro].to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(input_ids=ids[:, :-1]).logits
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            pg = ppo_policy_loss(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2, clip_c=3.0)
+            mask = torch.ones_like(logp)
+            aggregate(pg["loss"], mask, "token-mean", global_tokens=n * args.length, global_seqs=n).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return float(grad_norm)
+
+    times, peak, grad_norm = _timed(step, args.steps, args.warmup, cuda)
+    return _row("hf", times, peak, grad_norm, params, args)
+
+
+def _row(name: str, times: list[float], peak: int | None, grad_norm: float, params: int, args) -> dict:
+    step_s = statistics.median(times)
+    tokens = args.sequences * args.length
+    tflops = _peak_tflops()
+    flops = _flops_per_step(args.shape, params, tokens, args.length)
+    return {
+        "name": name,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "mfu": flops / step_s / (tflops * 1e12) if tflops else None,
+        "peak_gb": peak / 1e9 if peak is not None else None,
+        "grad_norm_first_step": grad_norm,
+        "params": params,
+        "steps": len(times),
+    }
+
+
+def measure(hf_dir: str, args) -> list[dict]:
+    """Rank 0 of a world of 1 (Megatron needs its process groups): every variant in turn on this device."""
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    torch.set_num_threads(args.threads)  # both sides get the same cores
+    init_distributed(ParallelLayout(), seed=1)
+    cuda = torch.cuda.is_available()
+    rows = []
+    for attention in ("sdpa", "unfused"):
+        rows.append(megarl_row(hf_dir, attention, args, cuda))
+        _free(cuda)
+    rows.append(hf_row(hf_dir, args, cuda))
+    return rows
+
+
+def _free(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def table(rows: list[dict], args, device: str) -> str:
+    hf = next(r for r in rows if r["name"] == "hf")
+    lines = [
+        f"actor update step on {device}: {args.sequences} x {args.length} tokens, micro-batches of {args.micro}, "
+        f"{rows[0]['params'] / 1e6:.1f}M parameters; median of {args.steps} steps after {args.warmup} warm-up",
+        f"{'variant':<16}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'grad norm (1st)':>17}",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
+        lines.append(f"{r['name']:<16}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}{mfu:>8}{peak:>9}"
+                     f"{r['step_s'] / hf['step_s']:>7.2f}x{r['grad_norm_first_step']:>17.4f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=16 if cuda else 8)
+    parser.add_argument("--length", type=int, default=2048 if cuda else 256, help="tokens per sequence")
+    parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (both sides)")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    args = parser.parse_args(argv)
+    args.shape = CUDA_MODEL if cuda else CPU_MODEL
+    sys.path.insert(0, REPO)
+    from megarl.models.tiny import make_tiny_hf_model
+    from megarl.parallel.spawn import run_on_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_tiny_hf_model(os.path.join(tmp, "model"), "llama", max_position_embeddings=args.length,
+                                    **args.shape)  # fmt: skip
+        rows = run_on_ranks(measure, 1, hf_dir, args)
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({args.threads} threads)"
+    print(json.dumps(rows) if args.json else table(rows, args, device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
