@@ -28,6 +28,7 @@ from megarl.algos import (
     token_level_scores,
     value_loss,
     vocab_parallel_entropy,
+    vocab_parallel_logprobs,
 )
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -769,3 +770,59 @@ def test_reinforce_pp_with_kl_in_reward_against_hand_values():
     adv, _ = _kl_in_reward_advantages("reinforce_pp", beta, gamma)
     for row, e in zip(adv, expected):
         assert row == pytest.approx(e, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_one_pass_vs_log_softmax_with_padding_and_temperature(temperature):
+    torch.manual_seed(18)
+    true_vocab = 7
+    logits = (torch.randn(2, 3, 10) * 3).requires_grad_()
+    targets = torch.randint(0, true_vocab, (2, 3))
+    logp, ent = vocab_parallel_logprobs(logits, targets, true_vocab=true_vocab, temperature=temperature,
+                                        with_entropy=True)  # fmt: skip
+    scaled = logits[..., :true_vocab] / temperature  # the padding columns (7-9) are not in the distribution
+    ref = torch.log_softmax(scaled, -1).gather(-1, targets[..., None]).squeeze(-1)
+    close(logp, ref)
+    close(ent, torch.distributions.Categorical(logits=scaled.detach()).entropy())
+    assert not ent.requires_grad
+    weights = torch.randn(2, 3)
+    (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+    close(grad, ref_grad)
+    assert (grad[..., true_vocab:] == 0).all()
+    low, _ = vocab_parallel_logprobs(logits.detach().bfloat16().requires_grad_(), targets, true_vocab=true_vocab)
+    assert low.dtype == torch.float32  # bf16 logits: fp32 log-probs, and a bf16 gradient for the logits
+
+
+@pytest.mark.parametrize("vocab, true_vocab", [(10, 7), (12, 6), (8, 8)])  # (12, 6): shard 1 is all padding
+def test_logprobs_two_shards_equal_one(vocab, true_vocab):
+    """Two vocabulary slices: their partial sums add up to the whole vocabulary's, and given the reduced values each
+    slice's log-prob, entropy and gradient equal the whole vocabulary's."""
+    torch.manual_seed(19)
+    logits = torch.randn(2, 3, vocab) * 2
+    targets = torch.randint(0, true_vocab, (2, 3))
+    whole = logits[..., :true_vocab].clone().requires_grad_()
+    top = whole.detach().amax(-1)
+    e = torch.exp(whole.detach() - top[..., None])
+    reduced = [e.sum(-1), whole.detach().gather(-1, targets[..., None]).squeeze(-1), (e * whole.detach()).sum(-1)]
+    half = vocab // 2
+    shards = [logits[..., :half].clone().requires_grad_(), logits[..., half:].clone().requires_grad_()]
+    partials, results = [[], []], []
+    for rank in range(2):
+        def reduce_sum(t, r=rank, sums=iter(reduced)):
+            partials[r].append(t)
+            return next(sums)
+
+        results.append(vocab_parallel_logprobs(shards[rank], targets, vocab_start=rank * half, true_vocab=true_vocab,
+                                               all_reduce_sum=reduce_sum, all_reduce_max=lambda t: top,
+                                               with_entropy=True))  # fmt: skip
+    for mine, theirs, want in zip(*partials, reduced):  # an all-reduce's inputs add up to its result
+        close(mine + theirs, want)
+    ref = torch.log_softmax(whole, -1).gather(-1, targets[..., None]).squeeze(-1)
+    for logp, ent in results:
+        close(logp, ref)
+        close(ent, torch.distributions.Categorical(logits=whole.detach()).entropy())
+    grads = torch.cat([torch.autograd.grad(results[r][0].sum(), shards[r])[0] for r in range(2)], -1)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), whole)
+    close(grads[..., :true_vocab], ref_grad)
+    assert (grads[..., true_vocab:] == 0).all()

@@ -26,6 +26,7 @@ from megarl.algos.losses import (
     rollout_is_weights,
     value_loss,
     vocab_parallel_entropy,
+    vocab_parallel_logprobs,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "token_level_scores",
     "value_loss",
     "vocab_parallel_entropy",
+    "vocab_parallel_logprobs",
 ]

@@ -30,16 +30,18 @@ MLP (SwiGLU)          fc1's input and output, silu(gate), up + 0 (Megatron ``b (
 
 Per micro-batch and layer: RoPE's cos and sin for q and k, ``4 b s d``; the unfused causal mask, ``s * s`` bools.
 First stage: the token ids (``8`` per token). Last stage: the final norm, the output layer's input (``b h``) and the
-loss: the actor's vocab-parallel cross-entropy keeps the softmax in fp32 (``4 v``) and its target masks (``9``); a
-critic's value head keeps its input (``b h``) and the fp32 value (``4``).
+loss: the actor's log-probs (``megarl.algos.vocab_parallel_logprobs``) keep the softmax over the slice's true
+vocabulary in fp32 (``4 v``, padding rows excluded) and the target's index and mask (``9``); a critic's value head
+keeps its input (``b h``) and the fp32 value (``4``).
 
 With recompute (Megatron full, uniform, one layer per checkpoint) a layer keeps only its input (``b h``) until its
 backward recomputes it, when that one layer holds its whole set again. Under PP, Megatron's 1F1B schedule keeps up to
 ``PP - stage`` micro-batches in flight on a stage; the planner counts all of them.
 
 Not saved, and planned as their own line (``logits_transient_bytes``): the model-dtype logits and their fp32 copies
-(scaled, masked, the loss's gradient) alive around the loss. Transformer Engine's layers save what its fused kernels
-keep; they are planned with the sdpa row and fused norms (an estimate, not counted on CPU).
+(the upcast, the shifted logits before ``exp``, the gradient on its way back) alive around the loss. Transformer
+Engine's layers save what its fused kernels keep; they are planned with the sdpa row and fused norms (an estimate,
+not counted on CPU).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from megarl.models.spec import ModelSpec
 
 FP32 = 4
 TOKEN_ID_BYTES = 8  # int64 token ids kept by the embedding
-TARGET_MASK_BYTES = 9  # vocab-parallel cross-entropy: a bool target mask and the int64 masked targets
+TARGET_MASK_BYTES = 9  # the log-probs' int64 target index within the slice and its bool "in this slice" mask
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class Model:
     def last_stage_bytes(self, mb: MicroBatchShape, value_head: bool) -> int:
         """The final norm, the output layer's input and what the loss keeps."""
         T, b, h = mb.tokens, self.dtype_bytes, self.spec.hidden_size
-        head = T * (b * h + FP32) if value_head else T * (b * h + FP32 * self._per_rank(self.spec.padded_vocab_size))
+        slice_ = min(self._per_rank(self.spec.padded_vocab_size), self.spec.vocab_size)  # TP rank 0: no padding rows
+        head = T * (b * h + FP32) if value_head else T * (b * h + FP32 * slice_)
         return self.norm_bytes(T) + head + (0 if value_head else T * TARGET_MASK_BYTES)
 
 
@@ -150,5 +153,6 @@ def stage_activation_bytes(
 
 def logits_transient_bytes(model: Model, mb: MicroBatchShape) -> int:
     """The actor's logits around the loss, not saved for backward: the model-dtype logits and two fp32 copies
-    (scaled and masked; then the softmax's gradient and its way back) on the last stage."""
+    (the upcast and the shifted logits in the forward; the gradient and its cast in the backward) on the last
+    stage. An estimate: the allocator's order decides which of them meet."""
     return mb.tokens * model._per_rank(model.spec.padded_vocab_size) * (model.dtype_bytes + 2 * FP32)

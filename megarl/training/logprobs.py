@@ -10,26 +10,46 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.algos import vocab_parallel_logprobs
 from megarl.training.step import run_schedule
 
 
-def _masked_scaled_logits(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -> torch.Tensor:
-    """logits / T with the padded vocabulary entries of this TP rank's slice set to -inf."""
+def tp_logprobs(
+    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) under softmax(logits / T) over the true vocabulary from this TP rank's vocabulary slice
+    (``megarl.algos.vocab_parallel_logprobs``: one pass, no logits gathered, the padded rows excluded);
+    differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient)."""
     from megatron.core import parallel_state as ps
 
-    per = logits_BSV.shape[-1]
-    first = ps.get_tensor_model_parallel_rank() * per
-    ids = torch.arange(first, first + per, device=logits_BSV.device)
-    scaled = logits_BSV.float() / temperature
-    return scaled.masked_fill(ids >= true_vocab, float("-inf"))
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+
+    def reduce(op):
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            if tp > 1:
+                x = x.clone()
+                dist.all_reduce(x, op=op, group=group)
+            return x
+
+        return all_reduce
+
+    return vocab_parallel_logprobs(
+        logits_BSV,
+        targets_BS,
+        vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
+        true_vocab=true_vocab,
+        temperature=temperature,
+        all_reduce_sum=reduce(dist.ReduceOp.SUM),
+        all_reduce_max=reduce(dist.ReduceOp.MAX),
+        with_entropy=with_entropy,
+    )
 
 
 def logprobs_from_logits(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int):
     """log p(target) under softmax(logits / T) over the true vocabulary, from this TP rank's vocabulary slice
     (vocab-parallel: no logits are gathered). Differentiable; call it inside Megatron's schedule."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    return -vocab_parallel_cross_entropy(_masked_scaled_logits(logits_BSV, temperature, true_vocab), targets_BS)
+    return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab)[0]
 
 
 def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from megarl.algos import (
     vocab_parallel_entropy,
 )
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
-from megarl.training.logprobs import logprobs_from_logits
+from megarl.training.logprobs import tp_logprobs
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -
         return x
 
     return vocab_parallel_entropy(
-        logits_BSV.float() / temperature,
+        logits_BSV.float() / temperature if temperature != 1 else logits_BSV,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
         true_vocab=true_vocab,
         all_reduce_sum=reduce_from_tensor_model_parallel_region,
@@ -88,7 +88,8 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
 
     def loss_fn(mb: dict, logits_BSV: torch.Tensor):
         mask = mb["loss_mask"]
-        logp = logprobs_from_logits(logits_BSV, mb["targets"], temperature, true_vocab)
+        # the entropy metric comes from the log-probs' own pass; a bonus needs its gradient (a pass of its own)
+        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, actor.entropy_coeff == 0)
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         # seq_mask's rejected sequences already left loss_mask (``learn``); token_truncate weighs tokens here
         is_mode = "token_truncate" if algo.rollout_is == "token_truncate" else "off"
@@ -96,9 +97,8 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
-        with torch.set_grad_enabled(actor.entropy_coeff > 0 and torch.is_grad_enabled()):
-            entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
         if actor.entropy_coeff > 0:
+            entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
             loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.agg_mode)
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
