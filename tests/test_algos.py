@@ -809,9 +809,11 @@ def test_logprobs_two_shards_equal_one(vocab, true_vocab):
     shards = [logits[..., :half].clone().requires_grad_(), logits[..., half:].clone().requires_grad_()]
     partials, results = [[], []], []
     for rank in range(2):
-        def reduce_sum(t, r=rank, sums=iter(reduced)):
+        calls = iter(range(len(reduced)))
+
+        def reduce_sum(t, r=rank, calls=calls):
             partials[r].append(t)
-            return next(sums)
+            return reduced[next(calls)]
 
         results.append(vocab_parallel_logprobs(shards[rank], targets, vocab_start=rank * half, true_vocab=true_vocab,
                                                all_reduce_sum=reduce_sum, all_reduce_max=lambda t: top,
