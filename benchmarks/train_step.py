@@ -7,7 +7,9 @@ Megatron chunk with the local spec, once per core attention (``model.attention``
 ``torch.optim.AdamW`` (fused on CUDA, its default foreach implementation on CPU), gradient clipping at 1.0. Both:
 the same weights (one HF folder), tokens, advantages, micro-batches and gradient accumulation; dtype policy fp32 on
 CPU; on CUDA fp32 master weights with bf16 compute (megarl: bf16 parameters + Megatron's fp32 main parameters;
-HF: fp32 parameters under bf16 autocast). Medians of ``--steps`` steps after ``--warmup`` steps, CUDA-synchronised.
+HF: fp32 parameters under bf16 autocast). All variants live at once and take their steps in turn (round robin, so a
+drift of the machine's speed hits each alike); medians of ``--steps`` steps each after ``--warmup`` steps,
+CUDA-synchronised. A variant's peak GPU memory is its own state plus the most its step allocated on top.
 
 MFU counts 6 x parameters x tokens plus causal attention's 6 x layers x seq x heads x head_dim x tokens (the
 convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense bf16 peak.
@@ -20,7 +22,6 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -57,22 +58,30 @@ def _batch(vocab: int, sequences: int, length: int) -> tuple[torch.Tensor, torch
     return tokens, advantages
 
 
-def _timed(step, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float | None, float]:
-    """(step times, peak GPU bytes over the measured steps, first step's grad norm)."""
-    first = step()
-    for _ in range(warmup - 1):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if cuda:
+class Variant:
+    """One side of the comparison: its step, and what it holds on the GPU between steps."""
+
+    def __init__(self, name: str, build, cuda: bool):
+        before = torch.cuda.memory_allocated() if cuda else 0
+        self.name, self.cuda = name, cuda
+        self.step, self.params = build()
+        self.first_grad_norm = self.step()  # warm-up; the optimizer's state exists from here on
+        self.held = (torch.cuda.memory_allocated() - before) if cuda else 0
+        self.times: list[float] = []
+        self.peak = 0
+
+    def timed_step(self) -> None:
+        if self.cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times, (torch.cuda.max_memory_allocated() if cuda else None), first
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        self.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+            # the others' state is allocated too: this variant's own peak is its state plus what its step added
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() - base + self.held)
+        self.times.append(time.perf_counter() - t0)
 
 
 def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int):
@@ -111,14 +120,8 @@ def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length:
     return step, sum(p.numel() for p in chunk.parameters())
 
 
-def megarl_row(hf_dir: str, attention: str, args, cuda: bool) -> dict:
-    dtype = "bfloat16" if cuda else "float32"
-    step, params = megarl_step(hf_dir, attention, dtype, args.sequences, args.length, args.micro)
-    times, peak, grad_norm = _timed(step, args.steps, args.warmup, cuda)
-    return _row(f"megarl-{attention}", times, peak, grad_norm, params, args)
-
-
-def hf_row(hf_dir: str, args, cuda: bool) -> dict:
+def hf_step(hf_dir: str, args, cuda: bool):
+    """The plain transformers step on the same weights, tokens and micro-batches: (step, parameter count)."""
     from transformers import AutoModelForCausalLM
 
     from megarl.algos import aggregate, ppo_policy_loss
@@ -145,24 +148,23 @@ def hf_row(hf_dir: str, args, cuda: bool) -> dict:
         optimizer.step()
         return float(grad_norm)
 
-    times, peak, grad_norm = _timed(step, args.steps, args.warmup, cuda)
-    return _row("hf", times, peak, grad_norm, params, args)
+    return step, params
 
 
-def _row(name: str, times: list[float], peak: int | None, grad_norm: float, params: int, args) -> dict:
-    step_s = statistics.median(times)
+def _row(v: Variant, args) -> dict:
+    step_s, params = statistics.median(v.times), v.params
     tokens = args.sequences * args.length
     tflops = _peak_tflops()
     flops = _flops_per_step(args.shape, params, tokens, args.length)
     return {
-        "name": name,
+        "name": v.name,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
         "mfu": flops / step_s / (tflops * 1e12) if tflops else None,
-        "peak_gb": peak / 1e9 if peak is not None else None,
-        "grad_norm_first_step": grad_norm,
+        "peak_gb": v.peak / 1e9 if v.cuda else None,
+        "grad_norm_first_step": v.first_grad_norm,
         "params": params,
-        "steps": len(times),
+        "steps": len(v.times),
     }
 
 
@@ -174,18 +176,18 @@ def measure(hf_dir: str, args) -> list[dict]:
     torch.set_num_threads(args.threads)  # both sides get the same cores
     init_distributed(ParallelLayout(), seed=1)
     cuda = torch.cuda.is_available()
-    rows = []
-    for attention in ("sdpa", "unfused"):
-        rows.append(megarl_row(hf_dir, attention, args, cuda))
-        _free(cuda)
-    rows.append(hf_row(hf_dir, args, cuda))
-    return rows
-
-
-def _free(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    dtype = "bfloat16" if cuda else "float32"
+    shape = (args.sequences, args.length, args.micro)
+    variants = [Variant(f"megarl-{a}", lambda a=a: megarl_step(hf_dir, a, dtype, *shape), cuda)
+                for a in ("sdpa", "unfused")]  # fmt: skip
+    variants.append(Variant("hf", lambda: hf_step(hf_dir, args, cuda), cuda))
+    for _ in range(args.warmup - 1):
+        for v in variants:
+            v.step()
+    for _ in range(args.steps):  # round robin: a drift of the machine's speed hits every variant alike
+        for v in variants:
+            v.timed_step()
+    return [_row(v, args) for v in variants]
 
 
 def table(rows: list[dict], args, device: str) -> str:
