@@ -12,7 +12,6 @@ from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.logprobs import logprobs_from_logits
 from megarl.training.setup import wrap_for_training
 from megarl.training.step import run_schedule
 from tests.parity_worker import tiny_spec
@@ -32,6 +31,7 @@ class Case:
     micro_batches: int = 1
     value_head: bool = False
     gqa: bool = True
+    entropy_coeff: float = 0.0
 
     @property
     def spec(self):
@@ -39,12 +39,17 @@ class Case:
         return spec if self.gqa else replace(spec, num_kv_heads=spec.num_heads)
 
 
-def actor_loss(vocab: int):
-    def loss_fn(mb, logits_BSV):
-        loss = -(logprobs_from_logits(logits_BSV, mb["targets"], 1.0, vocab) * mb["loss_mask"]).mean()
-        return loss, {"loss": loss.detach().clone()}
+def actor_loss(case: Case, vocab: int):
+    """The trainer's actor loss (GRPO's clipped token-mean; an entropy bonus when the case has one)."""
+    from megarl.config.schema import ActorConfig, AlgorithmConfig
+    from megarl.training.losses import GlobalNorm
+    from megarl.training.losses import actor_loss as trainer_actor_loss
 
-    return loss_fn
+    tokens = case.sequences * case.length * case.micro_batches
+    norm = GlobalNorm(tokens=tokens, seqs=case.sequences * case.micro_batches, norm_len=case.length,
+                      scale=case.micro_batches)  # fmt: skip
+    return trainer_actor_loss(ActorConfig(entropy_coeff=case.entropy_coeff), AlgorithmConfig(adv_estimator="grpo"),
+                              norm, temperature=1.0, true_vocab=vocab)  # fmt: skip
 
 
 def critic_loss(mb, values_BS1):
@@ -69,12 +74,14 @@ def count(case: Case) -> dict:
             "position_ids": torch.arange(s).expand(n, s).contiguous(),
             "targets": torch.randint(0, spec.vocab_size, (n, s), generator=gen),
             "returns": torch.randn(n, s, generator=gen),
+            "advantages": torch.randn(n, 1, generator=gen).expand(n, s).contiguous(),
+            "rollout_logp": torch.zeros(n, s),
             "loss_mask": torch.ones(n, s),
         }
         for _ in range(case.micro_batches)
     ]
     with SavedBytes(chunk.parameters()) as saved:
-        run_schedule(model, mbs, critic_loss if case.value_head else actor_loss(spec.vocab_size))
+        run_schedule(model, mbs, critic_loss if case.value_head else actor_loss(case, spec.vocab_size))
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (saved.peak, saved.live))
     return {"peak": [p for p, _ in peaks], "left": [left for _, left in peaks]}

@@ -13,7 +13,7 @@ from megarl.parallel.init import init_distributed
 from megarl.training.batch import Sequence, micro_batches
 from megarl.training.setup import wrap_for_training
 from megarl.training.step import run_schedule
-from tests.activation_worker import actor_loss
+from tests.activation_worker import Case, actor_loss
 from tests.parity_worker import _full_weights
 
 
@@ -23,6 +23,9 @@ def _padded_batches(spec, n: int = 4) -> list[dict]:
     seqs = [Sequence(torch.randint(0, spec.vocab_size, (ln,), generator=gen).tolist(), prompt_len=3)
             for ln in (17, 9, 12, 5)[:n]]  # fmt: skip
     batches, _ = micro_batches(seqs, max_tokens=0, micro_batch_size=2)
+    for mb in batches:  # a per-sequence advantage, and the engine's log-probs (unused by the on-policy loss)
+        mb["advantages"] = torch.linspace(-1, 1, len(mb["tokens"]))[:, None].expand_as(mb["loss_mask"]).contiguous()
+        mb["rollout_logp"] = torch.zeros_like(mb["loss_mask"])
     return batches
 
 
@@ -36,13 +39,14 @@ def _run(spec, layout, attention: str, dtype: str):
     )  # fmt: skip
     chunk.load_state_dict(local, strict=False)
     model, _ = wrap_for_training(chunk, OptimConfig(optimizer="sgd", lr=0.1))
-    logits, loss = [], actor_loss(spec.vocab_size)
+    batches = _padded_batches(spec)
+    logits, loss = [], actor_loss(Case(layout, 2, batches[0]["tokens"].shape[1], micro_batches=2), spec.vocab_size)
 
     def recording_loss(mb, logits_BSV):
         logits.append(logits_BSV.detach().float().clone())
         return loss(mb, logits_BSV)
 
-    run_schedule(model, _padded_batches(spec), recording_loss)
+    run_schedule(model, batches, recording_loss)
     grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
     return logits, grads
 

@@ -5,6 +5,7 @@ and without GQA; in bf16 to bf16's precision. One spawned world of 2 serves ever
 from dataclasses import replace
 
 import pytest
+import torch
 
 from megarl.models.attention import SdpaAttention
 from megarl.models.builder import layer_spec
@@ -62,3 +63,51 @@ def test_what_sdpa_cannot_compute_is_refused_in_one_line():
         setattr(config, field, value)
         with pytest.raises(ValueError, match=rf"does not support {field}=.*; use model.attention=unfused"):
             SdpaAttention(config, 1, AttnMaskType.causal, "self", pg_collection=one_rank)
+
+
+def _reference_attention(q, k, v, scale):
+    """Causal softmax attention written from the formula; query head i reads K/V head i // (heads / KV heads)."""
+    s, b, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = torch.empty(s, b, heads, d, dtype=torch.float64)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    for h in range(heads):
+        scores = torch.einsum("ibd,jbd->bij", q[:, :, h].double(), k[:, :, h // group].double()) * scale
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out[:, :, h] = torch.einsum("bij,jbd->ibd", probs, v[:, :, h // group].double())
+    return out.reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("native", [True, False])  # False: K/V repeated first (what CUDA does in fp32)
+def test_sdpa_attention_equals_the_formula_with_shared_or_repeated_kv_heads(native, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megarl.models.attention as attention
+    from megarl.models.builder import transformer_config
+
+    one_rank = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    module = SdpaAttention(transformer_config(GQA, L()), 1, AttnMaskType.causal, "self", pg_collection=one_rank)
+    if not native:
+        monkeypatch.setattr(attention, "_native_gqa", lambda query, mask: False)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 2, GQA.num_heads, GQA.head_dim, generator=gen)
+    k, v = (torch.randn(6, 2, GQA.num_kv_heads, GQA.head_dim, generator=gen) for _ in range(2))
+    got = module(q, k, v, None)
+    assert module.scale == pytest.approx(GQA.head_dim**-0.5)  # Megatron: 1 / sqrt(head_dim)
+    assert torch.allclose(got.double(), _reference_attention(q, k, v, module.scale), atol=1e-6)
+
+
+def test_kv_heads_are_shared_natively_on_cpu_and_in_half_precision_on_cuda():
+    from types import SimpleNamespace
+
+    from megarl.models.attention import _native_gqa
+
+    def query(cuda, dtype):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype)
+
+    assert _native_gqa(query(False, torch.float32), None)
+    assert _native_gqa(query(True, torch.bfloat16), None)
+    assert not _native_gqa(query(True, torch.float32), None)  # torch would take its math backend
+    assert not _native_gqa(query(True, torch.bfloat16), torch.ones(1, dtype=torch.bool))

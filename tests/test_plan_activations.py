@@ -2,7 +2,8 @@
 the actor's (or critic's) loss and Megatron's schedule, counting the unique storages held for backward at their peak
 (``tests.saved_tensors``), and compares them with the planner's accounting (``megarl.plan.activations``) on every
 rank: within 15%. Sequence lengths 64-1024, 1-8 sequences per micro-batch, TP=1/2, PP=2 (1F1B, 4 micro-batches),
-recompute on and off, both attention variants, fp32 and bf16, actor and critic. One spawned world of 2."""
+recompute on and off, both attention variants, fp32 and bf16, actor (the trainer's loss, with and without an entropy
+bonus) and critic. One spawned world of 2."""
 
 import pytest
 
@@ -29,6 +30,7 @@ CASES = [
     Case(L(pp=2), 1, 256, "unfused", dtype=BF16, recompute=True, micro_batches=4),
     Case(L(pp=2), 8, 64, recompute=True, micro_batches=4),
     Case(L(pp=2), 2, 64, value_head=True, micro_batches=4),
+    Case(L(tp=2), 2, 128, dtype=BF16, entropy_coeff=0.01),
 ]
 TOLERANCE = 0.15
 
@@ -39,13 +41,14 @@ def planned(case: Case, rank: int) -> int:
     model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention, False))
     return stage_activation_bytes(
         model,
-        MicroBatchShape(case.sequences, case.length),
+        MicroBatchShape(case.sequences * case.length, case.length),
         layers=case.spec.num_layers // case.layout.pp,
         first=stage == 0,
         last=stage == case.layout.pp - 1,
         in_flight=min(case.layout.pp - stage, case.micro_batches),
         recompute=case.recompute,
         value_head=case.value_head,
+        entropy_bonus=case.entropy_coeff != 0,
     )
 
 
@@ -91,7 +94,7 @@ def test_the_plan_of_the_1_2b_model_matches_the_h100_measurement(tokens):
                  "rollout.kv_cache_mb=auto"]  # fmt: skip
     cfg = load_config("configs/quickstart.yaml", overrides, cuda=True)
     job = make_plan(cfg, validate(cfg), Hardware(1, 1), sync=False)
-    assert micro_batch_shape(cfg.actor, 2048) == MicroBatchShape(tokens // 2048, 2048)  # per sequence, not budget
+    assert micro_batch_shape(cfg.actor, 2048) == MicroBatchShape(tokens, 2048)  # sequences of 2048, not one long
     saved, logits = job.ranks[0].consumers[ACTIVATIONS] / 1e9, job.ranks[0].consumers[LOGITS] / 1e9
     measured = H100_MEASURED_GB[tokens]
     print(f"\n{tokens} tokens: planned {saved:.2f} GB saved + {logits:.2f} GB logits; measured {measured} GB")

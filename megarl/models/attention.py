@@ -10,6 +10,8 @@ It takes ``DotProductAttention``'s place in the layer spec (``megarl.models.buil
 constructor, forward signature and softmax scale (1/sqrt(head_dim) unless the config gives ``softmax_scale``). The
 mask is Megatron's: causal from the spec, or an explicit boolean ``attention_mask`` where True means "masked out".
 megarl's micro-batches are right-padded and pass no mask, so causal attention is exact for every real token.
+Grouped-query attention shares each K/V head with its query group without copying it where the kernel allows
+(``_native_gqa``: on CPU, and on CUDA in bf16/fp16); in fp32 on CUDA K/V are repeated to the query heads first.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class SdpaAttention(DotProductAttention):
         if causal and query.shape[0] != key.shape[0]:
             raise ValueError(f"causal attention needs as many queries as keys, got {query.shape[0]} and {key.shape[0]}")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and not _native_gqa(q, attention_mask):  # repeat K/V rather than fall back to the math backend
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+            gqa = False
         context = F.scaled_dot_product_attention(
             q,
             k,
@@ -64,7 +70,14 @@ class SdpaAttention(DotProductAttention):
             attn_mask=None if attention_mask is None else ~attention_mask,  # Megatron: True = masked out
             is_causal=causal,
             scale=self.scale,
-            enable_gqa=k.shape[1] != q.shape[1],  # K/V heads are shared by their query group, never repeated
+            enable_gqa=gqa,  # K/V heads shared by their query group, not repeated
         )
         s, b = query.shape[:2]
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, n, s, d] -> [s, b, n*d]
+
+
+def _native_gqa(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a fused kernel takes fewer K/V heads than query heads here. The CPU's flash kernel does; on CUDA only
+    flash does (fp16/bf16, no mask): in fp32 or with a mask torch would pick its math backend, which holds the
+    scores, so K/V are repeated first and the memory-efficient kernel runs."""
+    return not query.is_cuda or (query.dtype in (torch.float16, torch.bfloat16) and mask is None)

@@ -31,8 +31,9 @@ MLP (SwiGLU)          fc1's input and output, silu(gate), up + 0 (Megatron ``b (
 Per micro-batch and layer: RoPE's cos and sin for q and k, ``4 b s d``; the unfused causal mask, ``s * s`` bools.
 First stage: the token ids (``8`` per token). Last stage: the final norm, the output layer's input (``b h``) and the
 loss: the actor's log-probs (``megarl.algos.vocab_parallel_logprobs``) keep the softmax over the slice's true
-vocabulary in fp32 (``4 v``, padding rows excluded) and the target's index and mask (``9``); a critic's value head
-keeps its input (``b h``) and the fp32 value (``4``).
+vocabulary in fp32 (``4 v``, padding rows excluded) and the target's index and mask (``9``), and with an entropy
+bonus 13 bytes per logit of the slice (``ENTROPY_BONUS_BYTES``); a critic's value head keeps its input (``b h``) and
+the fp32 value (``4``).
 
 With recompute (Megatron full, uniform, one layer per checkpoint) a layer keeps only its input (``b h``) until its
 backward recomputes it, when that one layer holds its whole set again. Under PP, Megatron's 1F1B schedule keeps up to
@@ -41,7 +42,8 @@ backward recomputes it, when that one layer holds its whole set again. Under PP,
 Not saved, and planned as their own line (``logits_transient_bytes``): the model-dtype logits and their fp32 copies
 (the upcast, the shifted logits before ``exp``, the gradient on its way back) alive around the loss. Transformer
 Engine's layers save what its fused kernels keep; they are planned with the sdpa row and fused norms (an estimate,
-not counted on CPU).
+not counted on CPU). In fp32 on CUDA the sdpa module repeats K/V to the query heads (``megarl.models.attention``),
+which keeps ``2 (a - g) d`` more per token than the sdpa row says: fp32 is not a GPU production dtype.
 """
 
 from __future__ import annotations
@@ -52,21 +54,20 @@ from megarl.models.spec import ModelSpec
 
 FP32 = 4
 TOKEN_ID_BYTES = 8  # int64 token ids kept by the embedding
+ENTROPY_BONUS_BYTES = 13
+"""A differentiable entropy bonus (``vocab_parallel_entropy``) keeps per logit of the slice its mask (1), the
+exponentials (4), the masked logits (4) and the shifted logits (4); and as many bytes per token of sums."""
 TARGET_MASK_BYTES = 9  # the log-probs' int64 target index within the slice and its bool "in this slice" mask
 
 
 @dataclass(frozen=True)
 class MicroBatchShape:
-    """One micro-batch: ``sequences`` right-padded to ``length`` tokens."""
+    """One micro-batch: ``tokens`` in all (sequences x their padded length), none longer than ``length``."""
 
-    sequences: int
-    """Sequences in the micro-batch."""
+    tokens: int
+    """Tokens in the micro-batch, padding included."""
     length: int
-    """Padded length of each (its longest sequence)."""
-
-    @property
-    def tokens(self) -> int:
-        return self.sequences * self.length
+    """Padded length of its sequences (its longest sequence): the per-sequence terms grow with it."""
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,17 @@ class Model:
         """What a checkpointed layer keeps between forward and backward: its input."""
         return mb.tokens * self.dtype_bytes * self.spec.hidden_size
 
-    def last_stage_bytes(self, mb: MicroBatchShape, value_head: bool) -> int:
-        """The final norm, the output layer's input and what the loss keeps."""
+    def last_stage_bytes(self, mb: MicroBatchShape, value_head: bool, entropy_bonus: bool = False) -> int:
+        """The final norm, the output layer's input and what the loss keeps (``entropy_bonus``: the actor's
+        ``entropy_coeff`` is not 0, so the entropy is differentiated too)."""
         T, b, h = mb.tokens, self.dtype_bytes, self.spec.hidden_size
-        slice_ = min(self._per_rank(self.spec.padded_vocab_size), self.spec.vocab_size)  # TP rank 0: no padding rows
-        head = T * (b * h + FP32) if value_head else T * (b * h + FP32 * slice_)
-        return self.norm_bytes(T) + head + (0 if value_head else T * TARGET_MASK_BYTES)
+        if value_head:
+            return self.norm_bytes(T) + T * (b * h + FP32)
+        rows = self._per_rank(self.spec.padded_vocab_size)
+        true_rows = min(rows, self.spec.vocab_size)  # TP rank 0's slice: no padding rows
+        loss = T * (FP32 * true_rows + TARGET_MASK_BYTES)
+        loss += T * ENTROPY_BONUS_BYTES * (rows + 1) if entropy_bonus else 0
+        return self.norm_bytes(T) + T * b * h + loss
 
 
 def stage_activation_bytes(
@@ -137,10 +143,12 @@ def stage_activation_bytes(
     in_flight: int = 1,
     recompute: bool = False,
     value_head: bool = False,
+    entropy_bonus: bool = False,
 ) -> int:
     """Peak bytes saved for backward on one pipeline stage holding ``layers`` layers, with ``in_flight``
     micro-batches between their forward and backward (1F1B: PP - stage)."""
-    ends = (mb.tokens * TOKEN_ID_BYTES if first else 0) + (model.last_stage_bytes(mb, value_head) if last else 0)
+    last_bytes = model.last_stage_bytes(mb, value_head, entropy_bonus) if last else 0
+    ends = (mb.tokens * TOKEN_ID_BYTES if first else 0) + last_bytes
     if not recompute:
         return in_flight * (layers * model.layer_bytes(mb) + ends)
     kept = layers * model.recomputed_layer_bytes(mb)

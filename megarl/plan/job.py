@@ -316,8 +316,8 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         "",
         "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Accounted: activations, "
         f"tensor by tensor as the model saves them (megarl/plan/activations.py; the largest micro-batch: "
-        f"{mb.sequences} x {mb.length} tokens). Estimates: the logits around the loss, the configured KV cache, a "
-        "2 GiB reserve for CUDA context/NCCL/allocator.",
+        f"{mb.tokens} tokens in sequences of up to {mb.length}). Estimates: the logits around the loss, the "
+        "configured KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
 

@@ -204,6 +204,7 @@ def activation_bytes(
         in_flight=layout.pp - pp_rank,
         recompute=cfg.model.recompute,
         value_head=critic,
+        entropy_bonus=not critic and cfg.actor.entropy_coeff != 0,
     )
 
 
@@ -222,14 +223,13 @@ def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout,
 
 
 def micro_batch_shape(role, seq_length: int) -> MicroBatchShape:
-    """The largest micro-batch ``role`` (the actor's or critic's config) can form: its token budget filled with
-    sequences of ``min(seq_length, budget)`` tokens (the longest, for the per-sequence attention terms), or
-    ``micro_batch_size`` sequences of ``seq_length``."""
+    """The largest micro-batch ``role`` (the actor's or critic's config) can form (``megarl.training.batch``): its
+    token budget filled, with sequences of up to ``seq_length`` (a sequence longer than the budget gets a
+    micro-batch of its own), or ``micro_batch_size`` sequences of ``seq_length``."""
     budget = role.max_tokens_per_micro_batch
     if not budget:
-        return MicroBatchShape(role.micro_batch_size, seq_length)
-    length = min(seq_length, budget)
-    return MicroBatchShape(budget // length, length)
+        return MicroBatchShape(role.micro_batch_size * seq_length, seq_length)
+    return MicroBatchShape(max(budget, seq_length), seq_length)
 
 
 def micro_batch_tokens(cfg: MegarlConfig) -> int:

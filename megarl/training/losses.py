@@ -89,7 +89,8 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
     def loss_fn(mb: dict, logits_BSV: torch.Tensor):
         mask = mb["loss_mask"]
         # the entropy metric comes from the log-probs' own pass; a bonus needs its gradient (a pass of its own)
-        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, actor.entropy_coeff == 0)
+        bonus = actor.entropy_coeff != 0
+        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=not bonus)
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         # seq_mask's rejected sequences already left loss_mask (``learn``); token_truncate weighs tokens here
         is_mode = "token_truncate" if algo.rollout_is == "token_truncate" else "off"
@@ -97,7 +98,7 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
-        if actor.entropy_coeff > 0:
+        if bonus:
             entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
             loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.agg_mode)
         metrics = {
