@@ -41,13 +41,14 @@ class SavedBytes:
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if key in self.excluded or nbytes == 0:
-            return t
+            return t.detach()
         if key not in self.refs:
             self.refs[key] = 0
             self.live += nbytes
             self.peak = max(self.peak, self.live)
         self.refs[key] += 1
-        return _Held(t, lambda: self._release(key, nbytes))
+        return _Held(t.detach(), lambda: self._release(key, nbytes))  # detached: a saved output would hold its
+        # own grad_fn, a cycle through the graph that nothing frees
 
     def _release(self, key: int, nbytes: int) -> None:
         self.refs[key] -= 1
