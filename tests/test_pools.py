@@ -70,7 +70,11 @@ def test_the_cross_pool_sync_is_verified_and_moves_the_lower_bound(pooled):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PPO = ["trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=0", "logging.wandb.mode=disabled",
        "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=8",
-       "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+       "rollout.sampling.max_new_tokens=6",
+       # Megatron's unfused attention: with sdpa the critic/vf_clipfrac of the critic at TP=2 (colocated) and at
+       # TP=1 (its pool) differed by 5-8 of 96 tokens (FLIPS allows 3) while the weights after 2 steps still agreed
+       # within 1e-5; not understood yet (issue 42's note). This test is about pools, not attention.
+       "model.attention=unfused"]  # fmt: skip
 RTOL = 1e-5
 """The parity tests' tolerances (tests/test_rl_update.py; relative to values of at least 1e-2: a loss near zero is a
 difference of larger terms): the critic's TP differs, so the order of its sums does."""
