@@ -14,6 +14,22 @@ from megarl.algos import vocab_parallel_logprobs
 from megarl.training.step import run_schedule
 
 
+def tp_all_reduce(op):
+    """A non-differentiable all-reduce of a copy over this rank's TP group (the input itself without TP)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        if tp > 1:
+            x = x.detach().clone()
+            dist.all_reduce(x, op=op, group=group)
+        return x
+
+    return all_reduce
+
+
 def tp_logprobs(
     logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -22,26 +38,14 @@ def tp_logprobs(
     differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-
-    def reduce(op):
-        def all_reduce(x: torch.Tensor) -> torch.Tensor:
-            if tp > 1:
-                x = x.clone()
-                dist.all_reduce(x, op=op, group=group)
-            return x
-
-        return all_reduce
-
     return vocab_parallel_logprobs(
         logits_BSV,
         targets_BS,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
         true_vocab=true_vocab,
         temperature=temperature,
-        all_reduce_sum=reduce(dist.ReduceOp.SUM),
-        all_reduce_max=reduce(dist.ReduceOp.MAX),
+        all_reduce_sum=tp_all_reduce(dist.ReduceOp.SUM),
+        all_reduce_max=tp_all_reduce(dist.ReduceOp.MAX),
         with_entropy=with_entropy,
     )
 

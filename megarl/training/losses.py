@@ -24,7 +24,7 @@ from megarl.algos import (
     vocab_parallel_entropy,
 )
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
-from megarl.training.logprobs import tp_logprobs
+from megarl.training.logprobs import tp_all_reduce, tp_logprobs
 
 
 @dataclass(frozen=True)
@@ -55,19 +55,12 @@ def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    group = ps.get_tensor_model_parallel_group()
-
-    def reduce_max(x):
-        x = x.detach().clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-        return x
-
     return vocab_parallel_entropy(
         logits_BSV.float() / temperature if temperature != 1 else logits_BSV,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
         true_vocab=true_vocab,
         all_reduce_sum=reduce_from_tensor_model_parallel_region,
-        all_reduce_max=reduce_max,
+        all_reduce_max=tp_all_reduce(dist.ReduceOp.MAX),  # stabilises only: not differentiated
     )
 
 
