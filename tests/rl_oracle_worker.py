@@ -78,13 +78,13 @@ def agg(per_seq: list[torch.Tensor], mode: str) -> torch.Tensor:
     raise ValueError(mode)
 
 
-def kl(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
-    """k1 = log(pi/ref); k2 = (log(pi/ref))^2 / 2; k3 = ref/pi - log(ref/pi) - 1 (Schulman)."""
-    if kind == "k1":
-        return logp - ref
+def kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, kind: str) -> torch.Tensor:
+    """k2 = (log(pi/ref))^2 / 2; k3 = ref/pi - log(ref/pi) - 1 (Schulman); k3_is = k3 x pi / pi_old (pi_old: the
+    sampling policy, a constant)."""
     if kind == "k2":
         return 0.5 * (logp - ref) ** 2
-    return torch.exp(ref - logp) - (ref - logp) - 1
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    return k3 * torch.exp(logp - old) if kind == "k3_is" else k3
 
 
 def ppo_token_loss(logp, old, adv) -> tuple[torch.Tensor, dict]:
@@ -153,7 +153,7 @@ ACTOR_CASES = {
     # every term at once: PPO (clip-higher, dual clip) + k3 KL loss + entropy bonus + TIS
     "all_terms": dict(policy="ppo", agg="token-mean", kl="k3", kl_coef=0.2, ent=0.05, tis=True),
     "gspo": dict(policy="gspo", agg=None, kl=None, kl_coef=0.0, ent=0.0, tis=False),
-    **{f"kl_{k}": dict(policy="ppo", agg="token-mean", kl=k, kl_coef=0.5, ent=0.0, tis=False) for k in ("k1", "k2")},
+    **{f"kl_{k}": dict(policy="ppo", agg="token-mean", kl=k, kl_coef=0.5, ent=0.0, tis=False) for k in ("k2", "k3_is")},
     **{f"agg_{m}": dict(policy="ppo", agg=m, kl="k3", kl_coef=0.1, ent=0.02, tis=True) for m in AGG_MODES[1:]},
 }
 
@@ -186,7 +186,7 @@ def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
             pg_terms.append(loss)
             regions = {k: regions[k] + r[k] for k in regions}
         if case["kl"]:
-            kl_terms.append(kl(logp, inputs["ref_logp"][i], case["kl"]))
+            kl_terms.append(kl(logp, inputs["ref_logp"][i], old, case["kl"]))
         ent_terms.append(token_entropy(logits))
     mode = case["agg"] or "token-mean"
     pg = agg(pg_terms, "seq-mean-token-sum" if case["policy"] == "gspo" else mode)  # GSPO: one term per sequence

@@ -16,6 +16,7 @@ from megarl.algos import (
     gspo_policy_loss,
     kl_controller,
     kl_estimate,
+    kl_loss_terms,
     kl_penalty_rewards,
     masked_mean,
     masked_var,
@@ -359,6 +360,50 @@ def test_kl_estimators_have_finite_gradients_at_extreme_log_ratios(kind):
     ref = torch.tensor([0.0, 0.0, -0.4])
     (grad,) = torch.autograd.grad(kl_estimate(logp, ref, kind).sum(), logp)
     assert torch.isfinite(grad).all(), grad
+
+
+def _categorical_expected_kl_loss_gradient(kind: str, sampler_shift: float) -> dict[str, torch.Tensor]:
+    """A categorical policy pi = softmax(theta) over 7 tokens, every token enumerated: the exact expectation over
+    tokens drawn from pi_old = softmax(theta + shift) (pi itself at shift 0) of the gradient of the ``kind`` KL loss,
+    beside the analytic gradients of KL(pi || ref) and KL(ref || pi)."""
+    gen = torch.Generator().manual_seed(3)
+    theta = torch.randn(7, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), -1)
+    shift = sampler_shift * torch.randn(7, generator=gen, dtype=torch.float64)
+    old = torch.log_softmax(theta.detach() + shift, -1)
+    logp = torch.log_softmax(theta, -1)
+    expected = (old.exp() * kl_loss_terms(logp, ref, old, kind).double()).sum()  # the sampler's law: no gradient
+    (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    forward = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)[0]
+    reverse = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta)[0]
+    return {"grad": grad, "forward": forward, "reverse": reverse}
+
+
+@pytest.mark.parametrize("sampler_shift", [0.0, 0.7])
+def test_kl_losses_expected_gradients_on_a_categorical_policy(sampler_shift):
+    """Tang & Munos (2025): on pi's samples E[grad k2] = grad KL(pi||ref) and E[grad k3] = grad KL(ref||pi) (reverse);
+    k3_is = (pi/pi_old) k3 gives grad KL(pi||ref) on pi_old's samples too, where k2 does not."""
+    k3_is = _categorical_expected_kl_loss_gradient("k3_is", sampler_shift)
+    assert k3_is["forward"].norm() > 0.1 and (k3_is["forward"] - k3_is["reverse"]).norm() > 0.1  # not degenerate
+    torch.testing.assert_close(k3_is["grad"], k3_is["forward"], rtol=1e-5, atol=1e-6)  # float32 inside
+    k2 = _categorical_expected_kl_loss_gradient("k2", sampler_shift)
+    k3 = _categorical_expected_kl_loss_gradient("k3", sampler_shift)
+    if sampler_shift == 0:
+        torch.testing.assert_close(k2["grad"], k2["forward"], rtol=1e-5, atol=1e-6)  # float32 inside
+        torch.testing.assert_close(k3["grad"], k3["reverse"], rtol=1e-5, atol=1e-6)  # float32 inside
+    else:  # off-policy samples: only the weighted estimator keeps the forward KL's gradient
+        assert (k2["grad"] - k2["forward"]).norm() > 0.05 * k2["forward"].norm()
+
+
+def test_k1_is_refused_as_a_kl_loss_and_its_expected_gradient_is_zero():
+    gen = torch.Generator().manual_seed(4)
+    theta = torch.randn(7, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    (grad,) = torch.autograd.grad((logp.exp().detach() * kl_estimate(logp, ref, "k1").double()).sum(), theta)
+    assert grad.abs().max() < 1e-7  # 0 up to float32 rounding (gradients of KL are O(0.1) here)
+    with pytest.raises(ValueError, match="expected gradient 0"):
+        kl_loss_terms(logp, ref, logp.detach(), "k1")
 
 
 def test_kl_controllers():

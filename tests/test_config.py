@@ -46,12 +46,29 @@ def test_shipped_quickstart_recipe_loads():
         ("actor.micro_batch_size=0", "actor.micro_batch_size"),
         ("trainer.total_steps=0", "trainer.total_steps"),
         ("trainer.total_steps", "must look like key.sub=value"),
+        ("actor.kl_loss_type=k1", "actor.kl_loss_type: k1 as a KL loss has expected gradient 0"),
+        ("actor.kl_loss_type=k4", "actor.kl_loss_type: must be one of ('k2', 'k3', 'k3_is')"),
     ],
 )
 def test_field_errors_name_the_key(recipe, override, message):
     with pytest.raises(ConfigError) as e:
         load_config(recipe, [override])
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], (0.2, 0.2, "k3_is")),
+        (["actor.policy_loss=gspo"], (3e-4, 4e-4, "k3_is")),
+        (["actor.policy_loss=gspo", "actor.clip_ratio_high=0.001"], (3e-4, 0.001, "k3_is")),
+        (["actor.clip_ratio_high=0.28", "actor.kl_loss_type=k3"], (0.2, 0.28, "k3")),
+    ],
+)
+def test_clip_ranges_follow_the_policy_loss_and_the_kl_loss_defaults_to_k3_is(recipe, overrides, expected):
+    """GSPO's sequence ratio is a geometric mean near 1: its paper clips at 3e-4 / 4e-4, not PPO's 0.2."""
+    a = load_config(recipe, overrides).actor
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.kl_loss_type) == expected
 
 
 def test_missing_model_section():

@@ -17,7 +17,9 @@ from megarl.algos.kl import (
     FixedKLController,
     kl_controller,
     kl_estimate,
+    kl_loss_terms,
     kl_penalty_rewards,
+    kl_value_estimator,
 )
 from megarl.algos.losses import (
     aggregate,
@@ -39,7 +41,9 @@ __all__ = [
     "gspo_policy_loss",
     "kl_controller",
     "kl_estimate",
+    "kl_loss_terms",
     "kl_penalty_rewards",
+    "kl_value_estimator",
     "masked_mean",
     "masked_var",
     "masked_whiten",

@@ -34,6 +34,42 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     return KL_ESTIMATORS[kind](logp.float(), ref_logp.float())
 
 
+KL_LOSSES = ("k2", "k3", "k3_is")
+"""Estimators usable as a loss term, by the gradient they give in expectation over the sampled tokens:
+k2 -> grad KL(pi || ref) (on-policy samples); k3 -> grad KL(ref || pi), the *reverse* KL; k3_is -> grad KL(pi || ref)
+also on samples of the pre-update policy pi_old (later mini-batches and epochs). k1 is not one: E_pi[grad log pi] = 0
+(Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
+K1_LOSS_REFUSED = (
+    "k1 as a KL loss has expected gradient 0 (E_pi[grad log pi] = 0): it regularises nothing and only adds noise; "
+    "use k3_is (or k2) for KL(pi || ref) as a loss, or k1 in the reward (algorithm.kl_in_reward)"
+)
+
+
+def kl_loss_terms(
+    logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """Per-token KL-to-reference loss, differentiable in ``logp``, for tokens sampled from ``old_logp``'s policy.
+
+    ``k2``: (log pi/ref)^2 / 2, whose gradient (log pi/ref) grad log pi has expectation grad KL(pi || ref) on
+    samples of pi itself. ``k3``: ref/pi - log(ref/pi) - 1, gradient (1 - ref/pi) grad log pi, expectation
+    grad KL(ref || pi). ``k3_is``: (pi / sg[pi_old]) k3, gradient (pi/pi_old) (log pi/ref) grad log pi, expectation
+    over pi_old's samples grad KL(pi || ref); its value estimates KL(pi || ref) without bias."""
+    if kind == "k1":
+        raise ValueError(K1_LOSS_REFUSED)
+    if kind not in KL_LOSSES:
+        raise ValueError(f"unknown KL loss {kind!r}; choose one of {list(KL_LOSSES)}")
+    if kind == "k3_is":
+        logp = logp.float()
+        ratio = torch.exp((logp - old_logp.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return ratio * kl_estimate(logp, ref_logp, "k3")
+    return kl_estimate(logp, ref_logp, kind)
+
+
+def kl_value_estimator(loss_kind: str) -> str:
+    """The plain estimator (k1, k2, k3) whose value a KL loss reports as a metric: k3_is's is k3's."""
+    return "k3" if loss_kind == "k3_is" else loss_kind
+
+
 def kl_penalty_rewards(
     token_scores_NR: torch.Tensor,
     logp_NR: torch.Tensor,

@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from megarl.config.schema import ConfigFieldError, MegarlConfig
+from megarl.config.schema import POLICY_DEFAULTED, ConfigFieldError, MegarlConfig
 
 
 class ConfigError(ValueError):
@@ -40,6 +40,8 @@ def load_config_and_defaults(
 
 def _merge_raw(yaml_path, overrides) -> dict:
     schema = OmegaConf.structured(MegarlConfig)
+    for name in POLICY_DEFAULTED:  # the default instance filled them for ppo: unset again, so a recipe's loss decides
+        schema.actor[name] = None
     layers = [OmegaConf.create(data) for data in _yaml_layers(yaml_path)] if yaml_path else []
     for item in overrides:
         if "=" not in item:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megarl.algos.kl import K1_LOSS_REFUSED, KL_LOSSES
 from megarl.models.builder import DTYPES
 
 
@@ -125,6 +126,11 @@ class OptimConfig:
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
+CLIP_RATIO_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
+"""(clip_ratio_low, clip_ratio_high) per policy loss when a recipe sets none: PPO's, and GSPO's from its paper
+(Zheng et al. 2025, sec. 5.1; verl's GSPO recipe likewise)."""
+POLICY_DEFAULTED = ("clip_ratio_low", "clip_ratio_high")
+"""ActorConfig fields whose unset value (None) is filled from ``CLIP_RATIO_DEFAULTS`` for the chosen policy loss."""
 
 
 def _check_update_shape(cfg, allow_empty: bool = False) -> None:
@@ -199,10 +205,12 @@ class ActorConfig:
     """Longest training sequence in tokens (prompt + response); data.max_prompt_length + max_new_tokens must fit."""
     policy_loss: str = "ppo"
     """'ppo' (token-level clipped ratio) or 'gspo' (GSPO's sequence-level ratio)."""
-    clip_ratio_low: float = 0.2
-    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_ratio_low: float | None = None
+    """The ratio is kept above 1 - clip_ratio_low. Unset: the policy loss's default (``CLIP_RATIO_DEFAULTS``:
+    0.2 for ppo; 3e-4 for gspo, whose sequence ratio is a geometric mean close to 1, as in the GSPO paper)."""
+    clip_ratio_high: float | None = None
+    """The ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28). Unset: the policy
+    loss's default (0.2 for ppo; 4e-4 for gspo)."""
     clip_ratio_c: float = 3.0
     """Dual clip for negative advantages: the loss is bounded by clip_ratio_c x |A| (must be > 1)."""
     loss_agg_mode: str = ""
@@ -216,8 +224,10 @@ class ActorConfig:
     """Entropy bonus coefficient (the loss subtracts coeff x entropy)."""
     kl_loss_coef: float = 0.0
     """KL-to-reference loss term coefficient; > 0 builds the frozen reference model."""
-    kl_loss_type: str = "k3"
-    """KL estimator for the loss term: k1, k2 or k3 (low-variance)."""
+    kl_loss_type: str = "k3_is"
+    """KL estimator for the loss term, by its expected gradient: k3_is (k3 x pi/pi_old: grad KL(pi || ref), also
+    after the first mini-batch), k2 (grad KL(pi || ref) on-policy) or k3 (grad KL(ref || pi), the reverse KL, as
+    verl's low_var_kl). k1 is refused: its expected gradient is 0."""
     lora: LoraConfig | None = None
     """LoRA adapters instead of full fine-tuning (absent or null: full fine-tuning)."""
 
@@ -243,11 +253,15 @@ class ActorConfig:
         _require(self.seq_length >= 2, "seq_length", "must be >= 2")
         losses = ("ppo", "gspo")
         _require(self.policy_loss in losses, "policy_loss", f"must be one of {losses}, got {self.policy_loss!r}")
+        low, high = CLIP_RATIO_DEFAULTS[self.policy_loss]
+        self.clip_ratio_low = low if self.clip_ratio_low is None else self.clip_ratio_low
+        self.clip_ratio_high = high if self.clip_ratio_high is None else self.clip_ratio_high
         _require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low", "clip ratios must be >= 0")
         _require(self.clip_ratio_c > 1, "clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
         _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
         _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
-        _require(self.kl_loss_type in KL_TYPES, "kl_loss_type", f"must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+        _require(self.kl_loss_type != "k1", "kl_loss_type", K1_LOSS_REFUSED)
+        _require(self.kl_loss_type in KL_LOSSES, "kl_loss_type", f"must be one of {KL_LOSSES}, got {self.kl_loss_type!r}")
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ from megarl.algos import (
     gae,
     grpo,
     kl_estimate,
+    kl_value_estimator,
     kl_penalty_rewards,
     masked_mean,
     reinforce_pp,
@@ -87,7 +88,7 @@ def advantages(
     token_rewards = token_level_scores(rewards_N, mask_NR)
     metrics = {}
     if ref_logp_NR is not None:
-        kind = algo.kl_penalty if algo.kl_in_reward else kl_metric_type
+        kind = algo.kl_penalty if algo.kl_in_reward else kl_value_estimator(kl_metric_type)
         metrics["kl/ref_mean"] = float(masked_mean(kl_estimate(behaviour_logp_NR, ref_logp_NR, kind), mask_NR))
     if algo.kl_in_reward:
         metrics["kl/coef"] = float(kl_ctrl.value)

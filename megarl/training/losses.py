@@ -17,7 +17,7 @@ import torch
 from megarl.algos import (
     aggregate,
     gspo_policy_loss,
-    kl_estimate,
+    kl_loss_terms,
     ppo_policy_loss,
     rollout_is_weights,
     value_loss,
@@ -109,7 +109,7 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
             metrics["max/rollout/logprob_mismatch_max"] = diff.max().detach()
         if actor.kl_loss_coef > 0:  # on response positions only: elsewhere ref_logp is 0, not a log-prob
             ref = torch.where(mask.bool(), mb["ref_logp"], logp.detach())
-            kl_loss = norm.aggregate(kl_estimate(logp, ref, actor.kl_loss_type), mask, actor.agg_mode)
+            kl_loss = norm.aggregate(kl_loss_terms(logp, ref, old, actor.kl_loss_type), mask, actor.agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss * norm.scale, metrics
