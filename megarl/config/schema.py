@@ -261,7 +261,8 @@ class ActorConfig:
         _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
         _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
         _require(self.kl_loss_type != "k1", "kl_loss_type", K1_LOSS_REFUSED)
-        _require(self.kl_loss_type in KL_LOSSES, "kl_loss_type", f"must be one of {KL_LOSSES}, got {self.kl_loss_type!r}")
+        kl = self.kl_loss_type
+        _require(kl in KL_LOSSES, "kl_loss_type", f"must be one of {KL_LOSSES}, got {kl!r}")
 
 
 @dataclass(kw_only=True)
