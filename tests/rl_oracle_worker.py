@@ -149,19 +149,32 @@ def fixed_inputs(cur: list[torch.Tensor], *, per_sequence_adv: bool) -> dict[str
     return {"old_logp": old, "rollout_logp": rollout, "ref_logp": ref, "advantages": adv}
 
 
+def _case(policy="ppo", agg="token-mean", kl=None, kl_coef=0.0, ent=0.0, tis=None, level="sequence", cap=IS_CAP,
+          old=True) -> dict:  # fmt: skip
+    """One actor case: ``tis`` the rollout_is mode (None: off), ``old`` False: no old log-prob pass (old = current)."""
+    return dict(policy=policy, agg=agg, kl=kl, kl_coef=kl_coef, ent=ent, tis=tis, level=level, cap=cap, old=old)
+
+
 ACTOR_CASES = {
     # every term at once: PPO (clip-higher, dual clip) + k3 KL loss + entropy bonus + TIS
-    "all_terms": dict(policy="ppo", agg="token-mean", kl="k3", kl_coef=0.2, ent=0.05, tis=True),
-    "gspo": dict(policy="gspo", agg=None, kl=None, kl_coef=0.0, ent=0.0, tis=False),
-    **{f"kl_{k}": dict(policy="ppo", agg="token-mean", kl=k, kl_coef=0.5, ent=0.0, tis=False) for k in ("k2", "k3_is")},
-    **{f"agg_{m}": dict(policy="ppo", agg=m, kl="k3", kl_coef=0.1, ent=0.02, tis=True) for m in AGG_MODES[1:]},
+    "all_terms": _case(kl="k3", kl_coef=0.2, ent=0.05, tis="token_truncate"),
+    "gspo": _case(policy="gspo", agg=None),
+    "gspo_tis": _case(policy="gspo", agg=None, tis="token_truncate"),
+    **{f"kl_{k}": _case(kl=k, kl_coef=0.5) for k in ("k2", "k3_is")},
+    **{f"agg_{m}": _case(agg=m, kl="k3", kl_coef=0.1, ent=0.02, tis="token_truncate") for m in AGG_MODES[1:]},
+    # the async modes' decoupled objective, lag > 0: pi (this forward) != pi_prox (old) != behaviour (rollout)
+    "async_token_truncate": _case(kl="k3_is", kl_coef=0.2, tis="token_truncate"),
+    "async_seq_mask": _case(tis="seq_mask", cap=4.0),
+    "async_seq_mask_geometric": _case(tis="seq_mask", level="geometric", cap=1.5),
+    "no_old_logprob_pass": _case(tis="token_truncate", old=False),
 }
 
 
 def actor_overrides(case: dict) -> list[str]:
     out = [f"actor.policy_loss={case['policy']}", f"actor.entropy_coeff={case['ent']}"]
     if case["tis"]:
-        out.append("algorithm.rollout_is=token_truncate")
+        out += [f"algorithm.rollout_is={case['tis']}", f"algorithm.rollout_is_level={case['level']}",
+                f"algorithm.rollout_is_cap={case['cap']}"]  # fmt: skip
     if case["agg"]:
         out.append(f"actor.loss_agg_mode={case['agg']}")
     if case["kl"]:
@@ -169,21 +182,47 @@ def actor_overrides(case: dict) -> list[str]:
     return out
 
 
+def behaviour_weight(old: torch.Tensor, behaviour: torch.Tensor, case: dict) -> torch.Tensor | None:
+    """Per token, the weight pi_old / pi_behaviour the objective applies: truncated at the cap per token; or, for
+    seq_mask, the sequence's statistic (product of the token ratios, or their geometric mean) when it lies in
+    [1/cap, cap]; None when the sequence is rejected (it leaves the objective and its denominators)."""
+    ratio = torch.exp(old - behaviour)
+    if case["tis"] == "token_truncate":
+        return ratio.clamp(max=case["cap"])
+    if case["tis"] == "seq_mask":
+        r = ratio.prod() if case["level"] == "sequence" else ratio.prod() ** (1 / len(ratio))
+        return r.expand_as(ratio) if 1 / case["cap"] <= r <= case["cap"] else None
+    return torch.ones_like(ratio)
+
+
+def gspo_token_terms(logp, old, adv, weight) -> torch.Tensor:
+    """GSPO per token: s_t = sg[s] pi_t / sg[pi_t] (value s, the sequence ratio), loss max(-A s_t, -A clip(s_t)),
+    each token's term times its behaviour weight; the sequence's term is their mean."""
+    s_t = torch.exp((logp - old).mean().detach() + logp - logp.detach())
+    return weight * torch.maximum(-adv * s_t, -adv * s_t.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+
+
 def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
     """The objective from the formulas and its gradient on the HF model's parameters."""
     hf.zero_grad()
     pg_terms, kl_terms, ent_terms, regions = [], [], [], {"high": 0, "low": 0, "dual": 0}
+    accepted = []
     for i, (seq, p) in enumerate(seqs):
         logits = hf_response_logits(hf, seq, p)
         logp = token_logp(logits, seq[p:])
-        old, adv = inputs["old_logp"][i], inputs["advantages"][i]
-        if case["policy"] == "gspo":
+        old = inputs["old_logp"][i] if case["old"] else logp.detach()
+        adv = inputs["advantages"][i]
+        weight = behaviour_weight(old, inputs["rollout_logp"][i], case)
+        accepted.append(weight is not None)
+        if weight is None:
+            continue
+        if case["policy"] == "gspo" and not case["tis"]:
             pg_terms.append(gspo_seq_loss(logp, old, adv[0]).reshape(1))
+        elif case["policy"] == "gspo":
+            pg_terms.append(gspo_token_terms(logp, old, adv, weight).mean().reshape(1))
         else:
             loss, r = ppo_token_loss(logp, old, adv)
-            if case["tis"]:
-                loss = loss * torch.exp(old - inputs["rollout_logp"][i]).clamp(max=IS_CAP)
-            pg_terms.append(loss)
+            pg_terms.append(loss * weight)
             regions = {k: regions[k] + r[k] for k in regions}
         if case["kl"]:
             kl_terms.append(kl(logp, inputs["ref_logp"][i], old, case["kl"]))
@@ -192,7 +231,7 @@ def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
     pg = agg(pg_terms, "seq-mean-token-sum" if case["policy"] == "gspo" else mode)  # GSPO: one term per sequence
     ent = agg(ent_terms, mode)
     total = pg - case["ent"] * ent
-    out = {"pg_loss": pg.item(), "entropy": ent.item(), "regions": regions}
+    out = {"pg_loss": pg.item(), "entropy": ent.item(), "regions": regions, "accepted": accepted}
     if case["kl"]:
         kl_loss = agg(kl_terms, mode)
         total = total + case["kl_coef"] * kl_loss
@@ -231,6 +270,7 @@ def run(hf_dir: str) -> dict:
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.loop import seq_mask_accepted
     from megarl.trainer.models import build_rl_models
     from megarl.training.batch import Sequence
     from megarl.training.init_weights import model_source
@@ -252,7 +292,12 @@ def run(hf_dir: str) -> dict:
     for name, case in ACTOR_CASES.items():
         cfg = load_config(None, [f"model.path={hf_dir}", *BASE, *actor_overrides(case)])
         inputs = fixed_inputs(cur, per_sequence_adv=case["policy"] == "gspo")
-        fields = {k: v for k, v in inputs.items() if k != "ref_logp" or case["kl"]}
+        unused = {"ref_logp"} if not case["kl"] else set()
+        unused |= {"old_logp"} if not case["old"] else set()
+        fields = {k: v for k, v in inputs.items() if k not in unused}
+        trained = None
+        if case["tis"] == "seq_mask":  # decided before the update, as ``learn`` does
+            trained, _ = seq_mask_accepted(inputs["old_logp"], inputs["rollout_logp"], cfg.algorithm)
         metrics = ppo_updates(
             models.actor,
             models.actor_optim,
@@ -264,23 +309,69 @@ def run(hf_dir: str) -> dict:
             max_tokens=0,
             micro_batch_size=2,
             norm_len=NORM_LEN,
+            trained=trained,
         )
         out["actor"][name] = {
-            "megarl": {"metrics": metrics, "grads": megatron_grads_as_hf(models.actor, spec)},
+            "megarl": {"metrics": metrics, "grads": megatron_grads_as_hf(models.actor, spec), "accepted": trained},
             "oracle": oracle_actor(hf, seqs, inputs, case),
         }
         restore(models.actor, saved)
     out["seq_mask"] = seq_mask_case(hf, hf_dir, spec, models, seqs, cur)
     restore(models.actor, saved)
     out["critic"] = critic_case(hf, base, spec, models, seqs, msg)
+    out["empty_minibatch"] = empty_minibatch_case(hf_dir, spec, layout, msg, cur)
     return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """Every tensor of a (nested) state dict, in a fixed order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors(x)]
+    return []
+
+
+def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:
+    """Adam with weight decay and LR warmup, mini-batches of 3: an update whose first mini-batch has every sequence
+    rejected against an update on the second mini-batch alone, each on a fresh copy of the initial weights."""
+    from megarl.config.loader import load_config
+    from megarl.trainer.models import build_rl_models
+    from megarl.training.init_weights import model_source
+    from megarl.training.losses import actor_loss
+    from megarl.training.update import ppo_updates
+
+    cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "actor.optim.optimizer=adam", "actor.optim.lr=0.001",
+                             "actor.optim.weight_decay=0.1", "actor.optim.lr_warmup_steps=4",
+                             "algorithm.adv_estimator=grpo"])  # fmt: skip
+    inputs = fixed_inputs(cur, per_sequence_adv=False)
+    fields = {k: inputs[k] for k in ("old_logp", "rollout_logp", "advantages")}
+    loss = partial(actor_loss, cfg.actor, cfg.algorithm, temperature=TEMPERATURE, true_vocab=spec.vocab_size)
+    runs = {}
+    for name, rows, trained in (("skipped", slice(0, 6), [False] * 3 + [True] * 3), ("without", slice(3, 6), None)):
+        models = build_rl_models(cfg, spec, layout, model_source(hf_dir), 0, roles=("actor",))
+        initial = [p.detach().clone() for p in models.actor.parameters()]
+        metrics = ppo_updates(models.actor, models.actor_optim, msg[rows], {k: v[rows] for k, v in fields.items()},
+                              loss, global_batch_size=3, epochs=1, max_tokens=0, micro_batch_size=2,
+                              norm_len=NORM_LEN, scheduler=models.actor_sched, trained=trained)  # fmt: skip
+        runs[name] = {
+            "metrics": metrics,
+            "moved": any(not torch.equal(p, q) for p, q in zip(models.actor.parameters(), initial)),
+            "weights": [p.detach().clone() for p in models.actor.parameters()],
+            "optimizer": [t.clone() for t in _tensors(models.actor_optim.state_dict())],
+            "sched_steps": models.actor_sched.num_steps,
+            "lr": models.actor_optim.param_groups[0]["lr"],
+        }
+    return runs
 
 
 def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     """``learn`` with rollout_is=seq_mask: sequence 1's engine log-probs are 0.5 per token below the trainer's (ratio
     e^3.5 > cap over its 7 tokens: rejected), the others within noise. Oracle: the token-mean policy gradient over
-    the accepted sequences only (the first mini-batch's ratio is 1: the loss is -A per token), with megarl's
-    advantages (GRPO's are checked against hand values elsewhere)."""
+    the accepted sequences only, each weighed by its sequence ratio (the first mini-batch's ratio is 1: the loss is
+    -A w per token), with megarl's advantages (checked against hand values by the test)."""
     from megarl.algos import kl_controller
     from megarl.config.loader import load_config
     from megarl.rollout.protocol import Sample
@@ -301,16 +392,18 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     learned = learn(cfg, make_roles(cfg, spec, actor_only), batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
                     skip_old_logprob=False, timer=PhaseTimer())  # fmt: skip
     hf.zero_grad()
-    accepted = [abs(float((c - torch.tensor(s.logprobs)).sum())) <= math.log(IS_CAP)
-                for c, s in zip(cur, batch.samples)]  # fmt: skip
+    log_ratios = [float((c - torch.tensor(s.logprobs)).sum()) for c, s in zip(cur, batch.samples)]
+    accepted = [abs(r) <= math.log(IS_CAP) for r in log_ratios]
     terms = []
-    for (seq, p), adv, keep in zip(seqs, learned.advantages, accepted):
-        if keep:
+    for (seq, p), adv, keep, r in zip(seqs, learned.advantages, accepted, log_ratios):
+        if keep:  # masked importance sampling: the accepted sequence keeps its weight pi_old(y) / pi_rollout(y)
             logp = token_logp(hf_response_logits(hf, seq, p), seq[p:])
-            terms.append(-adv * torch.exp(logp - logp.detach()))
+            terms.append(-adv * torch.exp(logp - logp.detach()) * math.exp(r))
     agg(terms, "token-mean").backward()
     return {
         "accepted": accepted,
+        "weights": [math.exp(r) for r in log_ratios],
+        "advantages": [a.clone() for a in learned.advantages],
         "metrics": learned.actor,
         "megarl": megatron_grads_as_hf(models.actor, spec),
         "oracle": {n: p.grad.detach().clone() for n, p in hf.named_parameters()},

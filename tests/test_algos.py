@@ -629,10 +629,15 @@ def test_rollout_is_hand():
     assert not out["weights"].requires_grad
 
     out = rollout_is_weights(old, rollout, mask, "seq_mask", cap=2.0)
-    # row 0: 1.5 * 3 * 0.5 = 2.25 > 2 -> dropped; row 1: 1.5 * 1.2 = 1.8 kept; row 2: 0.4 < 1/2 -> dropped
-    close(out["weights"], [[0.0] * 4, [1.0] * 4, [0.0] * 4])
+    # row 0: 1.5 * 3 * 0.5 = 2.25 > 2 -> dropped; row 1: 1.5 * 1.2 = 1.8 kept, weight 1.8; row 2: 0.4 < 1/2 -> dropped
+    close(out["weights"], [[0.0] * 4, [1.8] * 4, [0.0] * 4])
     close(out["masked"], [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
     assert not out["weights"].requires_grad
+
+    out = rollout_is_weights(old, rollout, mask, "seq_mask", cap=2.0, level="geometric")
+    # geometric means: 2.25^(1/3) = 1.3104, 1.8^(1/2) = 1.3416, 0.4 (one token) < 1/2 -> dropped
+    close(out["weights"], [[2.25 ** (1 / 3)] * 4, [1.8**0.5] * 4, [0.0] * 4])
+    close(out["masked"], [[0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
 
     out = rollout_is_weights(old, rollout, mask, "off", cap=2.0)
     close(out["weights"], torch.ones(3, 4))
@@ -649,16 +654,20 @@ def test_rollout_is_vs_loop():
     cap = 1.5
     trunc = rollout_is_weights(old, rollout, mask, "token_truncate", cap)
     seq = rollout_is_weights(old, rollout, mask, "seq_mask", cap)
+    geo = rollout_is_weights(old, rollout, mask, "seq_mask", cap, level="geometric")
     for i in range(6):
-        r_seq = math.exp(sum(old[i, t].item() - rollout[i, t].item() for t in range(6) if mask[i, t]))
-        keep = 1 / cap <= r_seq <= cap
+        log_ratios = [old[i, t].item() - rollout[i, t].item() for t in range(6) if mask[i, t]]
+        r_seq, r_geo = math.exp(sum(log_ratios)), math.exp(sum(log_ratios) / len(log_ratios))
         for t in range(6):
             w = math.exp(old[i, t].item() - rollout[i, t].item())
             assert trunc["weights"][i, t].item() == pytest.approx(min(w, cap), rel=1e-5)
             assert trunc["masked"][i, t].item() == float(bool(mask[i, t]) and w > cap)
-            assert seq["weights"][i, t].item() == float(keep)
-            assert seq["masked"][i, t].item() == float(bool(mask[i, t]) and not keep)
-    assert 0 < seq["weights"][:, 0].sum() < 6 and trunc["masked"].sum() > 0
+            for out, r in ((seq, r_seq), (geo, r_geo)):
+                keep = 1 / cap <= r <= cap
+                assert out["weights"][i, t].item() == pytest.approx(r if keep else 0.0, rel=1e-5)
+                assert out["masked"][i, t].item() == float(bool(mask[i, t]) and not keep)
+    assert 0 < (seq["weights"][:, 0] > 0).sum() < 6 and trunc["masked"].sum() > 0
+    assert ((seq["weights"][:, 0] - 1).abs() > 0.05).sum() >= 2  # weights, not a 0/1 mask
 
 
 # ---------------------------------------------------------------------------------------------------- entropy

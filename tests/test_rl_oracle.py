@@ -50,6 +50,21 @@ def test_actor_gradient_equals_the_oracle(results, case):
         assert _close(m["actor/kl_loss"], o["kl_loss"], 1e-4), (m["actor/kl_loss"], o["kl_loss"])
 
 
+ASYNC_CASES = ("async_token_truncate", "async_seq_mask", "async_seq_mask_geometric", "gspo_tis")
+
+
+@pytest.mark.parametrize("case", ASYNC_CASES)
+def test_the_async_cases_are_off_policy_with_weights_and_rejections(results, case):
+    """lag > 0: the behaviour weights differ from 1; the seq_mask cases reject some sequences and keep others, with
+    the same decision as the oracle's."""
+    r = results["actor"][case]
+    m = r["megarl"]["metrics"]
+    assert abs(m["rollout/is_weight_mean"] - 1) > 0.05, m["rollout/is_weight_mean"]
+    if "seq_mask" in case:
+        assert r["megarl"]["accepted"] == r["oracle"]["accepted"]
+        assert 0 < sum(r["oracle"]["accepted"]) < len(r["oracle"]["accepted"])
+
+
 def test_the_inputs_reach_every_branch(results):
     """Low, high and dual clip, truncated TIS weights, a reference that differs from the policy."""
     r = results["actor"]["all_terms"]
@@ -64,9 +79,16 @@ def test_the_inputs_reach_every_branch(results):
 
 
 def test_seq_mask_rejection_leaves_the_loss(results):
-    """A rejected sequence is out of the loss and its denominator: the gradient is the token mean over the others."""
+    """A rejected sequence is out of the loss and its denominator; the others keep their sequence weight (masked
+    importance sampling): the gradient is the weighted token mean over them. GRPO's advantages (rewards 1, 0 | 0.2,
+    0.9 | 0.5, 0.1 in groups of 2) are +-(difference / 2) / (|difference| / sqrt 2) = +-1/sqrt(2), by hand."""
     r = results["seq_mask"]
     assert r["accepted"] == [True, False, True, True, True, True]
+    accepted_weights = [w for w, keep in zip(r["weights"], r["accepted"]) if keep]
+    assert max(abs(w - 1) for w in accepted_weights) > 0.05  # weights, not a 0/1 mask
+    hand = [1, -1, -1, 1, 1, -1]
+    for adv, sign in zip(r["advantages"], hand):
+        torch.testing.assert_close(adv, torch.full_like(adv, sign / 2**0.5), rtol=1e-4, atol=1e-5)
     _assert_grads_match(r["megarl"], r["oracle"])
     assert _close(r["metrics"]["rollout/is_rejected_seqs"], 1 / 6)
     assert _close(r["metrics"]["rollout/is_masked_frac"], 7 / 28)
@@ -80,3 +102,15 @@ def test_critic_clipped_value_loss_gradient_equals_the_oracle(results):
         assert (mine - ref).norm() <= REL * ref.norm()
     assert _close(m["metrics"]["critic/vf_loss"], o["vf_loss"])
     assert o["clipped"] > 0 and _close(m["metrics"]["critic/vf_clipfrac"], o["clipped"] / 28)
+
+
+def test_a_mini_batch_with_every_sequence_rejected_takes_no_optimizer_step(results):
+    """Adam + weight decay + LR warmup: rejecting every sequence of the first mini-batch leaves weights, optimizer
+    state and LR schedule exactly those of an update on the second mini-batch alone."""
+    skipped, without = results["empty_minibatch"]["skipped"], results["empty_minibatch"]["without"]
+    assert skipped["metrics"]["empty_minibatches"] == 1 and without["metrics"]["empty_minibatches"] == 0
+    assert skipped["moved"] and without["moved"]  # the second mini-batch did train
+    assert all(torch.equal(a, b) for a, b in zip(skipped["weights"], without["weights"]))
+    assert len(skipped["optimizer"]) == len(without["optimizer"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(skipped["optimizer"], without["optimizer"]))
+    assert skipped["sched_steps"] == without["sched_steps"] == 1 and skipped["lr"] == without["lr"]

@@ -133,39 +133,51 @@ def value_loss(
     return {"loss": 0.5 * torch.maximum(loss1, loss2), "clipped": (loss2 > loss1).float()}
 
 
-def _is_off(log_ratio_BT, keep_BT, cap):
+def _is_off(log_ratio_BT, keep_BT, cap, level):
     return torch.ones_like(log_ratio_BT), torch.zeros_like(log_ratio_BT)
 
 
-def _is_token_truncate(log_ratio_BT, keep_BT, cap):
+def _is_token_truncate(log_ratio_BT, keep_BT, cap, level):
     weights = torch.exp(log_ratio_BT.clamp(max=LOG_RATIO_CLAMP))
     return weights.clamp(max=cap), (keep_BT & (weights > cap)).float()
 
 
-def _is_seq_mask(log_ratio_BT, keep_BT, cap):
+def _is_seq_mask(log_ratio_BT, keep_BT, cap, level):
     seq_log_ratio_B1 = torch.where(keep_BT, log_ratio_BT, 0.0).sum(-1, keepdim=True)
-    kept_B1 = (seq_log_ratio_B1 >= -math.log(cap)) & (seq_log_ratio_B1 <= math.log(cap))
-    weights = kept_B1.float().expand_as(log_ratio_BT).contiguous()
-    return weights, (keep_BT & ~kept_B1).float()
+    if level == "geometric":
+        seq_log_ratio_B1 = seq_log_ratio_B1 / keep_BT.sum(-1, keepdim=True).clamp(min=1)
+    kept_B1 = seq_log_ratio_B1.abs() <= math.log(cap)
+    weights_B1 = torch.where(kept_B1, torch.exp(seq_log_ratio_B1.clamp(max=math.log(cap))), 0.0)
+    return weights_B1.expand_as(log_ratio_BT).contiguous(), (keep_BT & ~kept_B1).float()
 
 
 ROLLOUT_IS = {"off": _is_off, "token_truncate": _is_token_truncate, "seq_mask": _is_seq_mask}
+ROLLOUT_IS_LEVELS = ("sequence", "geometric")
 
 
 @torch.no_grad()
 def rollout_is_weights(
-    old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, cap: float
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    cap: float,
+    level: str = "sequence",
 ) -> dict[str, torch.Tensor]:
-    """Importance weights pi_old / pi_rollout correcting the rollout engine's mismatch with the trainer (no gradient).
+    """Importance weights pi_old / pi_rollout correcting for the policy that generated the tokens (no gradient).
 
-    ``token_truncate``: per-token weight min(ratio, cap); ``seq_mask``: weight 1 on rows whose sequence ratio lies in
-    [1/cap, cap], else 0. ``masked`` is 1 on the real tokens that were truncated or dropped."""
+    ``token_truncate``: per-token weight min(ratio_t, cap). ``seq_mask`` (masked importance sampling): one weight per
+    row, the sequence statistic r = prod_t ratio_t (``level`` sequence: the sequence's importance weight) or its
+    geometric mean exp(mean_t log ratio_t) (``geometric``: no length bias); weight r where r is in [1/cap, cap],
+    else 0. ``masked`` is 1 on the real tokens that were truncated or dropped."""
     if mode not in ROLLOUT_IS:
         raise ValueError(f"unknown rollout_is mode {mode!r}; choose one of {list(ROLLOUT_IS)}")
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout_is level {level!r}; choose one of {list(ROLLOUT_IS_LEVELS)}")
     if mode != "off" and cap < 1:
         raise ValueError(f"rollout_is cap must be >= 1, got {cap}")
     log_ratio = old_logp_BT.detach().float() - rollout_logp_BT.detach().float()
-    weights, masked = ROLLOUT_IS[mode](log_ratio, mask_BT.bool(), cap)
+    weights, masked = ROLLOUT_IS[mode](log_ratio, mask_BT.bool(), cap, level)
     return {"weights": weights, "masked": masked}
 
 

@@ -373,10 +373,19 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient of the in-reward KL penalty."""
     rollout_is: str = "off"
-    """Importance sampling against the rollout engine's log-probs: off, token_truncate (weights capped at
-    rollout_is_cap) or seq_mask (drop sequences whose ratio leaves [1/cap, cap])."""
+    """Importance sampling pi_old / pi_rollout against the log-probs of the policy that generated the tokens (the
+    engine's; an older policy in the async modes): off, token_truncate (each token weighed by its ratio capped at
+    rollout_is_cap) or seq_mask (masked importance sampling: each sequence weighed by its statistic at
+    rollout_is_level, or dropped when that leaves [1/cap, cap]). With policy_loss=gspo, token_truncate's token
+    weights multiply each token's term of GSPO's sequence mean; seq_mask with rollout_is_level=geometric matches
+    GSPO's geometric sequence ratio."""
     rollout_is_cap: float = 2.0
-    """Cap of the importance weights (token_truncate) or the sequence-ratio band (seq_mask)."""
+    """Cap of the importance weights (token_truncate) or the band [1/cap, cap] of the sequence statistic
+    (seq_mask)."""
+    rollout_is_level: str = "sequence"
+    """seq_mask's sequence statistic: sequence (the product of the token ratios, the sequence's importance weight;
+    a sum of log-ratios, so a band rejects long responses first) or geometric (their geometric mean
+    exp(mean log-ratio), as GSPO's ratio: no length bias, a biased weight)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -388,6 +397,11 @@ class AlgorithmConfig:
         _require(self.kl_penalty in KL_TYPES, "kl_penalty", f"must be one of {KL_TYPES}, got {self.kl_penalty!r}")
         _require(self.rollout_is in ROLLOUT_IS_MODES, "rollout_is", f"must be one of {ROLLOUT_IS_MODES}")
         _require(self.rollout_is_cap > 1, "rollout_is_cap", "must be > 1")
+        levels = ("sequence", "geometric")
+        _require(self.rollout_is_level in levels, "rollout_is_level", f"must be one of {levels}")
+        level, mode = self.rollout_is_level, self.rollout_is
+        _require(level == "sequence" or mode == "seq_mask", "rollout_is_level",
+                 f"{level} is seq_mask's sequence statistic; rollout_is={mode} has none")  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -379,7 +379,7 @@ def learn(
     with timer("update_actor"):
         trained, rejected = None, {}
         if cfg.algorithm.rollout_is == "seq_mask":  # decided on pi_old for whole sequences, before the update
-            trained, rejected = seq_mask_accepted(old_logp, rollout_logp, cfg.algorithm.rollout_is_cap)
+            trained, rejected = seq_mask_accepted(old_logp, rollout_logp, cfg.algorithm)
         fields = {"advantages": adv, "rollout_logp": rollout_logp}
         if old_logp is not None:
             fields["old_logp"] = old_logp
@@ -396,11 +396,12 @@ def learn(
     )  # fmt: skip
 
 
-def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], cap: float):
-    """``rollout_is=seq_mask``: which sequences stay in the actor's loss (pi_old / pi_rollout over the whole
-    response within [1/cap, cap]) and the rejection metrics."""
+def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], algo):
+    """``rollout_is=seq_mask``: which sequences stay in the actor's loss (their pi_old / pi_rollout statistic at
+    ``algo.rollout_is_level`` within [1/cap, cap]; the loss weighs each by it) and the rejection metrics."""
     mask_NR = pad_rows([torch.ones(len(x)) for x in old_logp])
-    weights = rollout_is_weights(pad_rows(old_logp), pad_rows(rollout_logp), mask_NR, "seq_mask", cap)
+    weights = rollout_is_weights(pad_rows(old_logp), pad_rows(rollout_logp), mask_NR, "seq_mask",
+                                 algo.rollout_is_cap, algo.rollout_is_level)  # fmt: skip
     accepted = (weights["weights"][:, 0] > 0).tolist()
     metrics = {
         "rollout/is_masked_frac": float(weights["masked"].sum() / mask_NR.sum().clamp(min=1)),

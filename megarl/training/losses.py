@@ -85,9 +85,9 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         bonus = actor.entropy_coeff != 0
         logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=not bonus)
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        # seq_mask's rejected sequences already left loss_mask (``learn``); token_truncate weighs tokens here
-        is_mode = "token_truncate" if algo.rollout_is == "token_truncate" else "off"
-        is_w = rollout_is_weights(old, mb["rollout_logp"], mask, is_mode, algo.rollout_is_cap)
+        # seq_mask's rejected sequences already left loss_mask (``learn``): the accepted ones keep their weight here
+        is_w = rollout_is_weights(old, mb["rollout_logp"], mask, algo.rollout_is, algo.rollout_is_cap,
+                                  algo.rollout_is_level)  # fmt: skip
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss

@@ -86,12 +86,20 @@ def ppo_updates(
     ``trained`` (default: all) marks the sequences in the loss: the others leave ``loss_mask`` and the global token
     and sequence counts (rejection sampling), though they stay in the micro-batches. Returns the metrics averaged
     over the optimizer steps (``max/`` keys: the maximum), with ``grad_norm`` and ``lr``. A non-finite step raises
-    ``NonFiniteUpdate`` (the scheduler is stepped back; the steps before it stay applied) and ends this update."""
+    ``NonFiniteUpdate`` (the scheduler is stepped back; the steps before it stay applied) and ends this update.
+
+    A mini-batch with no trained sequence takes no optimizer and no scheduler step (a zero gradient would still move
+    Adam's moments and apply weight decay); ``empty_minibatches`` counts them. ``trained`` is the same on every
+    rank, so every DP and PP rank skips the same mini-batches without a collective."""
     dp_rank, dp = _dp_coords()
     trained = trained if trained is not None else [True] * len(seqs)
     history: list[dict] = []
+    empty = 0
     for _ in range(epochs):
         for rows in minibatch_rows(len(seqs), global_batch_size):
+            if not any(trained[i] for i in rows):
+                empty += 1
+                continue
             mine = dp_rows(rows, dp_rank, dp)
             batches, groups = micro_batches(
                 [seqs[i] for i in mine],
@@ -115,8 +123,9 @@ def ppo_updates(
                 if scheduler is not None:
                     scheduler.step(-1)
                 raise
-    keys = history[0].keys()
-    return {
+    keys = history[0].keys() if history else ()
+    averaged = {
         k: max(h[k] for h in history) if k.startswith("max/") else sum(h[k] for h in history) / len(history)
         for k in keys
     }
+    return {**averaged, "empty_minibatches": float(empty)}
