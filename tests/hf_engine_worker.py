@@ -16,6 +16,7 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
     from megarl.reshard.layout import megatron_layout
     from megarl.reshard.sync import actor_tensors
     from megarl.rollout.hf_engine import HFEngine
+    from megarl.training.logprobs import token_logprobs
 
     layout = ParallelLayout(dp=2)
     init_distributed(layout, seed=3)
@@ -39,6 +40,14 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
 
     together = run([0, 1, 2, 3])
     one_call = list(calls)
+    trainer = {}  # the trainer's recomputation of the engine's log-probs, under the sampler's truncation or not
+    for key, (ids, engine_logp) in together.items():
+        seq = torch.tensor([prompts[key[0]] + ids])
+        for name, k, p in (("truncated", sampling.top_k, sampling.top_p), ("full", 0, 1.0)):
+            logp = token_logprobs(chunk, seq, temperature=sampling.temperature, true_vocab=spec.vocab_size,
+                                  top_k=k, top_p=p)[0, len(prompts[key[0]]) - 1 :]  # fmt: skip
+            diff = (logp - torch.tensor(engine_logp)).abs().max().item()
+            trainer[name] = max(trainer.get(name, 0.0), diff)
     alone = {}
     for i in (3, 1, 0, 2):
         alone.update(run([i]))
@@ -51,6 +60,7 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
     worst = lambda a, b: max(max((abs(x - y) for x, y in zip(a[k][1], b[k][1])), default=0.0) for k in a)  # noqa: E731
     return {
         "calls": one_call,
+        "trainer_vs_engine_logprob": trainer,
         "rows": 4 * 3,
         "same_tokens_alone": tokens(together) == tokens(alone),
         "same_tokens_pairs": all(tokens(together)[k] == v for k, v in tokens(pairs).items()),

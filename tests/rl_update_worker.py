@@ -49,9 +49,12 @@ ALGOS = {
     # against the base (the actor with its adapters off), two mini-batches
     "grpo_lora": ["algorithm.adv_estimator=grpo", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01",
                   "actor.global_batch_size=4", "actor.lora.rank=4", "actor.lora.alpha=8"],  # fmt: skip
-    # GSPO with truncated importance sampling against the engine's log-probs, two mini-batches
+    # GSPO (PPO's clip range: GSPO's own 3e-4 would clip nearly every sequence after the first mini-batch) with
+    # truncated importance sampling against the engine's log-probs, two mini-batches, a top-k / top-p sampler (the
+    # trainer's log-probs over its kept tokens: under TP, gathered per sequence to rank the vocabulary)
     "gspo_tis": ["algorithm.adv_estimator=grpo", "actor.policy_loss=gspo", "algorithm.rollout_is=token_truncate",
-                 "algorithm.rollout_is_cap=1.5", "actor.global_batch_size=4"],  # fmt: skip
+                 "algorithm.rollout_is_cap=1.5", "actor.global_batch_size=4", "actor.clip_ratio_low=0.2",
+                 "actor.clip_ratio_high=0.2", "rollout.sampling.top_k=20", "rollout.sampling.top_p=0.9"],  # fmt: skip
 }
 SPLITS = {"mbs2": ["actor.micro_batch_size=2", "critic.micro_batch_size=2"],
           "mbs1": ["actor.micro_batch_size=1", "critic.micro_batch_size=1"],

@@ -73,10 +73,10 @@ def main(args: dict) -> None:
         batch = torch.randint(3, 259, (2, 33), generator=gen)
         train_step(ddp, optimizer, make_lm_micro_batches(batch, 1), lm_loss)
 
-    def recompute(samples, temperature):
+    def recompute(samples, temperature, top_k=0, top_p=1.0):
         return [
             token_logprobs(ddp, torch.tensor([s.prompt_ids + s.token_ids]), temperature=temperature,
-                           true_vocab=spec.vocab_size)[0, len(s.prompt_ids) - 1 :]
+                           true_vocab=spec.vocab_size, top_k=top_k, top_p=top_p)[0, len(s.prompt_ids) - 1 :]
             for s in samples
         ]  # fmt: skip
 
@@ -86,9 +86,10 @@ def main(args: dict) -> None:
     version = 1
     for name, engine in engines.items():
         report = engine.update_weights(actor_tensors(ddp), version)
-        for temperature in (1.0, 0.7):
+        for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.8)):
             torch.manual_seed(1000 * rank + 17)  # global RNGs differ on every rank before the call
-            sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=8, seed=5)
+            sampling = SamplingConfig(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8,
+                                      seed=5)  # fmt: skip
             groups = []  # what the engine handed over as each prompt's samples finished
             samples, stats = rollout(engine, prompts, step=version, sampling=sampling, seed=0, on_group=groups.append)
             mine = samples_for_dp_rank(samples, dp_rank, dp)
@@ -102,8 +103,12 @@ def main(args: dict) -> None:
                 "groups": [[(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in g] for g in groups],
                 "tokens_per_s": stats.tokens_per_s,
                 "sync_seconds": report.seconds,
-                **logprob_mismatch([s.logprobs for s in mine], recompute(mine, temperature)),
+                "truncated": bool(top_k),
+                **logprob_mismatch([s.logprobs for s in mine], recompute(mine, temperature, top_k, top_p)),
             }
+            if top_k:  # the engine's log-probs are of the truncated softmax: over the whole vocabulary they differ
+                full = logprob_mismatch([s.logprobs for s in mine], recompute(mine, temperature))
+                entry["untruncated_mismatch_max"] = full["logprob_mismatch_max"]
             if name == "vllm" and temperature == 1.0:
                 train_fixed = token_logprobs(ddp, torch.tensor([fixed]), temperature=1.0, true_vocab=spec.vocab_size)
                 after = torch.tensor(engines["vllm"].score(fixed), dtype=torch.float64)

@@ -882,3 +882,52 @@ def test_logprobs_two_shards_equal_one(vocab, true_vocab):
     (ref_grad,) = torch.autograd.grad(ref.sum(), whole)
     close(grads[..., :true_vocab], ref_grad)
     assert (grads[..., true_vocab:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.8), (5, 0.3), (1, 1.0), (300, 0.95)])
+def test_truncation_keeps_the_tokens_vllm_keeps(top_k, top_p):
+    """megarl.algos.sampling against vLLM's own apply_top_k_top_p (the installed vllm), logits of several scales."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from megarl.algos.sampling import truncate
+
+    gen = torch.Generator().manual_seed(21)
+    for scale in (0.3, 1.0, 4.0):
+        z = torch.randn(32, 300, generator=gen) * scale
+        k = torch.full((32,), top_k) if top_k else None
+        p = torch.full((32,), top_p) if top_p < 1 else None
+        theirs = apply_top_k_top_p_pytorch(z.clone(), k, p, allow_cpu_sync=True)
+        mine = truncate(z, top_k, top_p)
+        assert torch.equal(torch.isfinite(mine), torch.isfinite(theirs))
+        assert torch.isfinite(mine).sum(-1).min() >= 1 and (~torch.isfinite(mine)).any()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_under_truncation_are_the_truncated_softmax(temperature):
+    """With the sampler's cutoff, log p(target), its entropy and gradient are those of log_softmax over the kept
+    scores of logits / T: what vLLM returns as processed_logprobs."""
+    from megarl.algos.sampling import truncate, truncation_cutoff
+
+    torch.manual_seed(22)
+    true_vocab = 40
+    logits = (torch.randn(2, 5, 48) * 2).requires_grad_()
+    scaled = logits[..., :true_vocab].detach() / temperature
+    kept = truncate(scaled, 8, 0.9)
+    targets = torch.distributions.Categorical(logits=kept).sample()  # drawn from the truncated distribution
+    cutoff = truncation_cutoff(scaled, 8, 0.9)
+    logp, ent = vocab_parallel_logprobs(logits, targets, true_vocab=true_vocab, temperature=temperature,
+                                        with_entropy=True, cutoff_BT=cutoff)  # fmt: skip
+    ref_in = logits[..., :true_vocab] / temperature
+    ref_in = ref_in.masked_fill(~torch.isfinite(kept), float("-inf"))
+    ref = torch.log_softmax(ref_in, -1).gather(-1, targets[..., None]).squeeze(-1)
+    close(logp, ref)
+    close(ent, torch.distributions.Categorical(logits=kept).entropy())
+    full = torch.log_softmax(scaled, -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert (logp.detach() - full).min() > 1e-3  # renormalised over fewer tokens: every log-prob is higher
+    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+    close(grad, ref_grad)
+    assert (grad[..., :true_vocab][~torch.isfinite(kept)] == 0).all()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.algos.sampling import truncate
 from megarl.models import read_hf_config
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
-from megarl.rollout.hf_engine import gumbel_noise, truncate
+from megarl.rollout.hf_engine import gumbel_noise
 from tests.hf_engine_worker import run_hf_engine
 
 
@@ -29,6 +30,15 @@ def test_one_batch_per_step_and_samples_independent_of_the_batch(dp2):
     assert dp2["same_tokens_alone"] and dp2["same_tokens_pairs"]  # left padding and batch-mates change nothing
     assert dp2["logprob_diff_alone"] <= 1e-5
     assert dp2["distinct_samples"] > 6  # the n samples of a prompt are not copies of each other
+
+
+def test_the_trainer_recomputes_the_engines_truncated_logprobs(dp2):
+    """top_k=50, top_p=0.95 at T=0.9: the engine returns log-probs of the truncated softmax it drew from (vLLM's
+    processed_logprobs) and the trainer recomputes the same; over the whole vocabulary they would differ."""
+    diff = dp2["trainer_vs_engine_logprob"]
+    print("max |trainer - engine| log-prob:", diff)
+    assert diff["truncated"] <= 1e-4, diff
+    assert diff["full"] > 1e-2, diff  # the truncation is not a no-op on this model
 
 
 def test_sleep_frees_the_weights_and_the_next_sync_restores_them(dp2):

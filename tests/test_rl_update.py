@@ -113,6 +113,8 @@ def _assert_same_update(case: dict, ref: dict, bf16: bool = False):
         for name, w_ref in ref[key].items():
             diff = (case[key][name].float() - w_ref.float()).abs().max().item()
             tol = ATOL_WEIGHTS
+            if not bf16 and key == "weights" and "initial" in ref:  # fp32 noise grows with the update's size
+                tol += RTOL * (w_ref - ref["initial"][name]).abs().max().item()
             if bf16 and key == "adapters":  # fp32 LoRA factors trained on bf16 activations
                 tol = BF16_RTOL * w_ref.abs().max().item()
             elif bf16:

@@ -58,9 +58,12 @@ def test_rollout_logprobs_match_the_actor_after_update(llama_tp2, qwen2_dp2, eng
     for ranks in (llama_tp2, qwen2_dp2):
         for per_rank in _steps(ranks, engine):
             assert {s["temperature"] for s in per_rank} == {1.0, 0.7}
+            assert sum(s["truncated"] for s in per_rank) == 1  # top_k=20, top_p=0.8: the trainer truncates alike
             for s in per_rank:
                 assert s["versions"] == [1]
                 assert s["logprob_mismatch_max"] <= MATCH, (engine, s["temperature"], s["logprob_mismatch_max"])
+                if s["truncated"]:
+                    assert s["untruncated_mismatch_max"] > 100 * MATCH, s["untruncated_mismatch_max"]
                 assert all(len(tokens) > 0 for _, _, tokens, _ in s["samples"])
 
 

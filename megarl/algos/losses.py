@@ -220,11 +220,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     entropy of the same softmax from the same pass when asked (not differentiated). Saves the softmax only."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, true_vocab, temperature, reduce_sum, reduce_max, with_entropy):
+    def forward(
+        ctx, logits, targets, vocab_start, true_vocab, temperature, reduce_sum, reduce_max, with_entropy, cutoff
+    ):
         vocab = logits.shape[-1]
         kept = max(0, min(vocab, true_vocab - vocab_start))  # padding ids (>= true_vocab) are a suffix of the slice
         z = logits[..., :kept].float()  # a copy below fp32, a view in fp32: never written
         z = z / temperature if temperature != 1 else z
+        if cutoff is not None:  # the sampler's truncation: the scores below the cutoff have probability 0
+            z = z.masked_fill(z < cutoff.unsqueeze(-1), -math.inf)
         local_max = z.amax(-1) if kept else z.new_full(z.shape[:-1], -math.inf)
         m = reduce_max(local_max)
         e = torch.exp(z - m.unsqueeze(-1))
@@ -234,7 +238,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         target_z = z.gather(-1, index).squeeze(-1) if kept else torch.zeros_like(m)
         log_s = torch.log(s)
         logp = reduce_sum(torch.where(mine, target_z, 0.0)) - m - log_s
-        entropy = log_s + m - reduce_sum(torch.linalg.vecdot(e, z)) / s if with_entropy else logp.new_empty(0)
+        z_finite = z if cutoff is None else z.clamp(min=torch.finfo(z.dtype).min)  # 0 x -inf would be nan
+        entropy = log_s + m - reduce_sum(torch.linalg.vecdot(e, z_finite)) / s if with_entropy else logp.new_empty(0)
         ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(e.div_(s.unsqueeze(-1)), index, mine)  # e becomes the softmax
         ctx.shape = (vocab, kept, temperature, logits.dtype)
@@ -245,14 +250,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         p, index, mine = ctx.saved_tensors
         vocab, kept, temperature, dtype = ctx.shape
         if not kept:  # a slice of padding only
-            return p.new_zeros(*p.shape[:-1], vocab, dtype=dtype), None, None, None, None, None, None, None
+            return p.new_zeros(*p.shape[:-1], vocab, dtype=dtype), *[None] * 8
         grad = p.mul_(-grad_logp.unsqueeze(-1))  # d logp / dz = onehot(target) - p, in place of the saved softmax
         grad.scatter_add_(-1, index, torch.where(mine, grad_logp, 0.0).unsqueeze(-1))
         if temperature != 1:
             grad.div_(temperature)
         if kept < vocab:
             grad = torch.nn.functional.pad(grad, (0, vocab - kept))  # padding rows: probability 0, gradient 0
-        return grad.to(dtype), None, None, None, None, None, None, None
+        return grad.to(dtype), *[None] * 8
 
 
 def vocab_parallel_logprobs(
@@ -265,13 +270,16 @@ def vocab_parallel_logprobs(
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
     with_entropy: bool = False,
+    cutoff_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) [B, T] under softmax(logits / T) over the full vocabulary, from this rank's slice
     [vocab_start, vocab_start + V) of the logits without gathering them, differentiable; with ``with_entropy`` also
     the softmax's entropy [B, T] from the same pass (no gradient: for a metric; ``vocab_parallel_entropy`` gives a
     differentiable one). Global ids >= ``true_vocab`` are padding (probability 0). ``all_reduce_max`` and
     ``all_reduce_sum`` reduce [B, T] tensors over the ranks holding the other slices (None: a single shard); they
-    are not differentiated. Logits are finite. One fp32 [B, T, V] tensor is kept for backward: the softmax."""
+    are not differentiated. Logits are finite. One fp32 [B, T, V] tensor is kept for backward: the softmax.
+    ``cutoff_BT``: the sampler's truncation (``megarl.algos.sampling``): the softmax is over the scores (logits / T)
+    >= the position's cutoff only; the targets must be among them."""
     logp, entropy = _VocabParallelLogProbs.apply(
         logits_BTV,
         targets_BT,
@@ -281,5 +289,6 @@ def vocab_parallel_logprobs(
         all_reduce_sum or _identity,
         all_reduce_max or _identity,
         with_entropy,
+        cutoff_BT,
     )
     return logp, (entropy if with_entropy else None)

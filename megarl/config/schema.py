@@ -603,8 +603,8 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class SamplingConfig:
-    """How rollouts sample. RL recipes keep top_p=1 and top_k=0: the trainer recomputes log-probabilities from
-    logits / temperature only, so a truncated sampler's log-probabilities cannot be recomputed exactly."""
+    """How rollouts sample. With top_k / top_p the engines return log-probabilities of the truncated softmax they
+    draw from, and the trainer recomputes the actor's over the same kept tokens (``megarl.algos.sampling``)."""
 
     n: int = 1
     """Samples per prompt."""

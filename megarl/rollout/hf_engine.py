@@ -14,23 +14,21 @@ configured, is ignored by them (said once in the log).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from megarl.algos.sampling import truncate
 from megarl.config.schema import RolloutConfig, SamplingConfig
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout, hf_layout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
-from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
 from megarl.training.offload import distinct_storages
-
-log = logging.getLogger("megarl.rollout")
 
 
 class _HFModelWrite:
@@ -73,19 +71,6 @@ def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Scores outside the top-k tokens / the top-p nucleus set to -inf (at least one token kept)."""
-    if top_k:
-        kth = z.topk(min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        cum = sorted_z.softmax(-1).cumsum(-1)
-        drop = cum - sorted_z.softmax(-1) > top_p  # tokens whose predecessors already cover top_p
-        z = z.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
-    return z
-
-
 class SeededSampling:
     """A logits processor for HF's greedy search that makes it sample: row r's scores become
     truncate(logits / T) + Gumbel noise keyed by ``keys[r]`` (its sample's seed) and the step."""
@@ -122,7 +107,6 @@ class HFEngine:
         self.sizes = [st.nbytes() for st in self.storages]
         self.asleep = False
         self.weight_version: int | None = None
-        self._said_truncation = [False]
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
 
     @property
@@ -165,6 +149,13 @@ class HFEngine:
     def wake(self) -> None:
         pass
 
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        """log-probabilities of the distribution a token was drawn from: softmax over the top-k / top-p kept scores
+        of logits / T (vLLM's ``processed_logprobs``); -inf outside."""
+        z = truncate(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+        return torch.log_softmax(z, -1)
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
@@ -176,7 +167,6 @@ class HFEngine:
 
         if not self.healthy:
             raise EngineUnhealthyError("the HF engine holds no verified weights; run update_weights first")
-        note_truncation(sampling, log, self._said_truncation)
         check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         if not prompts:
             return [], RolloutStats(0.0, 0)
@@ -191,7 +181,7 @@ class HFEngine:
         out = self.model.generate(ids, attention_mask=mask, generation_config=config,
                                   logits_processor=[SeededSampling(keys, width, sampling)])  # fmt: skip
         new = out.sequences[:, width:]
-        logprobs = torch.stack([torch.log_softmax(lg.float() / sampling.temperature, -1) for lg in out.logits], 1)
+        logprobs = torch.stack([self._logprobs(lg, sampling) for lg in out.logits], 1)
         samples = []
         for i, (idx, prompt) in enumerate(zip(prompt_indices, prompts)):
             for j in range(n):

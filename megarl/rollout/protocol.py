@@ -101,18 +101,6 @@ def check_requests(prompts: list[list[int]], max_new_tokens: int, max_model_len:
             )
 
 
-def note_truncation(sampling, log, said: list[bool]) -> None:
-    """Say once that top-k / top-p truncation is not part of the recomputed log-probabilities."""
-    if (sampling.top_k or sampling.top_p < 1) and not said[0]:
-        log.warning(
-            "top_k=%s / top_p=%s truncate sampling; the trainer's recomputed log-probabilities (logits / temperature) "
-            "ignore the truncation",
-            sampling.top_k,
-            sampling.top_p,
-        )
-        said[0] = True
-
-
 def engine_count(world_size: int, rollout_tp: int) -> int:
     if world_size % rollout_tp:
         raise ValueError(f"rollout TP={rollout_tp} does not divide the world size {world_size}")

@@ -38,7 +38,7 @@ from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout
 from megarl.reshard.sync import SyncPlans, SyncReport, run_sync, sends_base
 from megarl.reshard.transport import TRANSPORTS, AdapterSlots
-from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests, note_truncation
+from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
 
 log = logging.getLogger("megarl.rollout")
 
@@ -155,7 +155,6 @@ class VLLMEngine:
         self.sleep_mode = current_platform.is_sleep_mode_available()
         self.asleep: set[str] = set()
         self._said_no_sleep = False
-        self._said_truncation = [False]
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
         self.base_loaded = False
         """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
@@ -277,7 +276,6 @@ class VLLMEngine:
         ``LLM.generate``'s own loop (enqueue the requests, step the engine until none is left: the same schedule,
         the same tokens), with each prompt's output taken as it finishes."""
         self._check_healthy()
-        note_truncation(sampling, log, self._said_truncation)
         check_requests(prompts, sampling.max_new_tokens, self.max_model_len)
         params = [self.sampling_params(sampling, s) for s in seeds]
         start = time.perf_counter()

@@ -78,9 +78,12 @@ class Role:
         return self._on_host(guarded)
 
 
-def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching) -> list[torch.Tensor]:
-    temperature = cfg.rollout.sampling.temperature
-    per_token = lambda mb, logits: logprobs_from_logits(logits, mb["targets"], temperature, spec.vocab_size)
+def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, *, truncated: bool) -> list[torch.Tensor]:
+    """Per response token, log p at the rollout's temperature; ``truncated``: over the sampler's top-k / top-p."""
+    s = cfg.rollout.sampling
+    top_k, top_p = (s.top_k, s.top_p) if truncated else (0, 1.0)
+    per_token = lambda mb, logits: logprobs_from_logits(logits, mb["targets"], s.temperature, spec.vocab_size,
+                                                        top_k, top_p)  # fmt: skip
     return forward_fields(
         model,
         seqs,
@@ -107,15 +110,19 @@ class Actor(_PolicyRole):
     name = "actor"
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per response token, log pi(token) under the current weights (at the rollout temperature)."""
-        return self._on_host(lambda: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching))
+        """Per response token, log pi(token) under the current weights: the sampler's policy (the rollout's
+        temperature, top-k and top-p)."""
+        return self._on_host(
+            lambda: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, truncated=True)
+        )
 
     def update(self, seqs: list[Sequence], fields: dict, *, trained: list[bool] | None = None) -> Update:
         """``actor.ppo_epochs`` passes of one optimizer step per mini-batch on the policy loss; ``fields`` hold the
         advantages, rollout (and old, reference) log-probs; ``trained``: the sequences that count (seq_mask)."""
         cfg, a = self.cfg, self.cfg.actor
-        loss = partial(actor_loss, a, cfg.algorithm, temperature=cfg.rollout.sampling.temperature,
-                       true_vocab=self.spec.vocab_size)  # fmt: skip
+        s = cfg.rollout.sampling
+        loss = partial(actor_loss, a, cfg.algorithm, temperature=s.temperature, true_vocab=self.spec.vocab_size,
+                       top_k=s.top_k, top_p=s.top_p)  # fmt: skip
         return self._update(
             lambda: ppo_updates(
                 self.models.actor,
@@ -135,14 +142,15 @@ class Actor(_PolicyRole):
 
 
 class Reference(_PolicyRole):
-    """The frozen initial policy (a copy, or with LoRA the actor with its adapters off)."""
+    """The frozen initial policy (a copy, or with LoRA the actor with its adapters off). Its log-probs are over the
+    whole vocabulary, whatever the sampler truncates: the KL is to the reference model itself."""
 
     name = "reference"
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         def compute():
             with reference_policy(self.models) as reference:
-                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching)
+                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching, truncated=False)
 
         return self._on_host(compute)
 

@@ -1,8 +1,9 @@
 """The actor's log-probabilities of given tokens, through Megatron's schedule (TP vocab-parallel, PP-aware).
 
 log p(token_t | tokens_<t) under softmax(logits / temperature) over the model's true vocabulary (the padding rows
-megarl adds to the embedding are masked out, as vLLM and HF never sample them). This is the quantity the rollout
-engines return (vLLM ``processed_logprobs``), so a PPO ratio compares like with like.
+megarl adds to the embedding are masked out, as vLLM and HF never sample them), restricted to the tokens the
+sampler's top-k / top-p keep when it truncates (``megarl.algos.sampling``). This is the quantity the rollout engines
+return (vLLM ``processed_logprobs``), so a PPO ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import vocab_parallel_logprobs
+from megarl.algos.sampling import truncates, truncation_cutoff
 from megarl.training.step import run_schedule
 
 
@@ -30,12 +32,43 @@ def tp_all_reduce(op):
     return all_reduce
 
 
+@torch.no_grad()
+def tp_truncation_cutoff(
+    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, top_k: int, top_p: float
+) -> torch.Tensor | None:
+    """[B, S] the sampler's cutoff on logits / T at every position (None when top_k / top_p truncate nothing),
+    lowered where needed so that the target stays kept (the sampler kept the token it drew). Top-p ranks the whole
+    vocabulary: with TP, one sequence's logits at a time are gathered over the TP group (no gradient)."""
+    if not truncates(top_k, top_p):
+        return None
+    from megatron.core import parallel_state as ps
+
+    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    cutoffs = []
+    for row_SV, target_S in zip(logits_BSV, targets_BS):
+        parts = [row_SV.contiguous()]
+        if tp > 1:
+            parts = [torch.empty_like(parts[0]) for _ in range(tp)]
+            dist.all_gather(parts, row_SV.contiguous(), group=group)
+        z = torch.cat(parts, -1)[..., :true_vocab].float()
+        z = z / temperature if temperature != 1 else z  # the same arithmetic as the log-probs' pass
+        z_target = z.gather(-1, target_S.clamp(0, true_vocab - 1).unsqueeze(-1)).squeeze(-1)
+        cutoffs.append(torch.minimum(truncation_cutoff(z, top_k, top_p), z_target))
+    return torch.stack(cutoffs)
+
+
 def tp_logprobs(
-    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, with_entropy: bool = False
+    logits_BSV: torch.Tensor,
+    targets_BS: torch.Tensor,
+    temperature: float,
+    true_vocab: int,
+    with_entropy: bool = False,
+    cutoff_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) under softmax(logits / T) over the true vocabulary from this TP rank's vocabulary slice
     (``megarl.algos.vocab_parallel_logprobs``: one pass, no logits gathered, the padded rows excluded);
-    differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient)."""
+    differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient).
+    ``cutoff_BS`` (``tp_truncation_cutoff``): the softmax over the sampler's kept tokens only."""
     from megatron.core import parallel_state as ps
 
     return vocab_parallel_logprobs(
@@ -47,13 +80,22 @@ def tp_logprobs(
         all_reduce_sum=tp_all_reduce(dist.ReduceOp.SUM),
         all_reduce_max=tp_all_reduce(dist.ReduceOp.MAX),
         with_entropy=with_entropy,
+        cutoff_BT=cutoff_BS,
     )
 
 
-def logprobs_from_logits(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int):
-    """log p(target) under softmax(logits / T) over the true vocabulary, from this TP rank's vocabulary slice
-    (vocab-parallel: no logits are gathered). Differentiable; call it inside Megatron's schedule."""
-    return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab)[0]
+def logprobs_from_logits(
+    logits_BSV: torch.Tensor,
+    targets_BS: torch.Tensor,
+    temperature: float,
+    true_vocab: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
+    """log p(target) under softmax(logits / T) over the true vocabulary (over the tokens top-k / top-p keep, when
+    they truncate), from this TP rank's vocabulary slice. Differentiable; call it inside Megatron's schedule."""
+    cutoff = tp_truncation_cutoff(logits_BSV, targets_BS, temperature, true_vocab, top_k, top_p)
+    return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab, cutoff_BS=cutoff)[0]
 
 
 def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch.Tensor]:
@@ -76,7 +118,14 @@ def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch
 
 
 def token_logprobs(
-    model, sequences: torch.Tensor, *, temperature: float, true_vocab: int, micro_batch_size: int = 1
+    model,
+    sequences: torch.Tensor,
+    *,
+    temperature: float,
+    true_vocab: int,
+    micro_batch_size: int = 1,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """Collective over the model-parallel group: ``[N, T-1]`` log-probabilities of ``sequences[:, 1:]``.
 
@@ -93,7 +142,9 @@ def token_logprobs(
         for i in range(0, inputs.shape[0], micro_batch_size)
     ]
     per_mb = forward_per_token(
-        model, micro_batches, lambda mb, logits: logprobs_from_logits(logits, mb["targets"], temperature, true_vocab)
+        model,
+        micro_batches,
+        lambda mb, logits: logprobs_from_logits(logits, mb["targets"], temperature, true_vocab, top_k, top_p),
     )
     return torch.cat(per_mb)
 

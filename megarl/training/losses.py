@@ -24,7 +24,7 @@ from megarl.algos import (
     vocab_parallel_entropy,
 )
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
-from megarl.training.logprobs import tp_all_reduce, tp_logprobs
+from megarl.training.logprobs import tp_all_reduce, tp_logprobs, tp_truncation_cutoff
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,18 @@ class GlobalNorm:
         return self.aggregate(x_BT.detach(), mask_BT, "token-mean")
 
 
-def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -> torch.Tensor:
-    """Entropy of softmax(logits / T) over the true vocabulary, from this TP rank's vocabulary slice."""
+def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int, cutoff_BS=None) -> torch.Tensor:
+    """Entropy of softmax(logits / T) over the true vocabulary (over the scores >= ``cutoff_BS``: the sampler's
+    truncation), from this TP rank's vocabulary slice."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+    z = logits_BSV.float() / temperature if temperature != 1 else logits_BSV
+    if cutoff_BS is not None:
+        z = z.masked_fill(z < cutoff_BS.unsqueeze(-1), float("-inf"))
     return vocab_parallel_entropy(
-        logits_BSV.float() / temperature if temperature != 1 else logits_BSV,
+        z,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
         true_vocab=true_vocab,
         all_reduce_sum=reduce_from_tensor_model_parallel_region,
@@ -74,16 +78,28 @@ POLICY_LOSSES = {
 }
 
 
-def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, temperature: float, true_vocab: int):
+def actor_loss(
+    actor: ActorConfig,
+    algo: AlgorithmConfig,
+    norm: GlobalNorm,
+    *,
+    temperature: float,
+    true_vocab: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
     """Loss function for one actor mini-batch. Micro-batch fields: ``advantages``, ``rollout_logp``, and optionally
     ``old_logp`` (absent: the policy before this update is the current one, so old = current, detached) and
-    ``ref_logp`` (with a KL loss)."""
+    ``ref_logp`` (with a KL loss). The policy is the sampler's: softmax(logits / temperature) over the tokens its
+    top-k / top-p keep (all tokens when they are off)."""
 
     def loss_fn(mb: dict, logits_BSV: torch.Tensor):
         mask = mb["loss_mask"]
+        cutoff = tp_truncation_cutoff(logits_BSV, mb["targets"], temperature, true_vocab, top_k, top_p)
         # the entropy metric comes from the log-probs' own pass; a bonus needs its gradient (a pass of its own)
         bonus = actor.entropy_coeff != 0
-        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=not bonus)
+        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=not bonus,
+                                    cutoff_BS=cutoff)  # fmt: skip
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         # seq_mask's rejected sequences already left loss_mask (``learn``): the accepted ones keep their weight here
         is_w = rollout_is_weights(old, mb["rollout_logp"], mask, algo.rollout_is, algo.rollout_is_cap,
@@ -92,7 +108,7 @@ def actor_loss(actor: ActorConfig, algo: AlgorithmConfig, norm: GlobalNorm, *, t
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
         if bonus:
-            entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
+            entropy = _tp_entropy(logits_BSV, temperature, true_vocab, cutoff)
             loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.agg_mode)
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
