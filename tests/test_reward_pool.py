@@ -289,3 +289,20 @@ def test_the_collective_timeout_must_outlast_a_reward_call_and_its_retries(tiny_
     validate(load_config(base, [*user, "trainer.collective_timeout_s=1240"]))
     validate(load_config(base, [*user, "reward.num_workers=0"]))  # in the trainer's process: no timeout
     assert load_config(base, ["reward.stop_on_error_fraction=null"]).reward.stop_on_error_fraction is None
+
+
+def test_the_step_scoring_budget_is_explicit_and_bounded_by_the_collective_timeout(tiny_llama_dir):
+    """reward.step_timeout_s: null is today's collective_timeout_s - 60; more than that, or less than one call's
+    timeout, is refused in one line."""
+    base = os.path.join(REPO, "configs/quickstart.yaml")
+    assert load_config(base).reward.step_timeout_s == 540
+    assert load_config(base, ["trainer.collective_timeout_s=900"]).reward.step_timeout_s == 840
+    assert load_config(base, ["reward.timeout_s=30", "reward.step_timeout_s=60"]).reward.step_timeout_s == 60
+    with pytest.raises(ConfigError, match=r"^reward.step_timeout_s: 700 must be <= trainer.collective_timeout_s - 60 "
+                                          r"= 540 \(the other ranks"):  # fmt: skip
+        load_config(base, ["reward.step_timeout_s=700"])
+    with pytest.raises(ConfigError, match="reward.step_timeout_s: 10 is below reward.timeout_s=30"):
+        load_config(base, ["reward.timeout_s=30", "reward.step_timeout_s=10"])
+    user = [f"model.path={tiny_llama_dir}", "reward.timeout_s=590", f"reward.function={FILE}:nan"]
+    validate_ok = load_config(base, [*user, "trainer.collective_timeout_s=1300", "reward.step_timeout_s=600"])
+    assert validate_ok.reward.step_timeout_s == 600

@@ -483,6 +483,12 @@ class RewardConfig:
     """Seconds one call of a user's reward function may take (a worker's share of the rank's samples, or one sample
     when re-scored). A call past it has its worker killed and replaced; its samples are re-scored one by one under the
     same bound, and a sample that still times out scores 0 (counted in reward/errors and reward/timeouts)."""
+    step_timeout_s: float | None = None
+    """Seconds a rank waits for its samples' scores once generation (or validation's generation) is done: every call
+    of a user's function, re-scoring included. Past it the samples not scored yet score 0 (counted in reward/errors
+    and reward/timeouts) and stop_on_error_fraction applies. null: trainer.collective_timeout_s - 60 (540 s by
+    default); at most that, since the other ranks wait for the slowest rank's scores in a collective. Printed at
+    start-up. Unused by the built-ins (they run in the trainer's process, unbounded)."""
     stop_on_error_fraction: float | None = 1.0
     """Stop the run (non-zero exit, the first failure printed) when at least this fraction of a step's samples failed
     to score (raised, timed out, returned a bad value); null: never stop, train on the others."""
@@ -503,6 +509,10 @@ class RewardConfig:
             _require(math.isfinite(float(w)), "combine", f"the {part}'s weight must be finite, got {w}")
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        step = self.step_timeout_s
+        if step is not None:
+            _require(step >= self.timeout_s, "step_timeout_s",
+                     f"{step:g} is below reward.timeout_s={self.timeout_s:g}: no call could time out")  # fmt: skip
         fraction = self.stop_on_error_fraction
         _require(
             fraction is None or 0 < fraction <= 1,
@@ -833,3 +843,12 @@ class MegarlConfig:
     """Resource pools (absent: colocated)."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Generation overlapped with training (one-step-off), on a rollout pool."""
+
+    def __post_init__(self):
+        most = self.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
+        if self.reward.step_timeout_s is None:
+            self.reward.step_timeout_s = float(most)
+        step = self.reward.step_timeout_s
+        _require(step <= most, "reward.step_timeout_s",
+                 f"{step:g} must be <= trainer.collective_timeout_s - {REWARD_WAIT_MARGIN_S} = {most} (the other "
+                 "ranks wait for its scores in a collective); lower it or raise the collective timeout")  # fmt: skip

@@ -64,12 +64,13 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     errors += _rollout_errors(cfg, spec, rollout_pool[0].size if rollout_pool else layout.world_size)
     from megarl.rewards.scorer import in_workers
 
-    need = 2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S  # a call that times out, then its samples one by one
-    if in_workers(cfg.reward) and cfg.trainer.collective_timeout_s < need:
-        errors.append(
+    most = cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
+    if in_workers(cfg.reward) and cfg.reward.step_timeout_s >= most and most < 2 * cfg.reward.timeout_s:
+        errors.append(  # the default budget must leave room for a call that times out, then its samples one by one
             f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= 2 x reward.timeout_s + "
-            f"{REWARD_WAIT_MARGIN_S} = {need:g} (the other ranks wait in a collective while a rank scores, re-scoring "
-            "included); raise it or lower reward.timeout_s"
+            f"{REWARD_WAIT_MARGIN_S} = {2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S:g} (the other ranks wait in a "
+            "collective while a rank scores, re-scoring included); raise it, lower reward.timeout_s, or set "
+            "reward.step_timeout_s"
         )
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))

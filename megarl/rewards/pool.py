@@ -134,7 +134,9 @@ class RewardPool:
             raise
 
     def describe(self) -> str:
-        return f"{self.spec} in {len(self.workers)} worker process(es) per rank, {self.timeout_s:g} s per call"
+        per_step = f", {self.budget_s:g} s per step (reward.step_timeout_s)" if self.budget_s else ""
+        workers = f"{len(self.workers)} worker process(es) per rank"
+        return f"{self.spec} in {workers}, {self.timeout_s:g} s per call{per_step}"
 
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
         """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome does not
@@ -278,9 +280,8 @@ class RewardPool:
         """The budget ran out: every sample not scored yet fails as a timeout; busy workers are replaced."""
         late = Failure(
             TIMEOUT,
-            f"was not scored within this rank's {self.budget_s:g} s for the batch (trainer.collective_timeout_s "
-            "minus a margin: the other ranks wait meanwhile); raise both it and reward.timeout_s, or use more "
-            "reward.num_workers",
+            f"was not scored within this rank's {self.budget_s:g} s for the batch (reward.step_timeout_s: the other "
+            "ranks wait meanwhile); raise it (and trainer.collective_timeout_s), or use more reward.num_workers",
         )
         for w in list(self.workers):
             if w.task is not None:

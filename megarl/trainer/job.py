@@ -29,7 +29,7 @@ from megarl.checkpoint.training import (
     set_rng_states,
 )
 from megarl.config.loader import to_yaml
-from megarl.config.schema import REWARD_WAIT_MARGIN_S, MegarlConfig
+from megarl.config.schema import MegarlConfig
 from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
@@ -414,7 +414,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     state.wandb_run_id = tracker.run_id
     rewards = None
     if place.hosts("rollout"):  # scored where the samples are generated; last
-        rewards = open_rewards(cfg.reward, budget_s=cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S)
+        rewards = open_rewards(cfg.reward, budget_s=cfg.reward.step_timeout_s)
     learners = place
     if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
         learners = None if place.hosts("rollout") else place.without("rollout")
