@@ -12,7 +12,7 @@ def _cmd_train(args) -> int:
     from megarl.config.loader import load_config_and_defaults
     from megarl.config.validate import check_inputs
     from megarl.trainer import faults
-    from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, plan_start
+    from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
 
     launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     if launched is not None:  # a rank under torchrun: first of all, die with the launcher
@@ -31,6 +31,9 @@ def _cmd_train(args) -> int:
     if launched is None and not args.dry_run:
         try:
             plan_start(cfg, spec)  # resume target, same model, writable output_dir: before any process starts
+        except RunComplete as e:
+            print(f"[megarl] {e}", flush=True)
+            return 0
         except ResumeError as e:
             print(f"megarl: {e}", file=sys.stderr)
             return 2
@@ -71,6 +74,9 @@ def _cmd_train(args) -> int:
 
     try:
         run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+    except RunComplete as e:
+        print(f"[megarl] {e}", flush=True)
+        return 0
     except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:
         print(f"megarl: {e}", file=sys.stderr, flush=True)
         return 1
@@ -94,10 +100,15 @@ def _rank(train, *args) -> int:
     from megarl.parallel.init import describe_collective_timeout
     from megarl.rewards import RewardFailure
     from megarl.trainer.collect import DynamicSamplingExhausted
-    from megarl.trainer.resume import ResumeError
+    from megarl.trainer.resume import ResumeError, RunComplete
 
     try:
         train(*args)
+    except RunComplete as e:  # a requeued job whose run already ended: completed, not failed
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[megarl] {e}", flush=True)
+        lifetime.finish_rank()
+        return 0
     except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:  # decided on gathered data: all ranks alike
         if os.environ.get("RANK", "0") == "0":
             print(f"megarl: {e}", file=sys.stderr, flush=True)

@@ -33,6 +33,19 @@ def hang(prompts, responses, ground_truths, extras):
     return [1.0] * len(prompts)
 
 
+_calls = [0]
+
+
+def hang_every_second_call(prompts, responses, ground_truths, extras):
+    """Every second call in each worker process never returns (a replaced worker starts counting again); the
+    others score every sample 1.0."""
+    _calls[0] += 1
+    if _calls[0] % 2 == 0:
+        _mark("hang")
+        time.sleep(3600)
+    return [1.0] * len(prompts)
+
+
 def hang_with_child(prompts, responses, ground_truths, extras):
     """Starts a process (a sandbox) and hangs: the timeout must take the child too."""
     if _misbehaves(prompts):

@@ -16,7 +16,7 @@ from megarl.config.validate import validate
 from megarl.convert.cli import hf_to_megatron_main, megatron_to_hf_main
 from megarl.models.spec import read_hf_config
 from megarl.trainer import faults
-from megarl.trainer.resume import ResumeError, plan_start
+from megarl.trainer.resume import ResumeError, RunComplete, plan_start, set_aside_previous_run
 
 
 def _iteration(root, step, files=None, manifest=True):
@@ -88,9 +88,14 @@ def test_plan_start_fresh_resume_and_refusals(cfg_for, tiny_llama_dir, tmp_path)
     cfg, spec = cfg_for()
     assert plan_start(cfg, spec) is None  # empty output_dir: a fresh start
     out = tmp_path / "out"
-    (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ResumeError, match="holds a previous run but no complete checkpoint"):
+    (out / "metrics.jsonl").write_text("")
+    (out / "config.yaml").write_text("")
+    assert plan_start(cfg, spec) is None  # a run that never completed a step starts over (build_job sets it aside)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')  # the last line cut by a kill
+    with pytest.raises(ResumeError, match="holds a previous run that completed step 2 but no complete checkpoint"):
         plan_start(cfg, spec)
+    with pytest.raises(RunComplete, match="completed its step 2 = trainer.total_steps: the run is complete"):
+        plan_start(cfg_for("trainer.total_steps=2")[0], spec)  # no checkpoint (save_every=0), every step done
     never, _ = cfg_for("trainer.resume=never")
     with pytest.raises(ResumeError, match="trainer.overwrite=true"):
         plan_start(never, spec)
@@ -98,8 +103,10 @@ def test_plan_start_fresh_resume_and_refusals(cfg_for, tiny_llama_dir, tmp_path)
     root = _fake_training_checkpoint(out, read_hf_config(tiny_llama_dir))
     found = plan_start(cfg, spec)
     assert found.step == 2 and found.path == str(root / "iter_0000002")
-    with pytest.raises(ResumeError, match="nothing left to run"):
+    with pytest.raises(RunComplete, match="the run is complete, nothing to do"):
         plan_start(cfg_for("trainer.total_steps=2")[0], spec)
+    with pytest.raises(ResumeError, match="nothing left to run"):  # an explicit checkpoint: not this run's end
+        plan_start(cfg_for("trainer.total_steps=2", f"trainer.resume={root / 'iter_0000002'}")[0], spec)
     with pytest.raises(ResumeError, match="no complete iter_N checkpoint"):
         plan_start(cfg_for(f"trainer.resume={tmp_path / 'nowhere'}")[0], spec)
     assert plan_start(cfg_for(f"trainer.resume={root / 'iter_0000002'}")[0], spec).step == 2
@@ -165,3 +172,16 @@ def test_a_damaged_latest_is_refused_naming_it(tmp_path, capsys):
     assert f"{root / 'latest'} is damaged" in err and "iter_0000003" in err
     assert _listing(root) == before and not (tmp_path / "hf").exists()
     assert json.loads((root / "iter_0000003" / MANIFEST).read_text())["files"]  # nothing lost
+
+
+def test_a_run_that_never_completed_a_step_is_set_aside_but_the_slurm_logs_stay(tmp_path):
+    out = tmp_path / "out"
+    (out / "engine").mkdir(parents=True)
+    (out / "slurm").mkdir()
+    (out / "slurm" / "job.out").write_text("live")
+    (out / "config.yaml").write_text("x")
+    (out / "metrics.jsonl").write_text("")
+    aside = set_aside_previous_run(str(out))
+    assert sorted(os.listdir(out)) == sorted(["slurm", os.path.basename(aside)])
+    assert sorted(os.listdir(aside)) == ["config.yaml", "engine", "metrics.jsonl"]
+    assert (out / "slurm" / "job.out").read_text() == "live"

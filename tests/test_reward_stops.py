@@ -101,3 +101,21 @@ def test_sigterm_while_the_reward_hangs_saves_and_the_next_run_resumes(tiny_llam
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["reward/timeouts"] > 0 and rows[0]["reward/timeouts"] == rows[0]["reward/errors"]
     assert left == []
+
+
+def test_a_reward_hanging_on_every_second_call_is_bounded_by_the_step_budget(tiny_llama_dir, tmp_path):
+    """reward.timeout_s=2, reward.step_timeout_s=4: every step's scoring ends within the step budget (the samples
+    still unscored then score 0 as timeouts) and the 3-step run completes."""
+    out = tmp_path / "out"
+    cmd = _cmd(tiny_llama_dir, out, "hang_every_second_call", "reward.timeout_s=2", "reward.step_timeout_s=4",
+               "reward.stop_on_error_fraction=null")  # fmt: skip
+    with open(tmp_path / "log", "w") as log:
+        proc, tag = _start(cmd, log)
+        rc, text, left = _finish(proc, tag, log)
+    assert rc == 0, text[-3000:]
+    assert "2 s per call, 4 s per step (reward.step_timeout_s)" in text
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert sum(r["reward/timeouts"] for r in rows) > 0
+    assert max(r["timing/reward"] for r in rows) < 4 + 2, [r["timing/reward"] for r in rows]
+    assert left == []

@@ -51,7 +51,9 @@ from megarl.trainer.resume import (
     TIMELINE_FILE,
     ResumeError,
     clear_previous_run,
+    holds_previous_run,
     plan_start,
+    set_aside_previous_run,
 )
 from megarl.trainer.roles import Roles, make_roles
 from megarl.trainer.state import TrainerState
@@ -309,6 +311,10 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
             abandoned = abandon_later(root, start.step)
         if start is None and cfg.trainer.overwrite:
             clear_previous_run(out_dir)
+        elif start is None and cfg.trainer.resume == "auto" and holds_previous_run(out_dir):
+            aside = set_aside_previous_run(out_dir)  # it never completed a step (plan_start refuses otherwise)
+            print(f"[megarl] trainer.output_dir held a run that never completed a step: its files moved to {aside}; "
+                  "starting over", flush=True)  # fmt: skip
         for stale in interrupted:
             shutil.rmtree(stale, ignore_errors=True)
         if os.path.exists(os.path.join(out_dir, STOPPED_FILE)):

@@ -36,6 +36,48 @@ class ResumeError(ValueError):
     """The run cannot start from what output_dir / trainer.resume name; the message says the fix."""
 
 
+class RunComplete(ResumeError):
+    """``trainer.resume=auto`` found the run already at trainer.total_steps: nothing to do, and not a failure (exit
+    0: a SLURM job requeued after its last save ends as completed)."""
+
+
+SLURM_LOG_DIR = "slurm"
+"""``megarl launch slurm``'s default log folder inside output_dir: the live job writes it, nothing moves it."""
+SET_ASIDE_PREFIX = "set-aside-"
+"""Where a run that never completed a step is moved when ``resume=auto`` starts over: ``set-aside-<UTC time>/``."""
+
+
+def completed_steps(out: str) -> list[int]:
+    """The steps ``metrics.jsonl`` records as completed (empty when it is absent or empty)."""
+    import json
+
+    path = os.path.join(out, METRICS_FILE)
+    if not os.path.isfile(path):
+        return []
+    steps = []
+    with open(path) as f:
+        for line in f:
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):  # a line cut by a kill: not a completed step
+                continue
+    return steps
+
+
+def set_aside_previous_run(out: str) -> str:
+    """Move everything ``out`` holds (but the SLURM log folder and earlier set-aside folders) into a new
+    ``set-aside-<UTC time>`` folder in it; returns that folder."""
+    import time
+
+    aside = os.path.join(out, SET_ASIDE_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    os.makedirs(aside)
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if name != SLURM_LOG_DIR and not name.startswith(SET_ASIDE_PREFIX) and not name.startswith(".megarl-"):
+            shutil.move(path, os.path.join(aside, name))
+    return aside
+
+
 def _check_writable(out: str) -> None:
     try:
         os.makedirs(out, exist_ok=True)
@@ -84,10 +126,17 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
     if t.resume == "auto":
         found = find_resume(out)
         if found is None:
-            if holds_previous_run(out):
+            steps = completed_steps(out)
+            if steps and max(steps) >= t.total_steps:  # trainer.save_every=0 leaves no checkpoint at the end
+                raise RunComplete(
+                    f"trainer.output_dir={out} holds a run that completed its step {max(steps)} = trainer.total_steps: "
+                    "the run is complete, nothing to do"
+                )
+            if holds_previous_run(out) and steps:  # a run that never completed a step starts over (set aside)
                 _, skipped = complete_iterations(checkpoints_root(out))
                 raise ResumeError(
-                    f"trainer.output_dir={out} holds a previous run but no complete checkpoint to continue from"
+                    f"trainer.output_dir={out} holds a previous run that completed step {max(steps)} but no complete "
+                    "checkpoint to continue from"
                     + (f" ({'; '.join(skipped)})" if skipped else "")
                     + ": set trainer.resume=never trainer.overwrite=true to start over there, or choose another "
                     "trainer.output_dir"
@@ -99,6 +148,11 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
         except (ManifestError, ckpt.CheckpointError) as e:
             raise ResumeError(f"trainer.resume: {e}") from None
     _check_same_model(found, spec)
+    if found.step >= t.total_steps and t.resume == "auto":
+        raise RunComplete(
+            f"{found.path} is at step {found.step} and trainer.total_steps={t.total_steps}: the run is complete, "
+            "nothing to do (raise trainer.total_steps to continue training)"
+        )
     if found.step >= t.total_steps:
         raise ResumeError(
             f"{found.path} is at step {found.step}, and trainer.total_steps={t.total_steps}: nothing left to run "

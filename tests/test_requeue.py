@@ -1,0 +1,67 @@
+"""What a requeued SLURM job runs: the same `megarl train` command with trainer.resume=auto. A run SIGKILLed before it
+completed a step starts over (its files set aside, the SLURM log folder left alone) and equals an uninterrupted run;
+the same command on a complete run exits 0. One rank, HF rollout, the built-in reward: the resume logic is the point."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
+
+
+def _cmd(model, out):
+    return [sys.executable, "-m", "megarl.cli", "train", "configs/quickstart.yaml", f"model.path={model}",
+            f"trainer.output_dir={out}", "actor.parallel.tp=1", "rollout.backend=hf", "trainer.total_steps=2",
+            "trainer.val_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+            "data.train_batch_size=4", "rollout.sampling.n=4", "actor.global_batch_size=16",
+            "rollout.sampling.max_new_tokens=6"]  # fmt: skip
+
+
+def _env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _run(cmd) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _algorithmic(out) -> list[dict]:
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_ALGORITHMIC)} for r in rows]
+
+
+def test_a_run_killed_before_its_first_step_starts_over_and_a_complete_run_exits_0(tiny_llama_dir, tmp_path):
+    reference = _run(_cmd(tiny_llama_dir, tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    out = tmp_path / "run"
+    (out / "slurm").mkdir(parents=True)
+    (out / "slurm" / "job.out").write_text("the live job's log\n")
+    proc = subprocess.Popen(_cmd(tiny_llama_dir, out), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "config.yaml").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # as a preemption without grace would
+    proc.wait()
+    if (out / "metrics.jsonl").exists():
+        assert not _algorithmic(out)  # killed before a step completed
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
+
+    again = _run(_cmd(tiny_llama_dir, out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "held a run that never completed a step: its files moved to" in again.stdout
+    assert _algorithmic(out) == _algorithmic(tmp_path / "reference")
+    assert (out / "slurm" / "job.out").read_text() == "the live job's log\n"
+    assert any(name.startswith("set-aside-") for name in os.listdir(out))
+
+    complete = _run(_cmd(tiny_llama_dir, out))
+    assert complete.returncode == 0, complete.stderr[-3000:]
+    assert "the run is complete, nothing to do" in complete.stdout
