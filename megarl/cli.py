@@ -155,6 +155,7 @@ def _plan_for(cfg, spec, args=None, sync: bool = True):
         nvlink_gbps=getattr(args, "nvlink_gbps", None),
         peak_tflops=getattr(args, "peak_tflops", None),
         hbm_gb_s=getattr(args, "hbm_gb_s", None),
+        fs_gb_s=getattr(args, "fs_gb_s", None),
     )
     return make_plan(cfg, spec, hw, sync=sync)
 
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink Gbit/s per GPU (default 2400)")
     plan.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU (default 312)")
     plan.add_argument("--hbm-gb-s", type=float, default=None, help="GPU memory GB/s (default 2039)")
+    plan.add_argument("--fs-gb-s", type=float, default=None, help="checkpoint filesystem GB/s per node (default 2)")
     plan.set_defaults(func=_cmd_plan)
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")

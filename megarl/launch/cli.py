@@ -55,7 +55,11 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-file", default=None, help="per-cluster KEY=VALUE lines, e.g. launch/clusters/example.env")
     p.add_argument("--job-name", default=None, help="job name (default: megarl-<recipe name>)")
     p.add_argument("--rdzv-port", type=int, default=29500, help="c10d rendezvous port on the first node")
-    p.add_argument("--signal-secs", type=int, default=300, help="SIGUSR1 this long before the time limit (s)")
+    p.add_argument("--signal-secs", type=int, default=None,
+                   help="SIGUSR1 this long before the time limit (s); default: from the plan (the current step + a "
+                        "save), at least 300")  # fmt: skip
+    p.add_argument("--fs-gb-s", type=float, default=2.0,
+                   help="checkpoint filesystem GB/s per node, for the derived signal lead (default 2)")  # fmt: skip
     p.add_argument("--submit", action="store_true", help="write the script to the log folder and sbatch it")
     _strict_paths(p)
     net = p.add_argument_group("NCCL / InfiniBand (override --env-file)")
@@ -86,7 +90,7 @@ def _slurm(argv: list[str]) -> int:
         recipe=a.recipe, overrides=a.overrides, nodes=a.nodes, gpus_per_node=a.gpus_per_node, cpu=a.cpu,
         cpus_per_node=a.cpus_per_node, partition=a.partition, account=a.account, time=a.time, log_dir=a.log_dir,
         env_file=a.env_file, network=network, job_name=a.job_name, rdzv_port=a.rdzv_port,
-        signal_secs=a.signal_secs, submit=a.submit, strict_paths=a.strict_paths,
+        signal_secs=a.signal_secs, fs_gb_s=a.fs_gb_s, submit=a.submit, strict_paths=a.strict_paths,
     )  # fmt: skip
     return slurm.launch(opts)
 

@@ -5,6 +5,7 @@ printed, or written and submitted. The NCCL/InfiniBand environment comes from de
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -92,8 +93,11 @@ class SlurmOptions:
     """``#SBATCH --job-name``; None: ``megarl-<recipe name>``."""
     rdzv_port: int = 29500
     """TCP port of torchrun's c10d rendezvous on the first node."""
-    signal_secs: int = 300
-    """SLURM sends SIGUSR1 this many seconds before the time limit: enough for the current step and a save."""
+    signal_secs: int | None = None
+    """SLURM sends SIGUSR1 this many seconds before the time limit: enough for the current step and a save.
+    None: derived from the plan (``signal_lead``)."""
+    fs_gb_s: float = 2.0
+    """Checkpoint filesystem write bandwidth per node in GB/s, for the derived signal lead."""
     submit: bool = False
     """Write the script to ``log_dir`` and submit it with ``sbatch`` instead of printing it."""
     strict_paths: bool = False
@@ -102,7 +106,10 @@ class SlurmOptions:
     def __post_init__(self):
         positive(self.nodes, "--nodes")
         positive(self.gpus_per_node, "--gpus-per-node")
-        positive(self.signal_secs, "--signal-secs")
+        if self.signal_secs is not None:
+            positive(self.signal_secs, "--signal-secs")
+        if not self.fs_gb_s > 0:
+            raise LaunchError(f"--fs-gb-s must be > 0, got {self.fs_gb_s}")
         if self.cpus_per_node is not None:
             positive(self.cpus_per_node, "--cpus-per-node")
         if not 1 <= self.rdzv_port <= 65535:
@@ -216,14 +223,20 @@ def log_folder(opts: SlurmOptions, cfg: MegarlConfig) -> str:
     return os.path.abspath(opts.log_dir or os.path.join(cfg.trainer.output_dir, "slurm"))
 
 
-def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) -> str:
-    """The sbatch script, after refusing a layout the nodes cannot hold or a resume setting requeues would break."""
+def check(opts: SlurmOptions, cfg: MegarlConfig) -> None:
+    """Refuse a layout the nodes cannot hold, a resume setting requeues would break, or a path sbatch cannot take."""
     check_nodes(cfg, opts.nodes, opts.gpus_per_node, "--nodes", "--gpus-per-node")
     check_resume(cfg)
     sbatch_value("--output", log_folder(opts, cfg))
     sbatch_value("--chdir (the current directory)", os.getcwd())
     if "\n" in opts.recipe:
         raise LaunchError(f"recipe {opts.recipe!r}: a path with a newline")
+    job_env(opts)  # the env file's and --env's lines parse
+
+
+def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) -> str:
+    """The sbatch script, after ``check``."""
+    check(opts, cfg)
     folder = os.path.dirname(os.path.abspath(templates.__file__))
     values = {
         "RECIPE": shlex.quote(opts.recipe),
@@ -233,7 +246,7 @@ def render(opts: SlurmOptions, cfg: MegarlConfig, python: str = sys.executable) 
         "LOG_DIR": log_folder(opts, cfg),
         "LOG_DIR_QUOTED": shlex.quote(log_folder(opts, cfg)),
         "WORKDIR": os.getcwd(),
-        "SIGNAL_SECS": str(opts.signal_secs),
+        "SIGNAL_SECS": str(opts.signal_secs if opts.signal_secs is not None else signal_lead(opts, cfg)[0]),
         "ENV": env_block(job_env(opts), sorted(opts.network.passed_env())),
         "STOPPED": shlex.quote(os.path.join(os.path.abspath(cfg.trainer.output_dir), STOPPED_FILE)),
         "RDZV_PORT": str(opts.rdzv_port),
@@ -272,9 +285,30 @@ def submit(script: str, path: str, passed: dict[str, str]) -> str:
     return out.stdout.strip().split(";")[0]
 
 
+def signal_lead(opts: SlurmOptions, cfg: MegarlConfig) -> tuple[int, str]:
+    """The SIGUSR1 lead from the plan on these nodes (``megarl.plan.step_time.signal_lead``) and how it was derived;
+    the minimum when the job cannot be planned here (its model's config.json unreadable on this host)."""
+    from megarl.config.validate import validate
+    from megarl.plan import Hardware, PlanError, make_plan
+    from megarl.plan.step_time import MIN_SIGNAL_LEAD_S
+    from megarl.plan.step_time import signal_lead as planned_lead
+
+    try:
+        plan = make_plan(cfg, validate(cfg), Hardware(opts.nodes, opts.gpus_per_node, fs_gb_s=opts.fs_gb_s))
+    except (PlanError, ValueError, OSError) as e:
+        return MIN_SIGNAL_LEAD_S, f"{MIN_SIGNAL_LEAD_S} s (the minimum: the job could not be planned here: {e})"
+    lead, how = planned_lead(cfg, plan.step, plan.save)
+    return lead, f"{how}; save at --fs-gb-s {opts.fs_gb_s:g} GB/s per node"
+
+
 def launch(opts: SlurmOptions) -> int:
     """Print the script, or submit it and print the job id."""
     cfg = load_config(opts.recipe, opts.overrides)
+    check(opts, cfg)
+    if opts.signal_secs is None:
+        lead, how = signal_lead(opts, cfg)
+        print(f"[megarl] SIGUSR1 lead (--signal-secs): {how}", file=sys.stderr)
+        opts = dataclasses.replace(opts, signal_secs=lead)
     script = render(opts, cfg)
     for warning in preflight(cfg, opts.nodes * opts.gpus_per_node, strict_paths=opts.strict_paths):
         print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)

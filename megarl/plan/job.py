@@ -29,7 +29,15 @@ from megarl.plan.memory import (
     micro_batch_tokens,
     rank_memory,
 )
-from megarl.plan.step_time import StepTime, step_time, step_time_lines
+from megarl.plan.step_time import (
+    SaveTime,
+    StepTime,
+    save_time,
+    save_time_line,
+    signal_lead,
+    step_time,
+    step_time_lines,
+)
 
 
 class PlanError(ValueError):
@@ -58,6 +66,8 @@ class Hardware:
     """Fraction of the peak FLOP/s that training and prefill reach (the step-time estimate)."""
     decode_bw_efficiency: float = 0.6
     """Fraction of the memory bandwidth that decoding reaches (the step-time estimate)."""
+    fs_gb_s: float = 2.0
+    """Write bandwidth of the checkpoint filesystem per node in GB/s (the save-time estimate only)."""
 
 
 def default_hardware(world: int, nodes: int | None, gpus_per_node: int | None, **links) -> Hardware:
@@ -80,6 +90,8 @@ class JobPlan:
     """Weight-sync statistics of the resharding engine's plan (bytes by link, busiest rank/node, est_s)."""
     step: StepTime | None = None
     """The step-time estimate (with the sync plan)."""
+    save: SaveTime | None = None
+    """The training checkpoint's size and save-time estimate."""
 
     @property
     def capacity(self) -> int:
@@ -139,7 +151,7 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             stats["adapters"] = stats_of(plan(src, dst))
     step = step_time(cfg, spec, hw, stats["est_s"]) if stats else None
     ranks = rank_memory(cfg, spec, layout, gpn, gpu_bytes=int(hw.gpu_mem_gb * 1e9))
-    return JobPlan(cfg, spec, layout, hw, ranks, stats, step)
+    return JobPlan(cfg, spec, layout, hw, ranks, stats, step, save_time(cfg, spec, hw))
 
 
 # --- what would make it fit ----------------------------------------------------------------------------------------
@@ -299,6 +311,10 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     if job.step is not None:
         lines += ["", "## Step time (estimate)"]
         lines += step_time_lines(job.step, hw, one_step_off=any("rollout" in p.roles for p in pools_of(cfg)))
+    if job.save is not None:
+        lines += [save_time_line(job.save, hw)]
+        if job.step is not None:
+            lines += [f"SLURM signal lead: {signal_lead(cfg, job.step, job.save)[1]}"]
     lora = cfg.actor.lora
     if lora is not None:
         trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])

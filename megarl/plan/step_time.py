@@ -19,7 +19,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.config.validate import critic_parallel, pools_of, rollout_tp
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.plan.memory import DTYPE_BYTES, model_params
+from megarl.plan.memory import DTYPE_BYTES, lora_params, model_params
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,53 @@ def step_time_lines(t: StepTime, hw, *, one_step_off: bool) -> list[str]:
         f"estimated: {hw.peak_tflops:g} TFLOP/s per GPU at {hw.mfu:.0%} (learning, prefill), HBM {hw.hbm_gb_s:g} GB/s "
         f"at {hw.decode_bw_efficiency:.0%} (decode), responses of max_new_tokens; rewards and stragglers left out",
     ]
+
+
+OPTIMIZER_BYTES = {"adam": 8, "sgd": 0}
+"""Optimizer state per trained parameter in a checkpoint: Adam's two fp32 moments; plain SGD none."""
+MIN_SIGNAL_LEAD_S = 300
+"""The SLURM signal lead never goes below this (``#SBATCH --signal=B:USR1@<lead>``)."""
+
+
+@dataclass(frozen=True)
+class SaveTime:
+    """A training checkpoint: what it holds and how long writing it takes."""
+
+    bytes: int
+    """Trained weights (model dtype), their fp32 main copies below fp32, and the optimizer state, every model."""
+    nodes: int
+    seconds: float
+    """``bytes`` spread over the nodes, each writing at ``Hardware.fs_gb_s``."""
+
+
+def save_time(cfg: MegarlConfig, spec: ModelSpec, hw) -> SaveTime:
+    """The estimate for ``cfg`` on ``hw``: the actor's trained parameters (its adapters with LoRA) and the critic's,
+    each with its weights, fp32 main parameters (bf16/fp16 runs) and optimizer state; the frozen reference and reward
+    model are not saved."""
+    from megarl.trainer.models import needs_critic
+
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+    main = 4 if dtype_bytes < 4 else 0
+    lora = cfg.actor.lora
+    actor = sum(p.numel for p in lora_params(spec, ParallelLayout(), lora)[0]) if lora else _params(spec)
+    models = [(actor, cfg.actor.optim.optimizer)]
+    if needs_critic(cfg):
+        models.append((_params(spec, value_head=True), cfg.critic.optim.optimizer))
+    total = sum(n * (dtype_bytes + main + OPTIMIZER_BYTES[opt]) for n, opt in models)
+    return SaveTime(total, hw.nodes, total / hw.nodes / (hw.fs_gb_s * 1e9))
+
+
+def save_time_line(save: SaveTime, hw) -> str:
+    return (f"checkpoint save: {save.bytes / 1e9:.1f} GB, {save.bytes / save.nodes / 1e9:.1f} GB per node at "
+            f"{hw.fs_gb_s:g} GB/s: {save.seconds:.1f} s (estimate)")  # fmt: skip
+
+
+def signal_lead(cfg: MegarlConfig, step: StepTime, save: SaveTime) -> tuple[int, str]:
+    """Seconds before the time limit SLURM should signal the job, and how they were derived: a stop finishes the
+    current step (generation, learning, weight sync), then saves."""
+    step_s = step.sync_step_s if cfg.async_training.mode == "sync" else step.one_step_off_step_s
+    need = step_s + save.seconds
+    lead = max(MIN_SIGNAL_LEAD_S, math.ceil(need))
+    how = (f"{lead} s = max({MIN_SIGNAL_LEAD_S}, the current step {step_s:.1f} s (generate {step.generate_s:.1f} + "
+           f"learn {step.learn_s:.1f} + sync {step.sync_s:.2f}) + save {save.seconds:.1f} s)")  # fmt: skip
+    return lead, how
