@@ -305,13 +305,13 @@ def launch(opts: SlurmOptions) -> int:
     """Print the script, or submit it and print the job id."""
     cfg = load_config(opts.recipe, opts.overrides)
     check(opts, cfg)
+    for warning in preflight(cfg, opts.nodes * opts.gpus_per_node, strict_paths=opts.strict_paths):
+        print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)
     if opts.signal_secs is None:
         lead, how = signal_lead(opts, cfg)
         print(f"[megarl] SIGUSR1 lead (--signal-secs): {how}", file=sys.stderr)
         opts = dataclasses.replace(opts, signal_secs=lead)
     script = render(opts, cfg)
-    for warning in preflight(cfg, opts.nodes * opts.gpus_per_node, strict_paths=opts.strict_paths):
-        print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)
     logs = log_folder(opts, cfg)
     os.makedirs(logs, exist_ok=True)  # SLURM does not create the folder of --output
     passed = opts.network.passed_env()

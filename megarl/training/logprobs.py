@@ -32,29 +32,36 @@ def tp_all_reduce(op):
     return all_reduce
 
 
+CUTOFF_POSITIONS = 512
+"""Positions whose whole-vocabulary logits ``tp_truncation_cutoff`` holds at once."""
+
+
 @torch.no_grad()
 def tp_truncation_cutoff(
     logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, top_k: int, top_p: float
 ) -> torch.Tensor | None:
     """[B, S] the sampler's cutoff on logits / T at every position (None when top_k / top_p truncate nothing),
     lowered where needed so that the target stays kept (the sampler kept the token it drew). Top-p ranks the whole
-    vocabulary: with TP, one sequence's logits at a time are gathered over the TP group (no gradient)."""
+    vocabulary: with TP, ``CUTOFF_POSITIONS`` positions' logits at a time are gathered over the TP group (no
+    gradient), which bounds the transient copies to a few [CUTOFF_POSITIONS, vocabulary] fp32 tensors."""
     if not truncates(top_k, top_p):
         return None
     from megatron.core import parallel_state as ps
 
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    flat_NV, targets_N = logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)
     cutoffs = []
-    for row_SV, target_S in zip(logits_BSV, targets_BS):
-        parts = [row_SV.contiguous()]
+    for start in range(0, flat_NV.shape[0], CUTOFF_POSITIONS):
+        chunk = flat_NV[start : start + CUTOFF_POSITIONS].contiguous()
+        parts = [chunk]
         if tp > 1:
-            parts = [torch.empty_like(parts[0]) for _ in range(tp)]
-            dist.all_gather(parts, row_SV.contiguous(), group=group)
+            parts = [torch.empty_like(chunk) for _ in range(tp)]
+            dist.all_gather(parts, chunk, group=group)
         z = torch.cat(parts, -1)[..., :true_vocab].float()
         z = z / temperature if temperature != 1 else z  # the same arithmetic as the log-probs' pass
-        z_target = z.gather(-1, target_S.clamp(0, true_vocab - 1).unsqueeze(-1)).squeeze(-1)
-        cutoffs.append(torch.minimum(truncation_cutoff(z, top_k, top_p), z_target))
-    return torch.stack(cutoffs)
+        target = targets_N[start : start + CUTOFF_POSITIONS].clamp(0, true_vocab - 1).unsqueeze(-1)
+        cutoffs.append(torch.minimum(truncation_cutoff(z, top_k, top_p), z.gather(-1, target).squeeze(-1)))
+    return torch.cat(cutoffs).reshape(targets_BS.shape)
 
 
 def tp_logprobs(
