@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from megarl.algos.sampling import mask_below
+
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is numerical noise; keeps exp() finite
 
 
@@ -228,7 +230,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         z = logits[..., :kept].float()  # a copy below fp32, a view in fp32: never written
         z = z / temperature if temperature != 1 else z
         if cutoff is not None:  # the sampler's truncation: the scores below the cutoff have probability 0
-            z = z.masked_fill(z < cutoff.unsqueeze(-1), -math.inf)
+            z = mask_below(z, cutoff)
         local_max = z.amax(-1) if kept else z.new_full(z.shape[:-1], -math.inf)
         m = reduce_max(local_max)
         e = torch.exp(z - m.unsqueeze(-1))

@@ -31,8 +31,13 @@ def truncation_cutoff(z_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return cutoff
 
 
+def mask_below(z_NV: torch.Tensor, cutoff_N: torch.Tensor) -> torch.Tensor:
+    """A copy of the scores with those below their position's cutoff set to -inf (probability 0)."""
+    return z_NV.masked_fill(z_NV < cutoff_N.unsqueeze(-1), float("-inf"))
+
+
 def truncate(z_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Scores outside the top-k tokens / the top-p nucleus set to -inf (at least one token kept)."""
     if not truncates(top_k, top_p):
         return z_NV
-    return z_NV.masked_fill(z_NV < truncation_cutoff(z_NV, top_k, top_p).unsqueeze(-1), float("-inf"))
+    return mask_below(z_NV, truncation_cutoff(z_NV, top_k, top_p))

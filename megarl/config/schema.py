@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from megarl.algos.kl import K1_LOSS_REFUSED, KL_LOSSES
+from megarl.algos.losses import ROLLOUT_IS_LEVELS
 from megarl.models.builder import DTYPES
 
 
@@ -397,7 +398,7 @@ class AlgorithmConfig:
         _require(self.kl_penalty in KL_TYPES, "kl_penalty", f"must be one of {KL_TYPES}, got {self.kl_penalty!r}")
         _require(self.rollout_is in ROLLOUT_IS_MODES, "rollout_is", f"must be one of {ROLLOUT_IS_MODES}")
         _require(self.rollout_is_cap > 1, "rollout_is_cap", "must be > 1")
-        levels = ("sequence", "geometric")
+        levels = ROLLOUT_IS_LEVELS
         _require(self.rollout_is_level in levels, "rollout_is_level", f"must be one of {levels}")
         level, mode = self.rollout_is_level, self.rollout_is
         _require(level == "sequence" or mode == "seq_mask", "rollout_is_level",

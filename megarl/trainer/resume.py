@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError
 from megarl.checkpoint.training import Found, checkpoints_root, complete_iterations, find_resume, resolve_path
 from megarl.config.schema import MegarlConfig
+from megarl.logging.jsonl import read_metrics
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 
 METRICS_FILE = "metrics.jsonl"
@@ -48,27 +50,15 @@ SET_ASIDE_PREFIX = "set-aside-"
 
 
 def completed_steps(out: str) -> list[int]:
-    """The steps ``metrics.jsonl`` records as completed (empty when it is absent or empty)."""
-    import json
-
+    """The steps ``metrics.jsonl`` records as completed (empty when it is absent or empty; a last line cut by a kill
+    is not one)."""
     path = os.path.join(out, METRICS_FILE)
-    if not os.path.isfile(path):
-        return []
-    steps = []
-    with open(path) as f:
-        for line in f:
-            try:
-                steps.append(int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):  # a line cut by a kill: not a completed step
-                continue
-    return steps
+    return [int(row["step"]) for row in read_metrics(path)] if os.path.isfile(path) else []
 
 
 def set_aside_previous_run(out: str) -> str:
     """Move everything ``out`` holds (but the SLURM log folder and earlier set-aside folders) into a new
     ``set-aside-<UTC time>`` folder in it; returns that folder."""
-    import time
-
     aside = os.path.join(out, SET_ASIDE_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     os.makedirs(aside)
     for name in os.listdir(out):

@@ -23,6 +23,7 @@ from megarl.algos import (
     value_loss,
     vocab_parallel_entropy,
 )
+from megarl.algos.sampling import mask_below
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
 from megarl.training.logprobs import tp_all_reduce, tp_logprobs, tp_truncation_cutoff
 
@@ -58,7 +59,7 @@ def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int, c
 
     z = logits_BSV.float() / temperature if temperature != 1 else logits_BSV
     if cutoff_BS is not None:
-        z = z.masked_fill(z < cutoff_BS.unsqueeze(-1), float("-inf"))
+        z = mask_below(z, cutoff_BS)
     return vocab_parallel_entropy(
         z,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
