@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 
 def _cmd_train(args) -> int:
+    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if launched is not None:  # a rank under torchrun: first of all, die with the launcher
+        from megarl.launch import lifetime
+
+        lifetime.start_rank(int(os.environ.get("RANK", "0")))
+        stop = _stop_requests()  # then take SIGTERM/SIGUSR1 as a stop request (start-up included)
     from megarl.config import ConfigError, validate
     from megarl.config.loader import load_config_and_defaults
     from megarl.config.validate import check_inputs
     from megarl.trainer import faults
     from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
 
-    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    if launched is not None:  # a rank under torchrun: first of all, die with the launcher
-        from megarl.launch import lifetime
-
-        lifetime.start_rank(int(os.environ.get("RANK", "0")))
     try:
         cfg, chosen = load_config_and_defaults(args.config, args.overrides)
         spec = validate(cfg, world_size=launched)
@@ -65,15 +67,17 @@ def _cmd_train(args) -> int:
     source = model_source(cfg.model.path)
     _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
     if launched is not None:
-        return _rank(train, cfg, spec, source)  # a rank under torchrun: the relaunching parent reports a stop
+        return _rank(functools.partial(train, stop=stop), cfg, spec, source)  # a rank under torchrun: the
+        # relaunching parent reports a stop
     from megarl.launch import lifetime
 
     lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
+    stop = _stop_requests()
     from megarl.rewards import RewardFailure
     from megarl.trainer.collect import DynamicSamplingExhausted
 
     try:
-        run_on_ranks(train, 1, cfg, spec, source)  # one rank, in this process
+        run_on_ranks(functools.partial(train, stop=stop), 1, cfg, spec, source)  # one rank, in this process
     except RunComplete as e:
         print(f"[megarl] {e}", flush=True)
         return 0
@@ -81,6 +85,16 @@ def _cmd_train(args) -> int:
         print(f"megarl: {e}", file=sys.stderr, flush=True)
         return 1
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
+
+
+def _stop_requests():
+    """A rank's stop requests, installed before it builds anything (``megarl.trainer.preemption``)."""
+    from megarl.trainer import faults
+    from megarl.trainer.preemption import StopRequests
+
+    stop = StopRequests().__enter__()  # left by ``train`` (which enters it again) as the rank ends
+    faults.fire("sigusr1", 0)
+    return stop
 
 
 def _device_defaults(chosen: list[str], say: bool) -> None:

@@ -134,7 +134,8 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def _rng_states() -> dict:
+def rng_states() -> dict:
+    """This rank's RNG states: python, numpy, torch, CUDA and Megatron's tracker (what a checkpoint saves)."""
     from megatron.core import tensor_parallel
 
     return {
@@ -169,9 +170,9 @@ def _has_lora(model) -> bool:
     return has_lora(model.module)
 
 
-def _sharded_state(models, *, loading: bool, rng: bool, names=("actor", "critic")) -> dict:
+def _sharded_state(models, *, loading: bool, rng: bool | dict, names=("actor", "critic")) -> dict:
     """The dist-checkpoint state dict of the actor (plain names) and critic (``critic.`` names) among ``names``,
-    their optimizers and schedulers, and (``rng``) this rank's RNG states."""
+    their optimizers and schedulers, and (``rng``) this rank's RNG states (a dict: those, as captured earlier)."""
     state = {}
     for name, prefix in (("actor", ""), ("critic", "critic.")):
         model = getattr(models, name)
@@ -190,16 +191,18 @@ def _sharded_state(models, *, loading: bool, rng: bool, names=("actor", "critic"
         state[f"{name}_optim"] = optim.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
         state[f"{name}_sched"] = getattr(models, f"{name}_sched").state_dict()
     if rng:
-        state["rng"] = _rng_object(None if loading else _rng_states())
+        state["rng"] = _rng_object(None if loading else rng if isinstance(rng, dict) else rng_states())
     return state
 
 
 def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0, before_manifest=None,
-                  finishes: bool = True, barrier=None, extra: dict | None = None) -> dict:  # fmt: skip
+                  finishes: bool = True, barrier=None, extra: dict | None = None,
+                  rng: dict | None = None) -> dict:  # fmt: skip
     """Collective: write ``<root>/iter_<step>`` (see the module docstring) and point ``latest`` at it; then delete
     all but the newest ``keep_last`` complete checkpoints. The root's ``megarl_checkpoint.json`` must exist.
     ``before_manifest()`` runs between the shards and the manifest (fault injection); ``extra``: file name ->
-    object, written beside the trainer state (``torch.save``; the batch in flight). Returns sizes/times.
+    object, written beside the trainer state (``torch.save``; the batch in flight); ``rng``: this rank's RNG states
+    to save (``rng_states()`` captured when the saved state held; default: now). Returns sizes/times.
 
     Resource pools: every rank of the launch calls it; ``barrier`` spans the launch; the actor's pool ``finishes``
     (its rank 0 writes the trainer state, the manifest, the rename); another pool writes its models (``models``;
@@ -225,7 +228,7 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
             dist.barrier()  # the directory exists before the pool's ranks write into it
         with megatron_mode():
             dist_checkpointing.save(
-                _sharded_state(models, loading=False, rng=True),
+                _sharded_state(models, loading=False, rng=rng or True),
                 target,
                 content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
             )

@@ -588,6 +588,11 @@ class TrainerConfig:
     """Check every checkpoint file's SHA-256 before loading (sizes are always checked)."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many RL steps in a row whose loss or gradients were not finite."""
+    stop_grace_s: float = 25.0
+    """After a SIGTERM/SIGUSR1, the seconds the run may take to reach its save: generation, scoring and validation
+    are cut at once (their rollout dropped), an update or weight sync in progress finishes. Keep it, plus the save,
+    under SLURM's KillWait (30 s by default); a stop that took longer says so. Bounded async: the most the learners
+    and the save wait for the rollout pool once stopping."""
     collective_timeout_s: int = 600
     """Seconds a rank waits in any collective (the default group, Megatron's and vLLM's groups) before it exits with
     one line naming the group and the call. It must cover the longest gap between two ranks reaching the same
@@ -610,6 +615,9 @@ class TrainerConfig:
         _require(self.keep_last >= 0, "keep_last", "must be >= 0 (0 = keep all)")
         _require(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
         _require(self.max_consecutive_skips >= 1, "max_consecutive_skips", "must be >= 1")
+        _require(0 < self.stop_grace_s < self.collective_timeout_s, "stop_grace_s",
+                 f"must be > 0 and below trainer.collective_timeout_s={self.collective_timeout_s}, "
+                 f"got {self.stop_grace_s}")  # fmt: skip
 
 
 @dataclass(kw_only=True)

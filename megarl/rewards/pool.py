@@ -33,6 +33,8 @@ from megarl.rewards.score import ERROR, TIMEOUT, Failure, Outcome, ScoreResult, 
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start and import the reward's module."""
+STOP_POLL_S = 0.2
+"""How often ``finish`` looks at ``should_stop`` while it waits."""
 MAX_DEFAULT_WORKERS = 8
 
 
@@ -123,6 +125,9 @@ class RewardPool:
         self.thread = threading.current_thread()
         self.run: _Run | None = None
         """The parts submitted and not finished yet."""
+        self.should_stop = None
+        """A callable polled every ``STOP_POLL_S`` while ``finish`` waits: True cancels what is not scored yet (a
+        run being stopped); None: never."""
         self.workers: list[_Worker] = []
         try:
             for _ in range(num_workers):
@@ -172,9 +177,12 @@ class RewardPool:
         def rest():
             while run.queue or any(w.task for w in self.workers):
                 if time.monotonic() >= end:
-                    self._give_up(run)
+                    self._give_up(run, self._late())
                     break
-                self._advance(run, end)
+                if self.should_stop is not None and self.should_stop():
+                    self._give_up(run, Failure(TIMEOUT, "not scored: the run is stopping (SIGTERM/SIGUSR1)"))
+                    break
+                self._advance(run, end if self.should_stop is None else min(end, time.monotonic() + STOP_POLL_S))
 
         self._guarded(rest)
         return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts]
@@ -276,13 +284,16 @@ class RewardPool:
         self.workers[self.workers.index(w)] = _Worker(self.spec)
         self.restarts += 1
 
-    def _give_up(self, run: _Run) -> None:
-        """The budget ran out: every sample not scored yet fails as a timeout; busy workers are replaced."""
-        late = Failure(
+    def _late(self) -> Failure:
+        return Failure(
             TIMEOUT,
             f"was not scored within this rank's {self.budget_s:g} s for the batch (reward.step_timeout_s: the other "
             "ranks wait meanwhile); raise it (and trainer.collective_timeout_s), or use more reward.num_workers",
         )
+
+    def _give_up(self, run: _Run, late: Failure) -> None:
+        """The budget ran out or the run is stopping: every sample not scored yet fails with ``late``; busy workers
+        are replaced (their calls cancelled, not awaited)."""
         for w in list(self.workers):
             if w.task is not None:
                 run.queue.append(w.task)

@@ -84,6 +84,16 @@ class SeededSampling:
         return z + gumbel_noise(self.keys, input_ids.shape[1] - self.width, z.shape[-1])
 
 
+class _Stopping:
+    """A ``StoppingCriteria``: every row is done once ``should_stop()`` holds (a run being stopped)."""
+
+    def __init__(self, should_stop):
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
+
+
 class HFEngine:
     tp = 1  # every rank is its own engine
     adapter_slots = False  # a plain transformers model: LoRA adapters arrive merged into the weights
@@ -107,6 +117,9 @@ class HFEngine:
         self.sizes = [st.nbytes() for st in self.storages]
         self.asleep = False
         self.weight_version: int | None = None
+        self.should_stop = None
+        """A callable polled after every generated token: True ends the generation there (the rollout is then
+        dropped); None: never."""
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
 
     @property
@@ -179,7 +192,8 @@ class HFEngine:
         config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=stops,
                                   pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True)  # fmt: skip
         out = self.model.generate(ids, attention_mask=mask, generation_config=config,
-                                  logits_processor=[SeededSampling(keys, width, sampling)])  # fmt: skip
+                                  logits_processor=[SeededSampling(keys, width, sampling)],
+                                  stopping_criteria=[_Stopping(self.should_stop)] if self.should_stop else None)
         new = out.sequences[:, width:]
         logprobs = torch.stack([self._logprobs(lg, sampling) for lg in out.logits], 1)
         samples = []

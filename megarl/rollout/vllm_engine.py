@@ -49,6 +49,10 @@ source: unquantized linear layers have no post-load step, so a shard write is a 
 Quantized models would need ``full_reload`` (vLLM's own loaders); megarl does not build them yet."""
 
 
+STOP_POLL_STEPS = 4
+"""``generate`` looks at ``should_stop`` every this many engine steps."""
+
+
 @contextmanager
 def preserved_process_state():
     """Restore the global RNGs, the torch thread count and ``torch.set_num_threads`` after the body (vLLM changes
@@ -150,6 +154,9 @@ class VLLMEngine:
         self.world = dist.get_world_size()
         self.comm = comm
         self.weight_version: int | None = None
+        self.should_stop = None
+        """A callable polled every ``STOP_POLL_STEPS`` engine steps of ``generate``: True cuts the generation short
+        (its unfinished requests aborted, their prompts left without samples); None: never."""
         self.streamed: set[str] = set()
         """The ids of ``add_request``'s requests in flight (a sync pre-empts them: partial rollout)."""
         self.sleep_mode = current_platform.is_sleep_mode_available()
@@ -283,7 +290,13 @@ class VLLMEngine:
         ids = self.llm.enqueue(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora())
         position = {_external_id(r): k for k, r in enumerate(ids)}
         groups: list[list[Sample]] = [[] for _ in prompts]
+        steps = 0
         while self.llm.llm_engine.has_unfinished_requests():
+            steps += 1
+            if steps % STOP_POLL_STEPS == 0 and self._stop_agreed():  # a stop: cut short (the rollout is dropped)
+                left = [e for e in map(_external_id, ids) if not groups[position[e]]]
+                self.llm.llm_engine.abort_request(left, internal=False)
+                break
             for out in self.llm.llm_engine.step():
                 if out.finished:
                     k = position[out.request_id]
@@ -293,6 +306,20 @@ class VLLMEngine:
         seconds = time.perf_counter() - start
         samples = [s for g in groups for s in g]
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
+
+    def _stop_agreed(self) -> bool:
+        """Whether ``should_stop`` (set by the loop while a run may be stopped) holds on any rank of this engine:
+        its ranks step together, so they abort at the same engine step (collective over the engine's ranks)."""
+        if self.should_stop is None:
+            return False
+        flag = self.should_stop()
+        if self.tp == 1:
+            return flag
+        from vllm.distributed import get_tp_group
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return bool(t.item())
 
     @property
     def busy(self) -> bool:

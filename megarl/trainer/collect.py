@@ -11,6 +11,7 @@ from megarl.data import Prompt
 from megarl.rewards.parallel import GroupScores
 from megarl.rewards.shaping import overlong_penalty
 from megarl.rollout.protocol import Sample, rollout
+from megarl.trainer import faults
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Collected:
     generation: dict[str, float] = field(default_factory=dict)
     """Where the rollout pool's time for this batch went: ``generate``/``reward`` seconds (the step's timings), and
     ``start``/``end`` (``time.monotonic``, the whole of it; the run's timeline)."""
+    stopped: bool = False
+    """The ranks agreed to stop while it was generated or scored: cut short, not to be trained on."""
 
     def to_dict(self) -> dict:
         """Plain lists and dicts (a checkpoint stores the batch in flight)."""
@@ -115,8 +118,10 @@ def _filter_metric(dynamic, result, shaped: list[float]) -> list[float]:
     return result.extra.get("acc", result.scores)
 
 
-def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer) -> Collected:
-    """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups.
+def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer, stop=None) -> Collected:
+    """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups. ``stop()`` (collective over
+    the same ranks; ``StopRequests.agreed_here``) is asked after each round: True returns at once, the batch marked
+    ``stopped``.
 
     With dynamic sampling (DAPO), groups whose ``dynamic_sampling.metric`` is the same for every sample carry no
     signal under group baselines: they are set aside and more prompts are generated, up to ``max_gen_batches``
@@ -145,8 +150,12 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
+        faults.fire("sigterm_reward", step)  # fault injection (tests, drills): a no-op in normal runs
         with timer("reward"):  # what was not scored while the engine generated
             result = scoring.result()
+        if stop is not None and stop():
+            out.stopped = True
+            return out
         shaped = _shaped(cfg, result.scores, samples)
         out.scored += len(samples)
         out.errors += result.errors

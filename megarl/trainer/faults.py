@@ -4,8 +4,11 @@
 
 Points: ``generate`` (SIGKILL this process in the middle of that step's generation), ``save`` (SIGKILL in the middle
 of that step's checkpoint save, after the shards are written and before the manifest), ``nan_loss`` (make that step's
-actor loss NaN), ``sigterm`` (send this process SIGTERM during that step, as a scheduler's preemption would).
-Kills and signals fire on global rank 0 only (its launcher then takes the other ranks down, as a node failure would).
+actor loss NaN). Signals, as a scheduler's preemption sends them: ``sigterm`` (SIGTERM as that step starts: during
+its generation), ``sigterm_reward`` (as the step waits for its scores), ``sigterm_update`` (as its update starts),
+``sigterm_validate`` (as its validation starts), ``sigterm_save`` (as the checkpoint of that step starts),
+``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on global rank 0 only (a launcher takes
+the other ranks down after a kill, as a node failure would; a signal reaches the others through the store).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import signal
 import threading
 
 ENV = "MEGARL_FAULT"
-POINTS = ("generate", "save", "nan_loss", "sigterm")
+POINTS = ("generate", "save", "nan_loss", "sigterm", "sigterm_reward", "sigterm_update", "sigterm_validate",
+          "sigterm_save", "sigusr1")  # fmt: skip
 
 
 def planned() -> dict[str, int]:
@@ -36,11 +40,11 @@ def at(point: str, step: int) -> bool:
 
 
 def fire(point: str, step: int, *, after_s: float = 0.0) -> None:
-    """Kill (``generate``, ``save``) or signal (``sigterm``) this process if that fault is planned here (rank 0);
+    """Kill (``generate``, ``save``) or signal (``sigterm*``, ``sigusr1``) this process if that fault is planned here;
     ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows)."""
     if not at(point, step) or int(os.environ.get("RANK", "0")) != 0:
         return
-    sig = signal.SIGTERM if point == "sigterm" else signal.SIGKILL
+    sig = {"sigusr1": signal.SIGUSR1}.get(point, signal.SIGTERM if point.startswith("sigterm") else signal.SIGKILL)
     print(f"[megarl] fault injection: {point} at step {step}", flush=True)
     if after_s > 0:
         threading.Timer(after_s, os.kill, (os.getpid(), sig)).start()

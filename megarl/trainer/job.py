@@ -45,6 +45,7 @@ from megarl.rollout import build_engine, write_engine_dir
 from megarl.trainer.collect import Collected
 from megarl.trainer.models import ALL_ROLES, RLModels, build_rl_models
 from megarl.trainer.phases import Phases
+from megarl.trainer.preemption import StopRequests
 from megarl.trainer.resume import (
     METRICS_FILE,
     STOPPED_FILE,
@@ -99,6 +100,8 @@ class Job:
     """The first reward failure is printed once per run."""
     stopped_by: str | None = None
     """The signal that stopped the run early (after a save), if one did."""
+    stop: StopRequests | None = None
+    """The run's stop requests (``train`` sets them): the generation rounds and validation agree on them."""
     lora_base: dict | None = None
     """LoRA: the frozen base's fingerprint (``megarl.lora.checkpoint.base_fingerprint``), saved in checkpoints."""
     learners: Placement | None = None

@@ -16,10 +16,18 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megarl.algos import rollout_is_weights
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.training import ROLLOUT_BATCH, ROLLOUT_STREAM, checkpoints_root, save_training
+from megarl.checkpoint.training import (
+    ROLLOUT_BATCH,
+    ROLLOUT_STREAM,
+    checkpoints_root,
+    complete_iterations,
+    rng_states,
+    save_training,
+)
 from megarl.config.validate import critic_parallel
 from megarl.logging.jsonl import write_rows
 from megarl.parallel.layout import ParallelLayout
@@ -34,7 +42,7 @@ from megarl.trainer.collect import Collected, collect, combine_rewards, combined
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import needs_critic
-from megarl.trainer.preemption import StopRequests
+from megarl.trainer.preemption import StepAbandoned, StopRequests
 from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE
 from megarl.trainer.roles import Roles
 from megarl.trainer.state import TrainerState
@@ -42,55 +50,127 @@ from megarl.trainer.timer import PhaseTimer
 from megarl.training.batch import Sequence
 
 
-def train(cfg, spec, source, engine=None) -> Job:
+def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> Job:
     """Run RL steps up to ``trainer.total_steps`` (collective over the world), continuing a checkpoint when
     ``trainer.resume`` finds one; returns the job (its engine can serve another job of the same model and layout).
-    A SIGTERM/SIGUSR1 stops it at the next step boundary, after a save; ``job.stopped_by`` then names the signal."""
-    job, state = build_job(cfg, spec, source, engine=engine)
-    t = cfg.trainer
-    rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
-    with rewards, job.tracker, StopRequests() as stop:  # the reward's workers end with the run
-        job.phases.offload()  # the engine is awake: generation comes first
-        if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
-            job.server.serve(state)
-            job.server.close()
-            return job
-        for step in range(state.step + 1, t.total_steps + 1):
-            faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
-            faults.fire("generate", step, after_s=0.05)
-            metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
-            if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
-                metrics.update(validate(job, step))
-            job.tracker.log(step, metrics)
-            state.history.append({"step": step, **metrics})
-            stopping = stop.agreed(job.learners if job.cfg.async_training.bounded else job.place)
-            last = step == t.total_steps
-            if stopping or (t.save_every and (step % t.save_every == 0 or last)):
-                save(job, state)
-            by = stop.signal_name or "a signal on another rank"
-            if stopping and last:  # nothing left to resume: a complete run
-                job.say(f"{by} during the last step: saved; the run is complete")
-            elif stopping:
-                job.stopped_by = by
-                if job.place.leader:
-                    atomic_write(
-                        os.path.join(t.output_dir, STOPPED_FILE), f"step {step}: stopped by {job.stopped_by}\n"
-                    )
-                job.say(f"stopped by {job.stopped_by} after step {step}; saved; resume with the same command")
-                break
-        else:
-            job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the
-            # rollout pool holds no metrics of its own
-        announce(job, "end", state.step)
+
+    A SIGTERM/SIGUSR1 (``megarl.trainer.preemption``; ``stop``: handlers installed earlier, else here, before
+    anything is built) ends the run within ``trainer.stop_grace_s`` plus a save: a generation, scoring or validation
+    in progress is cut, its rollout dropped and the state from before it saved (with the RNG states of then, so the
+    resumed run repeats it bitwise); an update or weight sync in progress finishes and the step is saved. During
+    start-up nothing is saved. ``job.stopped_by`` then names the signal."""
+    with stop or StopRequests() as stop:
+        job, state = build_job(cfg, spec, source, engine=engine)
+        stop.connect(job.place)
+        t = cfg.trainer
+        rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
+        with rewards, job.tracker, polled(job, stop):  # the reward's workers end with the run
+            if stop.agreed(job.place):
+                stopped(job, stop, "during start-up; nothing to save")
+                return job
+            job.phases.offload()  # the engine is awake: generation comes first
+            if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
+                job.server.serve(state)
+                job.server.close()
+                return job
+            if state.pending_metrics is not None and end_step(job, state, state.step, state.pending_metrics, stop):
+                return job  # stopped again during the validation that a stop had cut
+            for step in range(state.step + 1, t.total_steps + 1):
+                faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
+                faults.fire("generate", step, after_s=0.05)
+                rng = rng_states()  # what the step starts from: saved if its rollout is dropped
+                try:
+                    metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
+                except StepAbandoned as e:
+                    if state.step == 0:  # nothing to continue: the same command starts over (resume=auto)
+                        stopped(job, stop, f"during step 1's {e.where}: no step completed, nothing to save")
+                    else:
+                        save_unless_saved(job, state, rng)
+                        stopped(job, stop, f"during step {step}'s {e.where}: it is dropped; saved step {state.step}")
+                    break
+                if end_step(job, state, step, metrics, stop):
+                    break
+            else:
+                job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the
+                # rollout pool holds no metrics of its own
+            announce(job, "end", state.step)
     job.offloader.reload()  # the models are whole again for whoever holds the job
     return job
 
 
-def save(job: Job, state: TrainerState) -> dict:
+@contextlib.contextmanager
+def polled(job: Job, stop: StopRequests):
+    """While the run lasts, the engine's generation and the reward's waits look at ``stop`` (bounded async keeps
+    its own schedule: its stream is saved whole)."""
+    job.stop = stop
+    polls = [] if job.cfg.async_training.bounded else [x for x in (job.engine, job.rewards) if x is not None]
+    for x in polls:
+        x.should_stop = stop.requested
+    try:
+        yield
+    finally:
+        for x in polls:
+            x.should_stop = None
+
+
+def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: StopRequests) -> bool:
+    """After step ``step``'s update: its validation, its metrics logged, a periodic save, and the stop agreed at the
+    step boundary (collective over the launch). Whether the run stops here."""
+    t = job.cfg.trainer
+    if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
+        rng = rng_states()
+        faults.fire("sigterm_validate", step)
+        val = validate(job, step)
+        if val is None:  # cut: the step is saved without it, validated again on resume
+            state.pending_metrics = metrics
+            save(job, state, rng=rng)
+            stopped(job, stop, f"during step {step}'s validation; saved step {step}, to validate again on resume")
+            return True
+        metrics.update(val)
+    state.pending_metrics = None
+    job.tracker.log(step, metrics)
+    state.history.append({"step": step, **metrics})
+    stopping = stop.agreed(job.learners if job.cfg.async_training.bounded else job.place)
+    last = step == t.total_steps
+    if stopping or (t.save_every and (step % t.save_every == 0 or last)):
+        save(job, state)
+    if stopping and last:  # nothing left to resume: a complete run
+        job.say(f"{stop.by} during the last step: saved; the run is complete")
+    elif stopping:
+        stopped(job, stop, f"after step {step}; saved")
+        return True
+    return False
+
+
+def save_unless_saved(job: Job, state: TrainerState, rng: dict) -> None:
+    """Collective: save ``state`` with the RNG states ``rng`` unless its step's checkpoint is already complete (the
+    periodic save at the end of that step, or the checkpoint this run resumed from: the same state)."""
+    root = checkpoints_root(job.cfg.trainer.output_dir)
+    held = job.place.leader and any(s == state.step for s, _ in complete_iterations(root)[0])
+    if not job.place.any(held):
+        save(job, state, rng=rng)
+
+
+def stopped(job: Job, stop: StopRequests, what: str) -> None:
+    """The run ends after a stop request: ``output_dir/STOPPED`` (the launcher then exits ``EXIT_PREEMPTED``) and
+    one line saying what happened and how long it took."""
+    job.stopped_by = stop.by
+    if job.place.leader:
+        atomic_write(os.path.join(job.cfg.trainer.output_dir, STOPPED_FILE), f"stopped by {stop.by} {what}\n")
+    grace = job.cfg.trainer.stop_grace_s
+    late = stop.since is not None and time.monotonic() - stop.since > grace
+    job.say(f"stopped by {stop.by} {what}; resume with the same command (the stop took {stop.took()}"
+            + (f", more than trainer.stop_grace_s={grace:g}: an update or save in progress finished first)" if late
+               else ")"))  # fmt: skip
+
+
+def save(job: Job, state: TrainerState, rng: dict | None = None) -> dict:
     """Collective over the launch: a training checkpoint of this step under ``output_dir/checkpoints``. With pools,
     the actor's pool writes it and a critic pool adds its models; the rollout pool's sampler position is in the
     trainer state, and one-step-off's batch already generated for the next step (prompts, tokens, log-probs,
-    versions, rewards) beside it, so a resume continues with that batch."""
+    versions, rewards) beside it, so a resume continues with that batch. ``rng``: this rank's RNG states when
+    ``state`` held (default: now)."""
+    faults.fire("sigterm_save", state.step)
     root = checkpoints_root(job.cfg.trainer.output_dir)
     if job.place.leader:
         describe_checkpoint_root(job, root)
@@ -121,6 +201,7 @@ def save(job: Job, state: TrainerState) -> dict:
         finishes=job.place.hosts("actor"),
         barrier=job.place.barrier,
         extra=extra,
+        rng=rng,
     )
     if job.offloader.enabled:
         job.phases.rollout(state.step)  # re-syncs only if the engine freed its weights to make room
@@ -142,6 +223,8 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
     learned, started = None, time.monotonic()
     with timer("step"):
         batch = step_batch(job, step, pool_time)
+        if batch.stopped:  # on every rank alike (the batch is shared)
+            raise StepAbandoned("rollout")
         if job.cfg.trainer.save_samples and place.leader:
             save_samples(job, batch, step)
         stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
@@ -153,11 +236,18 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
             job.said_reward_error = True
         ahead_failed = None
         if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps and place.hosts("rollout"):
+            position = job.sampler.state_dict()
             try:  # the next step's batch, with the weights the engine holds (one update old)
                 job.ahead = generate(job, step + 1, pool_time)
             except Exception as e:  # noqa: BLE001 -- raised on every pool below, once the others learned
                 ahead_failed = e
+            if job.ahead is not None and job.ahead.stopped:  # a stop: its prompts are taken again on resume
+                job.ahead = None
+                job.sampler.load_state_dict(position)
+                if dist.get_rank() == 0:
+                    print(f"[megarl] the rollout pool dropped step {step + 1}'s batch ahead: a stop", flush=True)
         if job.learns:
+            faults.fire("sigterm_update", step)
             learn_start = time.monotonic()
             job.phases.train()
             if job.roles.reward_model is not None:
@@ -236,7 +326,8 @@ def generate(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
     times in ``Collected.generation`` (the batch is also listed in ``job.generated``: the current step's work)."""
     timer, start = PhaseTimer(), time.monotonic()
     with pool_time("busy"):
-        batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer)
+        batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer,
+                        stop=job.stop.agreed_here if job.stop is not None else None)
     batch.generation = {**timer.seconds, "step": step, "start": start, "end": time.monotonic()}
     job.generated.append(batch)
     return batch
@@ -410,9 +501,10 @@ def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Ten
     return accepted, metrics
 
 
-def validate(job: Job, step: int) -> dict[str, float]:
+def validate(job: Job, step: int) -> dict[str, float] | None:
     """Collective: one sample per validation prompt with ``rollout.val_sampling``, scored (on the rollout's pool, and
-    by the reward model, combined as in training); ``val/*`` metrics on every rank."""
+    by the reward model, combined as in training); ``val/*`` metrics on every rank. None when a stop request cut it
+    (agreed on the rollout's pool, then shared)."""
     prompts = job.val_prompts
 
     def on_rollout_pool():
@@ -430,7 +522,7 @@ def validate(job: Job, step: int) -> dict[str, float]:
             [p.ground_truth for p in prompts],
             [p.extras for p in prompts],
         )
-        return samples, result
+        return samples, result, job.stop is not None and job.stop.agreed_here()
 
     if job.cfg.async_training.bounded:  # through the engines beside the training requests, with this step's weights
         if job.engine.weight_version != step:  # sync_every > 1: pushed first
@@ -439,7 +531,9 @@ def validate(job: Job, step: int) -> dict[str, float]:
         announce(job, "validate", step)
         samples, result = job.place.share(None, "rollout")
     else:
-        samples, result = job.place.compute_on("rollout", on_rollout_pool)
+        samples, result, cut = job.place.compute_on("rollout", on_rollout_pool)
+        if cut:
+            return None
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device

@@ -25,6 +25,9 @@ class TrainerState:
     """Skipped RL steps in a row, up to the last one."""
     history: list[dict] = field(default_factory=list)
     """Every logged step's metrics (for metrics.jsonl on resume, the reward curve and the summary)."""
+    pending_metrics: dict | None = None
+    """Step ``step``'s metrics when the run was stopped during its validation: the resumed run validates that step
+    again, then logs them with the validation's."""
 
     def to_dict(self) -> dict:
         return asdict(self)
