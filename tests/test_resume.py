@@ -1,8 +1,9 @@
 """Exact resume through the real `megarl train` command: a run killed at named points (SIGKILL mid-generation,
-SIGKILL mid-save, SIGTERM mid-step) and once at a random moment from outside, resumed with trainer.resume=auto each
-time, ends with the same metrics (every algorithmic one, equal floats) and the same weights and optimizer states
-(equal tensors) as the run that was never stopped. GRPO at TP=2 and PPO (critic) at TP=1 x DP=2 with the
-distributed optimizer.
+SIGKILL mid-save) and once at a random moment from outside, and stopped by SIGTERM (in a generation, as a step waits
+for its scores, in a validation, in an update), resumed with trainer.resume=auto each time, ends with the same
+metrics (every algorithmic one, equal floats) and the same weights and optimizer states (equal tensors) as the run
+that was never stopped: a cut rollout is dropped and regenerated bitwise. GRPO at TP=2 and PPO (critic) at TP=1 x
+DP=2 with the distributed optimizer.
 
 bf16 (the production dtype): the quickstart at TP=2, at PP=2 and at DP=2 with the distributed optimizer saves every
 step, is killed in a generation (``MEGARL_FAULT``) and from outside at a random moment, and resumes bitwise. The
@@ -36,7 +37,8 @@ TWO_MINIBATCHES = "actor.global_batch_size=16"
 """The old log-probs are computed (``rollout/logprob_mismatch_*`` is logged)."""
 LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", [TWO_MINIBATCHES]),
-    "grpo_pools": ("configs/tiny_grpo_pools.yaml", [TWO_MINIBATCHES]),  # grpo_tp2 with rollout on ranks 2-3
+    "grpo_pools": ("configs/tiny_grpo_pools.yaml", [TWO_MINIBATCHES, "trainer.val_every=2"]),  # grpo_tp2 with
+    # rollout on ranks 2-3, validated every second step (a stop cuts step 4's validation)
     "grpo_async": ("configs/tiny_grpo_async.yaml", []),  # grpo_pools, one-step-off
     "grpo_bounded": ("configs/tiny_grpo_bounded.yaml", ["trainer.save_samples=true",  # streaming, max_staleness 2;
                                                         "rollout.sampling.max_new_tokens=48"]),  # saves hold partials
@@ -84,6 +86,13 @@ def _chains(names) -> list:
     return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
 
 
+FULL_STOPS = {"grpo_tp2": "sigterm@5", "ppo_dp2_distopt": "sigterm_update@5"}
+"""The stop of each fully interrupted chain: SIGTERM as step 5 starts (its generation is cut, the step dropped) or
+as its update starts (the update finishes, the step is saved)."""
+STOP_IN_VALIDATION = ("grpo_pools",)
+"""Chains first stopped by SIGTERM during step 4's validation."""
+STOP_IN_SCORING = ("bf16_dp2_distopt",)
+"""Chains stopped by SIGTERM as step 4 waits for its scores."""
 EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED)
 FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE + TWO_KILLS]
 NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
@@ -159,6 +168,11 @@ def _run(cmd, fault=None, kill_launcher_after=None):
         return Run(None if killed else rc, log.read(), alive, shm_left)
 
 
+def _stop_seconds(out: str) -> float:
+    """How long the stop took, as the run says it ('the stop took 0.4 s')."""
+    return float(re.search(r"the stop took ([0-9.]+) s", out).group(1))
+
+
 def _metrics(out_dir):
     return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 
@@ -199,10 +213,14 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
     if name in TWO_KILLS:  # saved every step: rank 0 SIGKILLed in step 3's generation (resumes from 2), then
         runs["generate@3"] = _run(cmd, "generate@3")  # `megarl train` SIGKILLed at a random moment of steps 4-6
+        if name in STOP_IN_SCORING:  # first a SIGTERM as step 4 waits for its scores: dropped, resumes from 3
+            runs["sigterm_reward@4"] = _run(cmd, "sigterm_reward@4")
         runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 4/6", 0.5))
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
     if name in SHORT:  # one kill: rank 0 SIGKILLed in step 5's generation (saved at 2 and 4), then resumed from 4
+        if name in STOP_IN_VALIDATION:  # first stopped by SIGTERM in step 4's validation (saved, validated on resume)
+            runs["sigterm_validate@4"] = _run(cmd, "sigterm_validate@4")
         runs["generate@5"] = _run(cmd, "generate@5")
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
@@ -210,7 +228,7 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     # resumes from step 2; `megarl train` itself SIGKILLed at a random moment of steps 4-6 (a node failure)
     runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
     runs["generate@5"] = _run(cmd, "generate@5")  # resumes from 2 or 4; rank 0 SIGKILLed in step 5's generation
-    runs["sigterm@5"] = _run(cmd, "sigterm@5")  # resumes from step 4; stops after step 5, saved
+    runs["sigterm"] = _run(cmd, FULL_STOPS[name])  # resumes from step 4; SIGTERM in step 5 (see FULL_STOPS)
     runs["last"] = _run(cmd)  # resumes from 5
     return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
 
@@ -218,18 +236,24 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
 @pytest.mark.parametrize("chain", FULL, indirect=True)
 def test_each_interruption_stopped_and_resumed_where_expected(chain):
     runs = chain["runs"]
-    save, launcher, generate, sigterm = runs["save@4"], runs["launcher"], runs["generate@5"], runs["sigterm@5"]
+    save, launcher, generate, sigterm = runs["save@4"], runs["launcher"], runs["generate@5"], runs["sigterm"]
     assert save.rc not in (0, None) and "fault injection: save at step 4" in save.out, save.out[-3000:]
     assert "iter_0000002 (step 2;" in launcher.out and "removed an interrupted save" in launcher.out, launcher.out
     assert launcher.rc is None, launcher.out[-3000:]  # killed mid-run
     assert re.search(r"iter_000000[24] \(step [24];", generate.out), generate.out[-3000:]
     assert generate.rc not in (0, None) and "fault injection: generate at step 5" in generate.out
     assert sigterm.rc == EXIT_PREEMPTED, sigterm.out[-4000:]
-    assert "iter_0000004 (step 4;" in sigterm.out and "stopped by SIGTERM after step 5; saved" in sigterm.out
-    assert (chain["cut"] / "checkpoints" / "iter_0000005" / "manifest.json").exists()
+    assert "iter_0000004 (step 4;" in sigterm.out
+    if FULL_STOPS[chain["name"]].startswith("sigterm@"):  # the generation is cut: step 4's checkpoint holds the state
+        assert "stopped by SIGTERM during step 5's rollout: it is dropped; saved step 4" in sigterm.out, sigterm.out
+        assert "saved step 5" not in sigterm.out
+    else:  # the update finishes, then the step is saved
+        assert "stopped by SIGTERM after step 5; saved" in sigterm.out, sigterm.out[-4000:]
+        assert (chain["cut"] / "checkpoints" / "iter_0000005" / "manifest.json").exists()
+    assert _stop_seconds(sigterm.out) < 25  # trainer.stop_grace_s
     assert runs["last"].rc == 0, runs["last"].out[-4000:]
     kept = sorted(p.name for p in (chain["cut"] / "checkpoints").glob("iter_*"))
-    assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
+    assert kept[-1] == "iter_0000006" and len(kept) == 2  # trainer.keep_last=2
 
 
 @pytest.mark.parametrize("chain", TWO_KILLS, indirect=True)
@@ -238,7 +262,14 @@ def test_bf16_runs_killed_twice_stopped_and_resumed_where_expected(chain):
     generate, launcher, last = runs["generate@3"], runs["launcher"], runs["last"]
     assert generate.rc not in (0, None) and "fault injection: generate at step 3" in generate.out, generate.out[-3000:]
     assert "saved step 2:" in generate.out and "saved step 3:" not in generate.out
-    assert "iter_0000002 (step 2;" in launcher.out and launcher.rc is None, launcher.out[-3000:]
+    resumed = 2
+    if "sigterm_reward@4" in runs:  # cut while step 4 waited for its scores: dropped, step 3 was saved
+        stop = runs["sigterm_reward@4"]
+        assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
+        assert "stopped by SIGTERM during step 4's rollout: it is dropped; saved step 3" in stop.out, stop.out[-3000:]
+        assert _stop_seconds(stop.out) < 25
+        resumed = 3
+    assert f"iter_000000{resumed} (step {resumed};" in launcher.out and launcher.rc is None, launcher.out[-3000:]
     assert re.search(r"iter_000000[3-6] \(step [3-6];", last.out) and last.rc == 0, last.out[-3000:]
     kept = sorted(p.name for p in (chain["cut"] / "checkpoints").glob("iter_*"))
     assert kept == ["iter_0000005", "iter_0000006"]  # trainer.keep_last=2
@@ -275,6 +306,18 @@ def test_no_run_leaves_a_process_or_shared_memory_behind(chain):
         assert run.alive_after_10s == [], (label, run.alive_after_10s)
         if label != "launcher":
             assert run.shm_left == set(), (label, run.shm_left)
+
+
+@pytest.mark.parametrize("chain", [n for n in SHORT if n in STOP_IN_VALIDATION], indirect=True)
+def test_a_stop_during_validation_saves_its_step_and_the_resume_validates_it_again(chain):
+    stop = chain["runs"]["sigterm_validate@4"]
+    assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
+    assert "stopped by SIGTERM during step 4's validation; saved step 4, to validate again on resume" in stop.out
+    assert _stop_seconds(stop.out) < 25
+    assert "resuming from" in chain["runs"]["generate@5"].out and "(step 4;" in chain["runs"]["generate@5"].out
+    rows = _metrics(chain["cut"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all("val/reward/mean" in r for r in rows if r["step"] % 2 == 0)
 
 
 @pytest.mark.parametrize("chain", EXACT, indirect=True)

@@ -7,6 +7,7 @@ of that step's checkpoint save, after the shards are written and before the mani
 actor loss NaN). Signals, as a scheduler's preemption sends them: ``sigterm`` (SIGTERM as that step starts: during
 its generation), ``sigterm_reward`` (as the step waits for its scores), ``sigterm_update`` (as its update starts),
 ``sigterm_validate`` (as its validation starts), ``sigterm_save`` (as the checkpoint of that step starts),
+``sigterm_ahead`` (one-step-off: as the rollout pool starts generating that step's batch ahead, on its first rank),
 ``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on global rank 0 only (a launcher takes
 the other ranks down after a kill, as a node failure would; a signal reaches the others through the store).
 """
@@ -19,7 +20,7 @@ import threading
 
 ENV = "MEGARL_FAULT"
 POINTS = ("generate", "save", "nan_loss", "sigterm", "sigterm_reward", "sigterm_update", "sigterm_validate",
-          "sigterm_save", "sigusr1")  # fmt: skip
+          "sigterm_save", "sigterm_ahead", "sigusr1")  # fmt: skip
 
 
 def planned() -> dict[str, int]:
@@ -39,10 +40,13 @@ def at(point: str, step: int) -> bool:
     return planned().get(point) == step
 
 
-def fire(point: str, step: int, *, after_s: float = 0.0) -> None:
+def fire(point: str, step: int, *, after_s: float = 0.0, here: bool | None = None) -> None:
     """Kill (``generate``, ``save``) or signal (``sigterm*``, ``sigusr1``) this process if that fault is planned here;
-    ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows)."""
-    if not at(point, step) or int(os.environ.get("RANK", "0")) != 0:
+    ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows); ``here``:
+    whether this is the rank to fire on (default: global rank 0)."""
+    if here is None:
+        here = int(os.environ.get("RANK", "0")) == 0
+    if not at(point, step) or not here:
         return
     sig = {"sigusr1": signal.SIGUSR1}.get(point, signal.SIGTERM if point.startswith("sigterm") else signal.SIGKILL)
     print(f"[megarl] fault injection: {point} at step {step}", flush=True)

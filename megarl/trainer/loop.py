@@ -237,6 +237,7 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
         ahead_failed = None
         if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps and place.hosts("rollout"):
             position = job.sampler.state_dict()
+            faults.fire("sigterm_ahead", step + 1, here=dist.get_rank() == 0)
             try:  # the next step's batch, with the weights the engine holds (one update old)
                 job.ahead = generate(job, step + 1, pool_time)
             except Exception as e:  # noqa: BLE001 -- raised on every pool below, once the others learned
@@ -506,6 +507,7 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
     by the reward model, combined as in training); ``val/*`` metrics on every rank. None when a stop request cut it
     (agreed on the rollout's pool, then shared)."""
     prompts = job.val_prompts
+    cut = job.stop.agreed_here if job.stop is not None else lambda: False
 
     def on_rollout_pool():
         samples, _ = rollout(
@@ -515,6 +517,8 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
             sampling=job.cfg.rollout.val_sampling,
             seed=job.cfg.trainer.seed,
         )
+        if cut():
+            return None
         result = score_on_ranks(
             job.rewards,
             [p.prompt_text for p in prompts],
@@ -522,7 +526,7 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
             [p.ground_truth for p in prompts],
             [p.extras for p in prompts],
         )
-        return samples, result, job.stop is not None and job.stop.agreed_here()
+        return None if cut() else (samples, result)
 
     if job.cfg.async_training.bounded:  # through the engines beside the training requests, with this step's weights
         if job.engine.weight_version != step:  # sync_every > 1: pushed first
@@ -531,9 +535,10 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
         announce(job, "validate", step)
         samples, result = job.place.share(None, "rollout")
     else:
-        samples, result, cut = job.place.compute_on("rollout", on_rollout_pool)
-        if cut:
+        done = job.place.compute_on("rollout", on_rollout_pool)
+        if done is None:
             return None
+        samples, result = done
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
