@@ -52,7 +52,7 @@ test: install
 	@echo "[make] ruff check"
 	$(PY) -m ruff check .
 	@echo "[make] pytest (default suite; 'slow' tests excluded)"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 tests
 
 demo: install
 	@echo "[make] tiny local model (no downloads) at .cache/tiny-llama"

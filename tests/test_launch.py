@@ -399,13 +399,13 @@ def test_pools_size_the_launch_and_keep_each_pools_tp_groups_in_a_node(tiny_llam
 
 
 def test_slurm_signal_lead_comes_from_the_plan(capsys, tmp_path):
-    """No --signal-secs: the lead is max(300, the planned step + save) on these nodes, printed with its derivation;
-    a slow checkpoint filesystem lengthens it."""
+    """No --signal-secs: the lead is max(300, the planned update + sync + trainer.stop_grace_s + save) on these
+    nodes, printed with its derivation; a slow checkpoint filesystem lengthens it."""
     recipe = "configs/llama2_70b_ppo_tp4pp8dp2.yaml"
     rc, out, err = _launch(capsys, "slurm", recipe, "--nodes", "8", "--gpus-per-node", "8", "--output", str(tmp_path))
     assert rc == 0, err
     line = next(line for line in err.splitlines() if "SIGUSR1 lead" in line)
-    assert "300 s = max(300, the current step" in line and "+ save" in line, line
+    assert "300 s = max(300, an update in progress" in line and "trainer.stop_grace_s 25 + save" in line, line
     assert "#SBATCH --signal=B:USR1@300" in out
     rc, out, err = _launch(capsys, "slurm", recipe, "--nodes", "8", "--gpus-per-node", "8", "--fs-gb-s", "0.5",
                            "--output", str(tmp_path))  # fmt: skip

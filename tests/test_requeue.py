@@ -65,3 +65,15 @@ def test_a_run_killed_before_its_first_step_starts_over_and_a_complete_run_exits
     complete = _run(_cmd(tiny_llama_dir, out))
     assert complete.returncode == 0, complete.stderr[-3000:]
     assert "the run is complete, nothing to do" in complete.stdout
+
+
+def test_a_signal_during_start_up_exits_75_with_nothing_saved(tiny_llama_dir, tmp_path):
+    """SIGUSR1 (SLURM's warning before a preemption) while the rank is still starting: the handlers are installed
+    before anything is built, so the run ends as a stop (exit 75, one line), not a death, and saves nothing."""
+    out = tmp_path / "run"
+    env = {**_env(), "MEGARL_FAULT": "sigusr1@0"}
+    stopped = subprocess.run(_cmd(tiny_llama_dir, out), cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert stopped.returncode == 75, (stopped.stdout[-3000:], stopped.stderr[-3000:])
+    assert "stopped by SIGUSR1 during start-up; nothing to save" in stopped.stdout, stopped.stdout[-3000:]
+    assert not (out / "checkpoints").exists() or not [p for p in os.listdir(out / "checkpoints") if "iter_" in p]

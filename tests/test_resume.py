@@ -67,7 +67,7 @@ LAYOUTS.update({
                                                   "reward.model.path={rm}"]),
     "bf16_lora_slots": ("configs/tiny_grpo.yaml", [*BF16, *LAYOUTS["grpo_lora_tp2"][1], "actor.kl_loss_coef=0.01"]),
     "bf16_ppo_pools": ("configs/tiny_ppo_pools.yaml", [*BF16, TWO_MINIBATCHES_PPO]),  # critic, reference: own pool
-    "bf16_async": ("configs/tiny_grpo_async.yaml", BF16),
+    "bf16_async": ("configs/tiny_grpo_async.yaml", [*BF16, "trainer.save_samples=true"]),
     "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1]]),
 })  # fmt: skip
 SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools")
@@ -93,7 +93,11 @@ STOP_IN_VALIDATION = ("grpo_pools",)
 """Chains first stopped by SIGTERM during step 4's validation."""
 STOP_IN_SCORING = ("bf16_dp2_distopt",)
 """Chains stopped by SIGTERM as step 4 waits for its scores."""
-EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED)
+STOP_MID_STEP = {"bf16_async": "sigterm_ahead@4", "bf16_bounded": "sigterm@4"}
+"""One-step-off: SIGTERM on the rollout pool as it generates step 4's batch ahead (dropped, the data cursor rewound;
+step 3 finishes and is saved); bounded: SIGTERM as step 4 starts (the learners drop it, the stream is saved). Not
+bitwise: the batch is generated again with newer weights; each prompt is still trained once, in order."""
+EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED and name not in STOP_MID_STEP)
 FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE + TWO_KILLS]
 NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
 
@@ -208,6 +212,8 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     UNINTERRUPTED[name] = ref
     cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
     if name in OUTSIDE:  # killed at a random moment of steps 4-5 (saved at 2, maybe 4), then resumed
+        if name in STOP_MID_STEP:  # first stopped by SIGTERM mid-step (see STOP_MID_STEP)
+            runs["sigterm"] = _run(cmd, STOP_MID_STEP[name])
         runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
@@ -306,6 +312,22 @@ def test_no_run_leaves_a_process_or_shared_memory_behind(chain):
         assert run.alive_after_10s == [], (label, run.alive_after_10s)
         if label != "launcher":
             assert run.shm_left == set(), (label, run.shm_left)
+
+
+@pytest.mark.parametrize("chain", _chains(["bf16_async"]), indirect=True)
+def test_one_step_off_stopped_while_generating_ahead_trains_each_prompt_once_in_order(chain):
+    """The batch ahead is dropped and the data cursor rewound; the resumed run generates it again (with newer
+    weights: not bitwise) and trains the same prompts, in the same order, as the uninterrupted run."""
+    stop = chain["runs"]["sigterm"]
+    assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
+    assert "the rollout pool dropped step 4's batch ahead" in stop.out, stop.out[-3000:]
+    assert "stopped by a signal on another rank after step 3; saved" in stop.out, stop.out[-3000:]
+    assert _stop_seconds(stop.out) < 25
+    assert "saved step 3:" in stop.out
+    ref, cut = _trained(chain["ref"]), _trained(chain["cut"])
+    assert sorted(cut) == list(range(1, STEPS + 1))
+    assert {s: sorted(cut[s]) for s in cut} == {s: sorted(ref[s]) for s in ref}
+    assert [r["step"] for r in _metrics(chain["cut"])] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("chain", [n for n in SHORT if n in STOP_IN_VALIDATION], indirect=True)
@@ -507,9 +529,7 @@ def test_one_step_off_lags_one_update_and_resumes_with_the_batch_in_flight(chain
     assert {v for s in held["batch"]["samples"] for v in s["weight_versions"]} == {3}
     assert len(held["batch"]["rewards"]) == 32 and held["batch"]["prompts"]
     assert not (chain["ref"] / "checkpoints" / "iter_0000006" / "rollout_batch.pt").exists()  # nothing after the last
-    launcher, last = chain["runs"]["launcher"], chain["runs"]["last"]
-    assert launcher.rc is None and "[megarl] step 3/6" in launcher.out, launcher.out[-3000:]
-    assert re.search(r"resuming from .*iter_000000[24] \(step [24];", last.out) and last.rc == 0, last.out[-3000:]
+    _killed_from_outside_then_resumed(chain)
 
 
 @pytest.mark.parametrize("chain", _chains(["grpo_async", "bf16_async"]), indirect=True)
@@ -523,6 +543,14 @@ def test_one_step_off_generates_the_next_batch_while_the_train_pool_learns(chain
     for k in range(2, STEPS):
         (l0, l1), (g0, g1, during) = learn[k], generate[k + 1]
         assert during == k and max(l0, g0) < min(l1, g1), (k, learn[k], generate[k + 1])
+
+
+def _killed_from_outside_then_resumed(chain) -> None:
+    """`megarl train` was SIGKILLed mid-run (after step 3 started), and the next run resumed from a checkpoint of
+    step 2 to 4 and completed."""
+    launcher, last = chain["runs"]["launcher"], chain["runs"]["last"]
+    assert launcher.rc is None and "[megarl] step 3/6" in launcher.out, launcher.out[-3000:]
+    assert re.search(r"resuming from .*iter_000000[2-4] \(step [2-4];", last.out) and last.rc == 0, last.out[-3000:]
 
 
 def _trained(out_dir) -> dict[int, list[tuple[int, str]]]:
@@ -552,9 +580,12 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
         assert serials == sorted(serials) and sorted(set(serials)) == list(range((step - 1) * 4, step * 4))
         assert all(serials.count(i) == 8 for i in set(serials))
         assert cut[step] == ref[step]  # the same prompts, in the same order: the data stream's
-    launcher, last = chain["runs"]["launcher"], chain["runs"]["last"]
-    assert launcher.rc is None and "[megarl] step 3/6" in launcher.out, launcher.out[-3000:]
-    assert re.search(r"resuming from .*iter_000000[24] \(step [24];", last.out) and last.rc == 0, last.out[-3000:]
+    _killed_from_outside_then_resumed(chain)
+    if "sigterm" in chain["runs"]:  # the learners dropped step 4 and saved step 3 with the stream, within the grace
+        stop = chain["runs"]["sigterm"]
+        assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
+        assert "stopped by SIGTERM during step 4's rollout: it is dropped; saved step 3" in stop.out, stop.out[-3000:]
+        assert _stop_seconds(stop.out) < 25
     held = torch.load(chain["ref"] / "checkpoints" / "iter_0000004" / "rollout_stream.pt", weights_only=False)
     assert held["step"] == 4 and 16 <= held["cursor"] <= 24  # admitted ahead, within the bound of version <= 4
     ahead = sorted({r["serial"] for r in held["requests"]} | set(held["scored"]))

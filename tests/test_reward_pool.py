@@ -18,7 +18,7 @@ from megarl.config.schema import RewardConfig
 from megarl.rewards import RewardFailure, RewardLoadError, score_batch
 from megarl.rewards import pool as pool_module
 from megarl.rewards.pool import RewardPool, RewardWorkerError, default_num_workers
-from megarl.rewards.score import ERROR, TIMEOUT
+from megarl.rewards.score import CANCELLED, ERROR, TIMEOUT
 from megarl.rewards.scorer import InProcess, open_rewards, stop_if_broken
 from tests import misbehaving_rewards
 
@@ -156,6 +156,24 @@ def test_the_batch_ends_within_its_budget():
         assert time.monotonic() - started < 3
     assert result.failed == [TIMEOUT] * 10
     assert "was not scored within this rank's 1.5 s for the batch" in result.first_error
+
+
+def test_a_stop_request_cancels_the_calls_in_flight_instead_of_waiting_for_them():
+    """A call that would hang for an hour (reward.timeout_s=600): once ``should_stop`` holds, ``finish`` returns
+    within a poll, its samples failed as cancelled (never trained on), the busy worker replaced by a fresh one."""
+    prompts = ["say 7:"] * 4
+    with RewardPool(f"{FILE}:hang", num_workers=1, timeout_s=600, budget_s=600) as pool:
+        busy = pool.workers[0].proc.pid
+        pool.submit(prompts, ["r"] * 4, [None] * 4, [{}] * 4)
+        started = time.monotonic()
+        pool.should_stop = lambda: time.monotonic() - started > 0.5
+        (result,) = pool.finish()
+        took = time.monotonic() - started
+        assert took < 0.5 + 2 * pool_module.STOP_POLL_S + 1, took
+        assert result.failed == [CANCELLED] * 4 and "the run is stopping" in result.first_error
+        assert pool.workers[0].proc.pid != busy and not _alive(busy)
+        pool.should_stop = None
+        assert pool.score(["copy 1:"], ["1"], [None], [{}]).failed == [""]  # the fresh worker scores
 
 
 def test_load_failures_name_their_cause(tmp_path, monkeypatch):

@@ -134,11 +134,12 @@ def save_time_line(save: SaveTime, hw) -> str:
 
 
 def signal_lead(cfg: MegarlConfig, step: StepTime, save: SaveTime) -> tuple[int, str]:
-    """Seconds before the time limit SLURM should signal the job, and how they were derived: a stop finishes the
-    current step (generation, learning, weight sync), then saves."""
-    step_s = step.sync_step_s if cfg.async_training.mode == "sync" else step.one_step_off_step_s
-    need = step_s + save.seconds
+    """Seconds before the time limit SLURM should signal the job, and how they were derived: a stop cuts a
+    generation, scoring or validation at once (``megarl.trainer.preemption``) but lets an update and its weight sync
+    finish, then saves; ``trainer.stop_grace_s`` covers reaching the next poll and the ranks' agreement."""
+    grace = cfg.trainer.stop_grace_s
+    need = step.learn_s + step.sync_s + grace + save.seconds
     lead = max(MIN_SIGNAL_LEAD_S, math.ceil(need))
-    how = (f"{lead} s = max({MIN_SIGNAL_LEAD_S}, the current step {step_s:.1f} s (generate {step.generate_s:.1f} + "
-           f"learn {step.learn_s:.1f} + sync {step.sync_s:.2f}) + save {save.seconds:.1f} s)")  # fmt: skip
+    how = (f"{lead} s = max({MIN_SIGNAL_LEAD_S}, an update in progress {step.learn_s:.1f} + sync {step.sync_s:.2f} + "
+           f"trainer.stop_grace_s {grace:g} + save {save.seconds:.1f} s; a generation or scoring in progress is cut)")
     return lead, how

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, wait
 
 import megarl
 from megarl.rewards.registry import RewardLoadError
-from megarl.rewards.score import ERROR, TIMEOUT, Failure, Outcome, ScoreResult, assemble, check_inputs
+from megarl.rewards.score import CANCELLED, ERROR, TIMEOUT, Failure, Outcome, ScoreResult, assemble, check_inputs
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start and import the reward's module."""
@@ -180,7 +180,7 @@ class RewardPool:
                     self._give_up(run, self._late())
                     break
                 if self.should_stop is not None and self.should_stop():
-                    self._give_up(run, Failure(TIMEOUT, "not scored: the run is stopping (SIGTERM/SIGUSR1)"))
+                    self._give_up(run, Failure(CANCELLED, "not scored: the run is stopping (SIGTERM/SIGUSR1)"))
                     break
                 self._advance(run, end if self.should_stop is None else min(end, time.monotonic() + STOP_POLL_S))
 

@@ -13,8 +13,9 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-ERROR, TIMEOUT = "error", "timeout"
-"""Kinds of failure: the call raised, returned a bad value or killed its worker; or it ran out of time."""
+ERROR, TIMEOUT, CANCELLED = "error", "timeout", "cancelled"
+"""Kinds of failure: the call raised, returned a bad value or killed its worker; it ran out of time; or the run was
+stopping (the sample is never trained on: its rollout is dropped, or its group generated again on resume)."""
 
 
 class RewardFailure(RuntimeError):
@@ -27,7 +28,7 @@ class Failure:
     """Why one sample scored 0."""
 
     kind: str
-    """ERROR or TIMEOUT."""
+    """ERROR, TIMEOUT or CANCELLED."""
     message: str
     """What happened, completing 'the sample of prompt ... ': 'raised:\\n<traceback>', 'timed out after 2 s ...'."""
 
@@ -43,7 +44,7 @@ class ScoreResult:
     scores: list[float]
     """One finite score per sample; 0.0 where scoring failed."""
     failed: list[str] = field(default_factory=list)
-    """Per sample: '' (scored), ERROR or TIMEOUT."""
+    """Per sample: '' (scored), ERROR, TIMEOUT or CANCELLED."""
     extra: dict[str, list[float]] = field(default_factory=dict)
     """Extra numeric fields of dict results (logged as reward/<field> means), kept only when every sample of the
     batch has a finite value for them (a field missing on one sample, or any failed sample, drops it), so a mean is

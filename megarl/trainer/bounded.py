@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 
 from megarl.rewards.parallel import GroupScores
-from megarl.rewards.score import ScoreResult, merge
+from megarl.rewards.score import CANCELLED, ScoreResult, merge
 from megarl.rollout.protocol import Sample
 from megarl.rollout.stream import StreamSession, admission_limit, batch_of, oldest_version, stream_seed
 from megarl.trainer.collect import Collected, _shaped
@@ -168,6 +168,18 @@ class RolloutServer:
             self.scored[serial] = (self.unscored.pop(serial), result)
         self.reward_s += time.monotonic() - start
 
+    def _collect_scores_within(self, seconds: float) -> None:
+        """``_collect_scores``, the reward's calls cancelled after ``seconds``: the groups whose scoring was cut are
+        dropped (their prompts stay admitted, without samples: a resume generates them again)."""
+        deadline = time.monotonic() + seconds
+        self.job.rewards.should_stop = lambda: time.monotonic() > deadline
+        try:
+            self._collect_scores()
+        finally:
+            self.job.rewards.should_stop = None
+        for serial in [s for s, (_, r) in self.scored.items() if CANCELLED in r.failed]:
+            del self.scored[serial]
+
     # --- the learners' operations ----------------------------------------------------------------------------------
     def _serve(self, op: tuple[str, int], state) -> bool:
         """Serve ``op`` if it can be now (collective over the pool, then with the learners); whether it was."""
@@ -188,17 +200,25 @@ class RolloutServer:
             return True
         return name == "end"
 
-    def _pool_sum(self, value: int) -> int:
+    def _pool_sum(self, value: int | list[int]) -> int | list[int]:
+        """Collective over the pool: the sum of ``value`` (or of each of a list of values)."""
         import torch
 
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
         dist.all_reduce(t)
-        return int(t.item())
+        return t.tolist() if isinstance(value, list) else int(t.item())
+
+    def _stop_requested(self) -> int:
+        return int(self.job.stop is not None and self.job.stop.requested())
 
     def _hand_over(self, step: int) -> bool:
         serials = range((step - 1) * self.batch, step * self.batch)
         mine = sum(s in self.scored or s in self.unscored for s in serials)  # the groups this rank scores
-        if self._pool_sum(mine) < len(serials):
+        have, stopping = self._pool_sum([mine, self._stop_requested()])
+        if stopping:  # the learners drop the step and save: the stream goes on into the checkpoint as it is
+            self.job.place.share({"stopped": True}, "rollout")
+            return True
+        if have < len(serials):
             return False
         self._collect_scores()
         parts = [None] * dist.get_world_size()
@@ -275,7 +295,10 @@ class RolloutServer:
     def _save(self, step: int, state) -> None:
         from megarl.trainer.loop import save
 
-        self._collect_scores()
+        if self._pool_sum(self._stop_requested()):  # a stop: the scores wait at most trainer.stop_grace_s
+            self._collect_scores_within(self.job.cfg.trainer.stop_grace_s)
+        else:
+            self._collect_scores()
         parts = [None] * dist.get_world_size()
         mine = (self.session.snapshot() if self.lead else [], self.scored)
         dist.all_gather_object(parts, mine)

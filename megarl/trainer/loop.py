@@ -42,7 +42,7 @@ from megarl.trainer.collect import Collected, collect, combine_rewards, combined
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import needs_critic
-from megarl.trainer.preemption import StepAbandoned, StopRequests
+from megarl.trainer.preemption import StepAbandoned, StopRequests, store_of
 from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE
 from megarl.trainer.roles import Roles
 from megarl.trainer.state import TrainerState
@@ -61,7 +61,7 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
     start-up nothing is saved. ``job.stopped_by`` then names the signal."""
     with stop or StopRequests() as stop:
         job, state = build_job(cfg, spec, source, engine=engine)
-        stop.connect(job.place)
+        stop.connect(store_of(job.place))
         t = cfg.trainer
         rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
         with rewards, job.tracker, polled(job, stop):  # the reward's workers end with the run
@@ -85,7 +85,7 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
                     if state.step == 0:  # nothing to continue: the same command starts over (resume=auto)
                         stopped(job, stop, f"during step 1's {e.where}: no step completed, nothing to save")
                     else:
-                        save_unless_saved(job, state, rng)
+                        save_dropped(job, state, rng)
                         stopped(job, stop, f"during step {step}'s {e.where}: it is dropped; saved step {state.step}")
                     break
                 if end_step(job, state, step, metrics, stop):
@@ -142,9 +142,13 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     return False
 
 
-def save_unless_saved(job: Job, state: TrainerState, rng: dict) -> None:
-    """Collective: save ``state`` with the RNG states ``rng`` unless its step's checkpoint is already complete (the
-    periodic save at the end of that step, or the checkpoint this run resumed from: the same state)."""
+def save_dropped(job: Job, state: TrainerState, rng: dict) -> None:
+    """Collective, after a dropped step: save ``state`` (the previous step's) with the RNG states ``rng`` unless its
+    checkpoint is already complete (the periodic save at the end of that step, or the checkpoint this run resumed
+    from: the same state). Bounded async always saves: its rollout stream moved on since."""
+    if job.cfg.async_training.bounded:  # the rollout pool serves the save (its own loop, not in ``place.any``)
+        save(job, state, rng=rng)
+        return
     root = checkpoints_root(job.cfg.trainer.output_dir)
     held = job.place.leader and any(s == state.step for s, _ in complete_iterations(root)[0])
     if not job.place.any(held):
@@ -345,6 +349,8 @@ def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
     if job.cfg.async_training.bounded:  # served by the rollout pool's stream once its groups are all scored
         announce(job, "batch", step)
         handed = job.place.share(None, "rollout")
+        if handed.get("stopped"):  # the rollout pool saw a stop request first
+            return Collected(stopped=True)
         job.sampler.load_state_dict(handed["sampler"])  # where the stream is (the data/epoch metric)
         if handed["note"]:
             job.say(handed["note"])

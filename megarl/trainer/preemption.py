@@ -57,14 +57,11 @@ class StopRequests:
         self._previous = {}
         return False
 
-    def connect(self, place) -> None:
-        """Share requests through the launch's store (``place``: every pool sees it); once per run, on every rank."""
-        from megarl.compat.torch_dist import default_store
-        from megarl.parallel.pools import launch_store
-
+    def connect(self, store) -> None:
+        """Share requests through ``store`` (the launch's: ``store_of``); once per run, on every rank (each run of a
+        process gets its own key: tests run several on one process group)."""
         _runs["count"] += 1
-        self._store = launch_store() if place.pooled else default_store()
-        self._key = f"megarl/stop/{_runs['count']}"
+        self._store, self._key = store, f"megarl/stop/{_runs['count']}"
 
     def requested(self) -> bool:
         """Whether this rank got a signal or saw another rank's (not collective: for the polls inside waits)."""
@@ -103,3 +100,12 @@ class StopRequests:
     def took(self) -> str:
         """How long since this rank first saw the request."""
         return f"{time.monotonic() - self.since:.1f} s" if self.since is not None else "0.0 s"
+
+
+def store_of(place):
+    """The store every rank of the launch reaches: torchrun's with pools (``place.pooled``), else the default
+    group's."""
+    from megarl.compat.torch_dist import default_store
+    from megarl.parallel.pools import launch_store
+
+    return launch_store() if place.pooled else default_store()

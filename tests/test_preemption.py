@@ -1,0 +1,70 @@
+"""Stop requests (``megarl.trainer.preemption``): a signal only sets a flag; the flag reaches the other ranks through
+the launch's store (a TCPStore here, as torchrun's), each run of a process has its own key, and the fault drills
+name their signals. The stops through the real `megarl train` are in tests/test_resume.py, test_reward_stops.py and
+test_requeue.py."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megarl.trainer import faults, preemption
+from megarl.trainer.preemption import STORE_POLL_S, StopRequests
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _ranks(store, n=2):
+    """``n`` ranks' stop requests of one run: each rank's process connects its first run (the same key)."""
+    ranks = [StopRequests() for _ in range(n)]
+    for r in ranks:
+        preemption._runs["count"] = 0  # as in a process of its own
+        r.connect(store)
+    return ranks
+
+
+def test_a_signal_sets_a_flag_that_another_rank_sees_through_the_store(store):
+    signalled, other = _ranks(store)  # a run's two ranks share one key: connect in the same order
+    with signalled:
+        assert not signalled.requested() and not other.requested()
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled, not fatal: the process is still here
+        assert signalled.signal_name == "SIGUSR1" and signalled.since is not None
+        assert signalled.requested()  # posts it
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are restored on exit
+    deadline = time.monotonic() + 2 * STORE_POLL_S + 1
+    while not other.requested():
+        assert time.monotonic() < deadline, "the other rank never saw the stop"
+        time.sleep(0.05)
+    assert other.signal_name is None and other.by == "a signal on another rank"
+
+
+def test_each_run_of_a_process_has_its_own_key(store):
+    first = StopRequests()
+    first.connect(store)
+    first.signal_name = "SIGTERM"
+    assert first.requested()
+    later = StopRequests()  # the next job on the same process group (tests reuse one)
+    later.connect(store)
+    later._looked = 0.0
+    assert not later.requested()
+
+
+@pytest.mark.parametrize(
+    "point, sig", [("sigterm", signal.SIGTERM), ("sigterm_reward", signal.SIGTERM), ("sigusr1", signal.SIGUSR1),
+                   ("generate", signal.SIGKILL)],
+)  # fmt: skip
+def test_fault_drills_send_their_signal_on_the_rank_they_name(monkeypatch, point, sig):
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, s: sent.append((pid, s)))
+    monkeypatch.setenv(faults.ENV, f"{point}@3")
+    monkeypatch.setenv("RANK", "1")
+    faults.fire(point, 3)
+    assert sent == []  # global rank 0 only, by default
+    faults.fire(point, 3, here=True)
+    faults.fire(point, 4, here=True)
+    assert sent == [(os.getpid(), sig)]
