@@ -163,8 +163,8 @@ def test_rollback_keeps_the_new_branch_and_a_stop_in_the_last_step_completes_the
     assert _iters(ckpts) == ["iter_0000004", "iter_0000005"]  # keep_last=2 kept the new branch
     assert _iters(ckpts / "abandoned") == ["iter_0000004"]
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    # resume=auto follows the new branch; SIGTERM during the last step: saved, exit 0, no STOPPED
-    last = _run(tiny_llama_dir, out, "trainer.total_steps=6", fault="sigterm@6")
+    # resume=auto follows the new branch; SIGTERM during the last step's update: saved, exit 0, no STOPPED
+    last = _run(tiny_llama_dir, out, "trainer.total_steps=6", fault="sigterm_update@6")
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
     assert f"resuming from {ckpts}/iter_0000005 (step 5;" in last.stdout
     assert "SIGTERM during the last step: saved; the run is complete" in last.stdout

@@ -66,7 +66,7 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
         rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
         with rewards, job.tracker, polled(job, stop):  # the reward's workers end with the run
             if stop.agreed(job.place):
-                stopped(job, stop, "during start-up; nothing to save")
+                stopped(job, stop, state.step, "during start-up; nothing to save")
                 return job
             job.phases.offload()  # the engine is awake: generation comes first
             if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
@@ -83,10 +83,11 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
                     metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
                 except StepAbandoned as e:
                     if state.step == 0:  # nothing to continue: the same command starts over (resume=auto)
-                        stopped(job, stop, f"during step 1's {e.where}: no step completed, nothing to save")
+                        stopped(job, stop, 0, f"during step 1's {e.where}: no step completed, nothing to save")
                     else:
                         save_dropped(job, state, rng)
-                        stopped(job, stop, f"during step {step}'s {e.where}: it is dropped; saved step {state.step}")
+                        what = f"during step {step}'s {e.where}: it is dropped; saved step {state.step}"
+                        stopped(job, stop, state.step, what)
                     break
                 if end_step(job, state, step, metrics, stop):
                     break
@@ -124,7 +125,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
         if val is None:  # cut: the step is saved without it, validated again on resume
             state.pending_metrics = metrics
             save(job, state, rng=rng)
-            stopped(job, stop, f"during step {step}'s validation; saved step {step}, to validate again on resume")
+            stopped(job, stop, step, f"during step {step}'s validation; saved step {step}, to validate again on resume")
             return True
         metrics.update(val)
     state.pending_metrics = None
@@ -137,7 +138,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     if stopping and last:  # nothing left to resume: a complete run
         job.say(f"{stop.by} during the last step: saved; the run is complete")
     elif stopping:
-        stopped(job, stop, f"after step {step}; saved")
+        stopped(job, stop, step, f"after step {step}; saved")
         return True
     return False
 
@@ -155,12 +156,13 @@ def save_dropped(job: Job, state: TrainerState, rng: dict) -> None:
         save(job, state, rng=rng)
 
 
-def stopped(job: Job, stop: StopRequests, what: str) -> None:
-    """The run ends after a stop request: ``output_dir/STOPPED`` (the launcher then exits ``EXIT_PREEMPTED``) and
-    one line saying what happened and how long it took."""
+def stopped(job: Job, stop: StopRequests, saved: int, what: str) -> None:
+    """The run ends after a stop request: ``output_dir/STOPPED`` ('step <the step a resume continues from>: ...';
+    the launcher then exits ``EXIT_PREEMPTED``) and one line saying what happened and how long it took."""
     job.stopped_by = stop.by
     if job.place.leader:
-        atomic_write(os.path.join(job.cfg.trainer.output_dir, STOPPED_FILE), f"stopped by {stop.by} {what}\n")
+        atomic_write(os.path.join(job.cfg.trainer.output_dir, STOPPED_FILE),
+                     f"step {saved}: stopped by {stop.by} {what}\n")  # fmt: skip
     grace = job.cfg.trainer.stop_grace_s
     late = stop.since is not None and time.monotonic() - stop.since > grace
     job.say(f"stopped by {stop.by} {what}; resume with the same command (the stop took {stop.took()}"
