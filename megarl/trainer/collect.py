@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from megarl.config.schema import MegarlConfig
 from megarl.data import Prompt
 from megarl.rewards.parallel import GroupScores
@@ -150,7 +152,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
-        faults.fire("sigterm_reward", step)  # fault injection (tests, drills): a no-op in normal runs
+        faults.fire("sigterm_reward", step, here=dist.get_rank() == 0)  # fault injection (a no-op in normal runs)
         with timer("reward"):  # what was not scored while the engine generated
             result = scoring.result()
         if stop is not None and stop():

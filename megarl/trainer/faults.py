@@ -5,8 +5,9 @@
 Points: ``generate`` (SIGKILL this process in the middle of that step's generation), ``save`` (SIGKILL in the middle
 of that step's checkpoint save, after the shards are written and before the manifest), ``nan_loss`` (make that step's
 actor loss NaN). Signals, as a scheduler's preemption sends them: ``sigterm`` (SIGTERM as that step starts: during
-its generation), ``sigterm_reward`` (as the step waits for its scores), ``sigterm_update`` (as its update starts),
-``sigterm_validate`` (as its validation starts), ``sigterm_save`` (as the checkpoint of that step starts),
+its generation), ``sigterm_reward`` (as the step waits for its scores, on the rollout's first rank),
+``sigterm_update`` (as its update starts), ``sigterm_validate`` (as its validation starts, on the rollout's first
+rank), ``sigterm_save`` (as the checkpoint of that step starts),
 ``sigterm_ahead`` (one-step-off: as the rollout pool starts generating that step's batch ahead, on its first rank),
 ``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on global rank 0 only (a launcher takes
 the other ranks down after a kill, as a node failure would; a signal reaches the others through the store).

@@ -120,7 +120,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     t = job.cfg.trainer
     if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
         rng = rng_states()
-        faults.fire("sigterm_validate", step)
+        faults.fire("sigterm_validate", step, here=job.place.rank == job.place.ranks("rollout").start)
         val = validate(job, step)
         if val is None:  # cut: the step is saved without it, validated again on resume
             state.pending_metrics = metrics
