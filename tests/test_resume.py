@@ -464,7 +464,7 @@ POOLED = ("timing/", "perf/", "memory/", "sync/", "pool/", "rollout/tokens_per_s
 @pytest.mark.parametrize("chain", ["grpo_pools"], indirect=True)
 def test_placement_does_not_change_the_algorithm(chain, tiny_llama_dir, tmp_path):
     """configs/tiny_grpo_pools.yaml (actor on ranks 0-1, the engine on ranks 2-3) against tiny_grpo.yaml colocated
-    on 2 ranks: every other metric equal as floats, at every step (6 >= 3)."""
+    on 2 ranks: every other metric equal as floats, at every step (6 >= 3); the pooled chain also validates."""
     colocated = UNINTERRUPTED.get("grpo_tp2")
     if colocated is None:  # this test alone (-k): run the colocated reference here
         colocated = tmp_path / "colocated"
@@ -473,7 +473,7 @@ def test_placement_does_not_change_the_algorithm(chain, tiny_llama_dir, tmp_path
     assert len(pooled) == len(ref) == STEPS
     for a, b in zip(ref, pooled):
         keys = {k for k in a if not k.startswith(POOLED)}
-        assert keys == {k for k in b if not k.startswith(POOLED)} and "rollout/logprob_mismatch_max" in keys
+        assert keys == {k for k in b if not k.startswith((*POOLED, "val/"))} and "rollout/logprob_mismatch_max" in keys
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"step {a['step']}"
         assert {"pool/train/busy_s", "pool/train/wait_s", "pool/rollout/busy_s", "pool/rollout/wait_s"} <= b.keys()
 
