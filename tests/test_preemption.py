@@ -65,6 +65,6 @@ def test_fault_drills_send_their_signal_on_the_rank_they_name(monkeypatch, point
     monkeypatch.setenv("RANK", "1")
     faults.fire(point, 3)
     assert sent == []  # global rank 0 only, by default
-    faults.fire(point, 3, here=True)
-    faults.fire(point, 4, here=True)
+    faults.fire(point, 3, here=lambda: True)
+    faults.fire(point, 4, here=lambda: True)
     assert sent == [(os.getpid(), sig)]

@@ -152,7 +152,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
-        faults.fire("sigterm_reward", step, here=dist.get_rank() == 0)  # fault injection (a no-op in normal runs)
+        faults.fire("sigterm_reward", step, here=lambda: dist.get_rank() == 0)  # fault drill (a no-op in real runs)
         with timer("reward"):  # what was not scored while the engine generated
             result = scoring.result()
         if stop is not None and stop():

@@ -41,13 +41,13 @@ def at(point: str, step: int) -> bool:
     return planned().get(point) == step
 
 
-def fire(point: str, step: int, *, after_s: float = 0.0, here: bool | None = None) -> None:
+def fire(point: str, step: int, *, after_s: float = 0.0, here=None) -> None:
     """Kill (``generate``, ``save``) or signal (``sigterm*``, ``sigusr1``) this process if that fault is planned here;
-    ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows); ``here``:
-    whether this is the rank to fire on (default: global rank 0)."""
-    if here is None:
-        here = int(os.environ.get("RANK", "0")) == 0
-    if not at(point, step) or not here:
+    ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows); ``here()``:
+    whether this is the rank to fire on (asked only when the fault is planned; default: global rank 0)."""
+    if not at(point, step):
+        return
+    if not (here() if here is not None else int(os.environ.get("RANK", "0")) == 0):
         return
     sig = {"sigusr1": signal.SIGUSR1}.get(point, signal.SIGTERM if point.startswith("sigterm") else signal.SIGKILL)
     print(f"[megarl] fault injection: {point} at step {step}", flush=True)

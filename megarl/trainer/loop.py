@@ -120,7 +120,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     t = job.cfg.trainer
     if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
         rng = rng_states()
-        faults.fire("sigterm_validate", step, here=job.place.rank == job.place.ranks("rollout").start)
+        faults.fire("sigterm_validate", step, here=lambda: job.place.rank == job.place.ranks("rollout").start)
         val = validate(job, step)
         if val is None:  # cut: the step is saved without it, validated again on resume
             state.pending_metrics = metrics
@@ -243,7 +243,7 @@ def rl_step(job: Job, state: TrainerState, step: int, *, poison_loss: bool = Fal
         ahead_failed = None
         if job.cfg.async_training.one_step_off and step < job.cfg.trainer.total_steps and place.hosts("rollout"):
             position = job.sampler.state_dict()
-            faults.fire("sigterm_ahead", step + 1, here=dist.get_rank() == 0)
+            faults.fire("sigterm_ahead", step + 1, here=lambda: dist.get_rank() == 0)
             try:  # the next step's batch, with the weights the engine holds (one update old)
                 job.ahead = generate(job, step + 1, pool_time)
             except Exception as e:  # noqa: BLE001 -- raised on every pool below, once the others learned
