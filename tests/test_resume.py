@@ -93,10 +93,11 @@ STOP_IN_VALIDATION = ("grpo_pools",)
 """Chains first stopped by SIGTERM during step 4's validation."""
 STOP_IN_SCORING = ("bf16_dp2_distopt",)
 """Chains stopped by SIGTERM as step 4 waits for its scores."""
-STOP_MID_STEP = {"bf16_async": "sigterm_ahead@4", "bf16_bounded": "sigterm@4"}
-"""One-step-off: SIGTERM on the rollout pool as it generates step 4's batch ahead (dropped, the data cursor rewound;
-step 3 finishes and is saved); bounded: SIGTERM as step 4 starts (the learners drop it, the stream is saved). Not
-bitwise: the batch is generated again with newer weights; each prompt is still trained once, in order."""
+STOP_MID_STEP = {"bf16_async": "sigterm_ahead@6", "bf16_bounded": "sigterm@5"}
+"""One-step-off: SIGTERM on the rollout pool as it generates step 6's batch ahead (dropped, the data cursor rewound;
+step 5 finishes and is saved); bounded: SIGTERM as step 5 starts (the learners drop it and save step 4 with the
+stream, or, when the batch was handed over first, step 5 finishes and is saved). Not bitwise: the batch is generated
+again with newer weights; each prompt is still trained once, in order."""
 EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED and name not in STOP_MID_STEP)
 FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE + TWO_KILLS]
 NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
@@ -212,9 +213,9 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
     UNINTERRUPTED[name] = ref
     cmd = _cmd(recipe, tiny_llama_dir, cut, [*extra, "trainer.keep_last=2"])
     if name in OUTSIDE:  # killed at a random moment of steps 4-5 (saved at 2, maybe 4), then resumed
-        if name in STOP_MID_STEP:  # first stopped by SIGTERM mid-step (see STOP_MID_STEP)
-            runs["sigterm"] = _run(cmd, STOP_MID_STEP[name])
         runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
+        if name in STOP_MID_STEP:  # then stopped by SIGTERM in step 5 (see STOP_MID_STEP), resumed again
+            runs["sigterm"] = _run(cmd, STOP_MID_STEP[name])
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
     if name in TWO_KILLS:  # saved every step: rank 0 SIGKILLed in step 3's generation (resumes from 2), then
@@ -303,7 +304,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_the_next_run_sweeps_its_s
     left = runs["launcher"].shm_left
     assert left and all(n.startswith("megarl-") for n in left), left  # its lock and rank files, vLLM's segments
     assert left.isdisjoint(_shm()), left & _shm()
-    after = runs.get("generate@5", runs["last"])  # the next run
+    after = runs.get("generate@5", runs.get("sigterm", runs["last"]))  # the next run
     assert "left in /dev/shm by runs that are gone" in after.out, after.out[-3000:]
 
 
@@ -320,10 +321,10 @@ def test_one_step_off_stopped_while_generating_ahead_trains_each_prompt_once_in_
     weights: not bitwise) and trains the same prompts, in the same order, as the uninterrupted run."""
     stop = chain["runs"]["sigterm"]
     assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
-    assert "the rollout pool dropped step 4's batch ahead" in stop.out, stop.out[-3000:]
-    assert "stopped by a signal on another rank after step 3; saved" in stop.out, stop.out[-3000:]
+    assert "the rollout pool dropped step 6's batch ahead" in stop.out, stop.out[-3000:]
+    assert "stopped by a signal on another rank after step 5; saved" in stop.out, stop.out[-3000:]
     assert _stop_seconds(stop.out) < 25
-    assert "saved step 3:" in stop.out
+    assert "saved step 5:" in stop.out
     ref, cut = _trained(chain["ref"]), _trained(chain["cut"])
     assert sorted(cut) == list(range(1, STEPS + 1))
     assert {s: sorted(cut[s]) for s in cut} == {s: sorted(ref[s]) for s in ref}
@@ -546,11 +547,13 @@ def test_one_step_off_generates_the_next_batch_while_the_train_pool_learns(chain
 
 
 def _killed_from_outside_then_resumed(chain) -> None:
-    """`megarl train` was SIGKILLed mid-run (after step 3 started), and the next run resumed from a checkpoint of
-    step 2 to 4 and completed."""
-    launcher, last = chain["runs"]["launcher"], chain["runs"]["last"]
+    """`megarl train` was SIGKILLed mid-run (after step 3 started), the next run resumed from a checkpoint of step 2
+    to 4 (and, after a stop, the run after it), and the last run completed."""
+    runs = chain["runs"]
+    launcher, after, last = runs["launcher"], runs.get("sigterm", runs["last"]), runs["last"]
     assert launcher.rc is None and "[megarl] step 3/6" in launcher.out, launcher.out[-3000:]
-    assert re.search(r"resuming from .*iter_000000[2-4] \(step [2-4];", last.out) and last.rc == 0, last.out[-3000:]
+    assert re.search(r"resuming from .*iter_000000[2-4] \(step [2-4];", after.out), after.out[-3000:]
+    assert last.rc == 0 and "resuming from" in last.out, last.out[-3000:]
 
 
 def _trained(out_dir) -> dict[int, list[tuple[int, str]]]:
@@ -581,10 +584,11 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
         assert all(serials.count(i) == 8 for i in set(serials))
         assert cut[step] == ref[step]  # the same prompts, in the same order: the data stream's
     _killed_from_outside_then_resumed(chain)
-    if "sigterm" in chain["runs"]:  # the learners dropped step 4 and saved step 3 with the stream, within the grace
+    if "sigterm" in chain["runs"]:  # step 5 dropped (step 4 saved with the stream), or finished and saved
         stop = chain["runs"]["sigterm"]
         assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
-        assert "stopped by SIGTERM during step 4's rollout: it is dropped; saved step 3" in stop.out, stop.out[-3000:]
+        cut, after = "during step 5's rollout: it is dropped; saved step 4", "stopped by SIGTERM after step 5; saved"
+        assert cut in stop.out or after in stop.out, stop.out[-3000:]
         assert _stop_seconds(stop.out) < 25
     held = torch.load(chain["ref"] / "checkpoints" / "iter_0000004" / "rollout_stream.pt", weights_only=False)
     assert held["step"] == 4 and 16 <= held["cursor"] <= 24  # admitted ahead, within the bound of version <= 4

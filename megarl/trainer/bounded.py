@@ -209,7 +209,7 @@ class RolloutServer:
         return t.tolist() if isinstance(value, list) else int(t.item())
 
     def _stop_requested(self) -> int:
-        return int(self.job.stop is not None and self.job.stop.requested())
+        return int(self.job.stop is not None and self.job.stop.requested(fresh=True))
 
     def _hand_over(self, step: int) -> bool:
         serials = range((step - 1) * self.batch, step * self.batch)

@@ -1,9 +1,9 @@
 """Stop requests: SIGTERM or SIGUSR1 (SLURM sends one before it kills a preempted job) only set a flag; nothing is
-raised from the handler. The flag is published on the launch's store, so a rank that did not get the signal sees it
-too, and it is polled where a step waits: every engine step of a generation, inside the reward's waits. A polling
-rank cuts its work short there (the engine aborts its requests, the reward workers are replaced, unscored samples
-fail), so every collective that follows still happens in the same order on every rank; the ranks then agree at
-fixed points (after each generation round and after validation's scoring, in the group that ran them, and at the
+raised from the handler. A thread posts the flag on the launch's store at once, so a rank that did not get the signal
+sees it too, and it is polled where a step waits: every few engine steps of a generation, inside the reward's waits.
+A polling rank cuts its work short there (the engine aborts its requests, the reward workers are replaced, unscored
+samples fail), so every collective that follows still happens in the same order on every rank; the ranks then agree
+at fixed points (after each generation round and after validation's scoring, in the group that ran them, and at the
 step boundary over the launch) and the loop abandons the rollout, or saves after the step, and exits with
 ``EXIT_PREEMPTED`` (``megarl.trainer.loop``). A rank installs the handlers first of all (before torch is imported),
 so a signal during start-up stops the run too."""
@@ -40,11 +40,13 @@ class StopRequests:
         self.elsewhere = False
         """Another rank asked to stop (read from the store)."""
         self._previous = {}
-        self._store, self._key, self._posted, self._looked = None, None, False, 0.0
+        self._store, self._key, self._looked = None, None, 0.0
+        self._raised = threading.Event()
 
     def _handle(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
         self.since = self.since or time.monotonic()
+        self._raised.set()  # the poster thread tells the other ranks, whatever this rank is doing
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread() and not self._previous:
@@ -55,6 +57,7 @@ class StopRequests:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        self._raised.set()  # ends the poster thread
         return False
 
     def connect(self, store) -> None:
@@ -62,14 +65,23 @@ class StopRequests:
         process gets its own key: tests run several on one process group)."""
         _runs["count"] += 1
         self._store, self._key = store, f"megarl/stop/{_runs['count']}"
+        threading.Thread(target=self._post, name="megarl-stop-poster", daemon=True).start()
 
-    def requested(self) -> bool:
-        """Whether this rank got a signal or saw another rank's (not collective: for the polls inside waits)."""
-        if self.signal_name is not None and self._store is not None and not self._posted:
-            self._store.set(self._key, self.signal_name)
-            self._posted = True
+    def _post(self) -> None:
+        """A thread: once this rank got a signal, post it on the store at once (the main thread may be in a long
+        update or in a collective, where it polls nothing)."""
+        self._raised.wait()
+        if self.signal_name is not None:  # not just the run's end
+            try:
+                self._store.set(self._key, self.signal_name)
+            except RuntimeError:  # the launch's store is gone (the run ended meanwhile): nobody is left to tell
+                pass
+
+    def requested(self, fresh: bool = False) -> bool:
+        """Whether this rank got a signal or saw another rank's (not collective: for the polls inside waits; the
+        store is asked at most every ``STORE_POLL_S`` unless ``fresh``)."""
         now = time.monotonic()
-        if not self.elsewhere and self._store is not None and now - self._looked >= STORE_POLL_S:
+        if not self.elsewhere and self._store is not None and (fresh or now - self._looked >= STORE_POLL_S):
             self._looked = now
             self.elsewhere = self._store.check([self._key])
         stop = self.signal_name is not None or self.elsewhere
@@ -84,7 +96,7 @@ class StopRequests:
     def agreed(self, place) -> bool:
         """Collective over the launch (``place``: ``megarl.parallel.pools.Placement``, every pool): whether any rank
         was asked to stop."""
-        return place.any(self.requested())
+        return place.any(self.requested(fresh=True))
 
     def agreed_here(self) -> bool:
         """Collective over this process's default group (the world colocated, the pool with pools: the ranks that
@@ -92,7 +104,7 @@ class StopRequests:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([1.0 if self.requested() else 0.0])
+        t = torch.tensor([1.0 if self.requested(fresh=True) else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
