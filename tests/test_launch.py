@@ -354,8 +354,8 @@ def test_slurm_job_stops_on_usr1_saves_and_requeues(preempted_job):
     assert "SIGUSR1: stopping the ranks (a rollout in progress is cut, an update finishes), then a save" in logs
     assert f"requeueing job {preempted_job['job_id']} to resume" in logs
     after = f"stopped by SIGUSR1 after step {stop_step}; saved"  # it landed in an update
-    cut = f"stopped by SIGUSR1 during step {stop_step + 1}'s rollout: it is dropped; saved step {stop_step}"
-    assert after in logs or cut in logs, logs
+    cut = rf"stopped by SIGUSR1 during step {stop_step + 1}'s rollout: it is dropped; (saved|its checkpoint holds) step"
+    assert after in logs or re.search(cut, logs), logs
 
 
 def test_requeued_slurm_job_resumes_and_finishes(preempted_job):

@@ -5,7 +5,9 @@ test_requeue.py."""
 
 import os
 import signal
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -14,9 +16,19 @@ from megarl.trainer import faults, preemption
 from megarl.trainer.preemption import STORE_POLL_S, StopRequests
 
 
+class Launch:
+    """The launch's store (as torchrun's) and ``connect``, which makes new clients of it (as ``launch_store``)."""
+
+    def __init__(self):
+        self.master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def connect(self):
+        return dist.TCPStore("127.0.0.1", self.master.port, is_master=False)
+
+
 @pytest.fixture
 def store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return Launch()
 
 
 def _ranks(store, n=2):
@@ -24,7 +36,7 @@ def _ranks(store, n=2):
     ranks = [StopRequests() for _ in range(n)]
     for r in ranks:
         preemption._runs["count"] = 0  # as in a process of its own
-        r.connect(store)
+        r.connect(store.connect)
     return ranks
 
 
@@ -45,11 +57,11 @@ def test_a_signal_sets_a_flag_that_another_rank_sees_through_the_store(store):
 
 def test_each_run_of_a_process_has_its_own_key(store):
     first = StopRequests()
-    first.connect(store)
+    first.connect(store.connect)
     first.signal_name = "SIGTERM"
     assert first.requested()
     later = StopRequests()  # the next job on the same process group (tests reuse one)
-    later.connect(store)
+    later.connect(store.connect)
     later._looked = 0.0
     assert not later.requested()
 
@@ -68,3 +80,29 @@ def test_fault_drills_send_their_signal_on_the_rank_they_name(monkeypatch, point
     faults.fire(point, 3, here=lambda: True)
     faults.fire(point, 4, here=lambda: True)
     assert sent == [(os.getpid(), sig)]
+
+
+def test_a_signal_is_posted_while_the_main_thread_waits_inside_a_collective(store):
+    """The main thread blocked in C++ (a store wait, as in a gloo collective): Python runs no handler until it
+    returns, yet the signal wakes the watcher thread, which posts it: the other rank sees it while the wait lasts."""
+    signalled, other = _ranks(store)
+    seen = []
+
+    def another_rank():
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 1.5
+        while not seen and time.monotonic() < deadline:
+            if other.requested(fresh=True):
+                seen.append(time.monotonic())
+            time.sleep(0.02)
+
+    with signalled:
+        helper = threading.Thread(target=another_rank)
+        helper.start()
+        with pytest.raises(Exception):  # noqa: B017 -- the wait times out (torch's error type varies)
+            signalled._store.wait(["never-set"], timedelta(seconds=2))  # the client the rank polls with
+        returned = time.monotonic()
+        helper.join()
+    assert seen and seen[0] < returned - 0.2, (seen, returned)
+    assert signalled.signal_name == "SIGTERM"

@@ -3,7 +3,6 @@
 - ``cpu``: the CPU shim for megatron-core (installed only when CUDA is absent; see its docstring).
 - ``megatron_fixes``: workarounds for megatron-core bugs on every platform, gated by version.
 - ``vllm_shm``: vLLM's shared-memory names carry the run's identity (installed by the vLLM engine).
-- ``torch_dist``: torch.distributed's default store (private in torch), where colocated stop requests are posted.
 """
 
 from megarl.compat.cpu import install_if_needed, megatron_mode

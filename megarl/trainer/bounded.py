@@ -208,8 +208,9 @@ class RolloutServer:
         dist.all_reduce(t)
         return t.tolist() if isinstance(value, list) else int(t.item())
 
-    def _stop_requested(self) -> int:
-        return int(self.job.stop is not None and self.job.stop.requested(fresh=True))
+    def _stop_requested(self, fresh: bool = False) -> int:
+        """This rank's ``StopRequests.requested`` (``fresh``: read the store now; else at most every 0.5 s)."""
+        return int(self.job.stop is not None and self.job.stop.requested(fresh))
 
     def _hand_over(self, step: int) -> bool:
         serials = range((step - 1) * self.batch, step * self.batch)
@@ -295,7 +296,7 @@ class RolloutServer:
     def _save(self, step: int, state) -> None:
         from megarl.trainer.loop import save
 
-        if self._pool_sum(self._stop_requested()):  # a stop: the scores wait at most trainer.stop_grace_s
+        if self._pool_sum(self._stop_requested(fresh=True)):  # a stop: the scores wait at most stop_grace_s
             self._collect_scores_within(self.job.cfg.trainer.stop_grace_s)
         else:
             self._collect_scores()

@@ -9,8 +9,9 @@ its generation), ``sigterm_reward`` (as the step waits for its scores, on the ro
 ``sigterm_update`` (as its update starts), ``sigterm_validate`` (as its validation starts, on the rollout's first
 rank), ``sigterm_save`` (as the checkpoint of that step starts),
 ``sigterm_ahead`` (one-step-off: as the rollout pool starts generating that step's batch ahead, on its first rank),
-``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on global rank 0 only (a launcher takes
-the other ranks down after a kill, as a node failure would; a signal reaches the others through the store).
+``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on one rank: global rank 0 unless the
+point names another (a launcher takes the other ranks down after a kill, as a node failure would; a signal reaches
+the others through the store).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from megarl.trainer.collect import Collected, collect, combine_rewards, combined
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
 from megarl.trainer.models import needs_critic
-from megarl.trainer.preemption import StepAbandoned, StopRequests, store_of
-from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE
+from megarl.trainer.preemption import StepAbandoned, StopRequests, launch_store
+from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE, validation_pending
 from megarl.trainer.roles import Roles
 from megarl.trainer.state import TrainerState
 from megarl.trainer.timer import PhaseTimer
@@ -61,42 +61,48 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
     start-up nothing is saved. ``job.stopped_by`` then names the signal."""
     with stop or StopRequests() as stop:
         job, state = build_job(cfg, spec, source, engine=engine)
-        stop.connect(store_of(job.place))
-        t = cfg.trainer
+        stop.connect(launch_store)
         rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
         with rewards, job.tracker, polled(job, stop):  # the reward's workers end with the run
             if stop.agreed(job.place):
                 stopped(job, stop, state.step, "during start-up; nothing to save")
-                return job
-            job.phases.offload()  # the engine is awake: generation comes first
-            if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
-                job.server.serve(state)
-                job.server.close()
-                return job
-            if state.pending_metrics is not None and end_step(job, state, state.step, state.pending_metrics, stop):
-                return job  # stopped again during the validation that a stop had cut
-            for step in range(state.step + 1, t.total_steps + 1):
-                faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
-                faults.fire("generate", step, after_s=0.05)
-                rng = rng_states()  # what the step starts from: saved if its rollout is dropped
-                try:
-                    metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
-                except StepAbandoned as e:
-                    if state.step == 0:  # nothing to continue: the same command starts over (resume=auto)
-                        stopped(job, stop, 0, f"during step 1's {e.where}: no step completed, nothing to save")
-                    else:
-                        save_dropped(job, state, rng)
-                        what = f"during step {step}'s {e.where}: it is dropped; saved step {state.step}"
-                        stopped(job, stop, state.step, what)
-                    break
-                if end_step(job, state, step, metrics, stop):
-                    break
             else:
-                job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the
-                # rollout pool holds no metrics of its own
-            announce(job, "end", state.step)
+                job.phases.offload()  # the engine is awake: generation comes first
+                if job.server is not None:  # bounded: the rollout pool generates until the learners post the end
+                    job.server.serve(state)
+                    job.server.close()
+                else:
+                    run_steps(job, state, stop)
     job.offloader.reload()  # the models are whole again for whoever holds the job
     return job
+
+
+def run_steps(job: Job, state: TrainerState, stop: StopRequests) -> None:
+    """The steps left (after a validation a stop had cut, if it was), each ended by ``end_step``; a step whose
+    rollout a stop cut is dropped and the state before it saved."""
+    t = job.cfg.trainer
+    if state.pending_metrics is not None and end_step(job, state, state.step, state.pending_metrics, stop):
+        return announce(job, "end", state.step)  # stopped again during the validation that a stop had cut
+    for step in range(state.step + 1, t.total_steps + 1):
+        faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
+        faults.fire("generate", step, after_s=0.05)
+        rng = rng_states()  # what the step starts from: saved if its rollout is dropped
+        try:
+            metrics = rl_step(job, state, step, poison_loss=faults.at("nan_loss", step))
+        except StepAbandoned as e:
+            if state.step == 0:  # nothing to continue: the same command starts over (resume=auto)
+                stopped(job, stop, 0, f"during step 1's {e.where}: no step completed, nothing to save")
+            else:
+                how = "saved" if save_dropped(job, state, rng) else "its checkpoint holds"
+                what = f"during step {step}'s {e.where}: it is dropped; {how} step {state.step}"
+                stopped(job, stop, state.step, what)
+            break
+        if end_step(job, state, step, metrics, stop):
+            break
+    else:
+        job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the rollout
+        # pool holds no metrics of its own
+    announce(job, "end", state.step)
 
 
 @contextlib.contextmanager
@@ -143,17 +149,20 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     return False
 
 
-def save_dropped(job: Job, state: TrainerState, rng: dict) -> None:
+def save_dropped(job: Job, state: TrainerState, rng: dict) -> bool:
     """Collective, after a dropped step: save ``state`` (the previous step's) with the RNG states ``rng`` unless its
     checkpoint is already complete (the periodic save at the end of that step, or the checkpoint this run resumed
-    from: the same state). Bounded async always saves: its rollout stream moved on since."""
+    from, unless that one still waited for its validation: the same state). Bounded async always saves: its rollout
+    stream moved on since. Whether it saved."""
     if job.cfg.async_training.bounded:  # the rollout pool serves the save (its own loop, not in ``place.any``)
         save(job, state, rng=rng)
-        return
+        return True
     root = checkpoints_root(job.cfg.trainer.output_dir)
-    held = job.place.leader and any(s == state.step for s, _ in complete_iterations(root)[0])
-    if not job.place.any(held):
-        save(job, state, rng=rng)
+    same = [p for s, p in complete_iterations(root)[0] if s == state.step] if job.place.leader else []
+    if job.place.any(bool(same) and not validation_pending(same[0])):
+        return False
+    save(job, state, rng=rng)
+    return True
 
 
 def stopped(job: Job, stop: StopRequests, saved: int, what: str) -> None:

@@ -1,15 +1,17 @@
 """Stop requests: SIGTERM or SIGUSR1 (SLURM sends one before it kills a preempted job) only set a flag; nothing is
-raised from the handler. A thread posts the flag on the launch's store at once, so a rank that did not get the signal
-sees it too, and it is polled where a step waits: every few engine steps of a generation, inside the reward's waits.
-A polling rank cuts its work short there (the engine aborts its requests, the reward workers are replaced, unscored
-samples fail), so every collective that follows still happens in the same order on every rank; the ranks then agree
-at fixed points (after each generation round and after validation's scoring, in the group that ran them, and at the
-step boundary over the launch) and the loop abandons the rollout, or saves after the step, and exits with
-``EXIT_PREEMPTED`` (``megarl.trainer.loop``). A rank installs the handlers first of all (before torch is imported),
-so a signal during start-up stops the run too."""
+raised from the handler. A thread woken by the signal itself (the wakeup pipe) posts it on the launch's store at once,
+so a rank that did not get the signal sees it too, and it is polled where a step waits: every few engine steps of a
+generation, inside the reward's waits. A polling rank cuts its work short there (the engine aborts its requests, the
+reward workers are replaced, unscored samples fail), so every collective that follows still happens in the same order
+on every rank; the ranks then agree at fixed points (after each generation round and after validation's scoring, in
+the group that ran them, and at the step boundary over the launch) and the loop abandons the rollout, or saves after
+the step, and exits with ``EXIT_PREEMPTED`` (``megarl.trainer.loop``). A rank installs the handlers first of all
+(before torch is imported), so a signal during start-up stops the run too (once its start-up is done: nothing is
+cut there)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -39,48 +41,77 @@ class StopRequests:
         """``time.monotonic()`` when this process first saw a stop request (its own or another rank's)."""
         self.elsewhere = False
         """Another rank asked to stop (read from the store)."""
-        self._previous = {}
-        self._store, self._key, self._looked = None, None, 0.0
-        self._raised = threading.Event()
+        self._previous, self._wakeup = {}, None
+        self._store, self._poster, self._connect, self._key = None, None, None, None
+        self._looked, self._posted = 0.0, False
+        self._lock = threading.Lock()
 
-    def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
+    def _note(self, name: str) -> None:
+        self.signal_name = self.signal_name or name
         self.since = self.since or time.monotonic()
-        self._raised.set()  # the poster thread tells the other ranks, whatever this rank is doing
+
+    def _handle(self, signum, frame):  # runs on the main thread between bytecodes: only notes it (no lock)
+        self._note(signal.Signals(signum).name)
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread() and not self._previous:
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read,), name="megarl-stop", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> bool:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
-        self._raised.set()  # ends the poster thread
+        if self._wakeup is not None:
+            write, before = self._wakeup
+            signal.set_wakeup_fd(before)
+            os.write(write, b"\0")  # ends the watcher
+            os.close(write)
+            self._wakeup = None
         return False
 
-    def connect(self, store) -> None:
-        """Share requests through ``store`` (the launch's: ``store_of``); once per run, on every rank (each run of a
-        process gets its own key: tests run several on one process group)."""
-        _runs["count"] += 1
-        self._store, self._key = store, f"megarl/stop/{_runs['count']}"
-        threading.Thread(target=self._post, name="megarl-stop-poster", daemon=True).start()
+    def _watch(self, read: int) -> None:
+        """A thread: Python runs signal handlers on the main thread only, once it is back in the interpreter (not
+        while it waits in a collective or a kernel); the C-level handler writes each signal's number to the wakeup
+        pipe at once. Note a stop signal and post it on the store, so the other ranks see it now."""
+        while (got := os.read(read, 1)) and got[0] != 0:
+            if got[0] in SIGNALS:
+                self._note(signal.Signals(got[0]).name)
+                self._post()
+        os.close(read)
 
     def _post(self) -> None:
-        """A thread: once this rank got a signal, post it on the store at once (the main thread may be in a long
-        update or in a collective, where it polls nothing)."""
-        self._raised.wait()
-        if self.signal_name is not None:  # not just the run's end
+        """Post this rank's signal on the store, once (from the watcher, or from a poll on the main thread), through
+        a client of its own: a client is busy while the main thread waits on it."""
+        with self._lock:
+            if self.signal_name is None or self._connect is None or self._posted:
+                return
             try:
-                self._store.set(self._key, self.signal_name)
+                self._poster = self._poster or self._connect()
+                self._poster.set(self._key, self.signal_name)
+                self._posted = True
             except RuntimeError:  # the launch's store is gone (the run ended meanwhile): nobody is left to tell
                 pass
+
+    def connect(self, connect) -> None:
+        """Share requests through the launch's store; ``connect()`` makes a new client of it (``launch_store``).
+        Once per run, on every rank (each run of a process gets its own key: tests run several on one process
+        group). A signal already noted is posted."""
+        _runs["count"] += 1
+        self._connect, self._key = connect, f"megarl/stop/{_runs['count']}"
+        self._store = connect()
+        self._post()
 
     def requested(self, fresh: bool = False) -> bool:
         """Whether this rank got a signal or saw another rank's (not collective: for the polls inside waits; the
         store is asked at most every ``STORE_POLL_S`` unless ``fresh``)."""
         now = time.monotonic()
+        if self.signal_name is not None:
+            self._post()
         if not self.elsewhere and self._store is not None and (fresh or now - self._looked >= STORE_POLL_S):
             self._looked = now
             self.elsewhere = self._store.check([self._key])
@@ -114,10 +145,12 @@ class StopRequests:
         return f"{time.monotonic() - self.since:.1f} s" if self.since is not None else "0.0 s"
 
 
-def store_of(place):
-    """The store every rank of the launch reaches: torchrun's with pools (``place.pooled``), else the default
-    group's."""
-    from megarl.compat.torch_dist import default_store
-    from megarl.parallel.pools import launch_store
+def launch_store():
+    """A new client of the launch's store (torchrun's TCPStore, at ``MASTER_ADDR:MASTER_PORT``; every pool reaches
+    it): a connection of its own, free while other clients wait."""
+    import datetime
 
-    return launch_store() if place.pooled else default_store()
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=60))  # fmt: skip

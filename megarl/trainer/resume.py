@@ -15,7 +15,14 @@ import time
 
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError
-from megarl.checkpoint.training import Found, checkpoints_root, complete_iterations, find_resume, resolve_path
+from megarl.checkpoint.training import (
+    Found,
+    checkpoints_root,
+    complete_iterations,
+    find_resume,
+    read_trainer_state,
+    resolve_path,
+)
 from megarl.config.schema import MegarlConfig
 from megarl.logging.jsonl import read_metrics
 from megarl.models.spec import ModelSpec, spec_from_hf_config
@@ -138,6 +145,8 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
         except (ManifestError, ckpt.CheckpointError) as e:
             raise ResumeError(f"trainer.resume: {e}") from None
     _check_same_model(found, spec)
+    if found.step == t.total_steps and validation_pending(found.path):  # stopped in the last step's validation
+        return found
     if found.step >= t.total_steps and t.resume == "auto":
         raise RunComplete(
             f"{found.path} is at step {found.step} and trainer.total_steps={t.total_steps}: the run is complete, "
@@ -149,6 +158,11 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
             "(raise trainer.total_steps to continue training)"
         )
     return found
+
+
+def validation_pending(path: str) -> bool:
+    """Whether checkpoint ``path`` was saved by a stop during its step's validation (its metrics wait for it)."""
+    return read_trainer_state(path)["state"].get("pending_metrics") is not None
 
 
 def clear_previous_run(out: str) -> None:
