@@ -77,7 +77,8 @@ def _cmd_train(args) -> int:
     from megarl.trainer.collect import DynamicSamplingExhausted
 
     try:
-        run_on_ranks(functools.partial(train, stop=stop), 1, cfg, spec, source)  # one rank, in this process
+        in_here = "RANK" not in os.environ  # run_on_ranks runs it in this process (else it spawns one)
+        run_on_ranks(functools.partial(train, stop=stop) if in_here else train, 1, cfg, spec, source)
     except RunComplete as e:
         print(f"[megarl] {e}", flush=True)
         return 0

@@ -106,3 +106,22 @@ def test_a_signal_is_posted_while_the_main_thread_waits_inside_a_collective(stor
         helper.join()
     assert seen and seen[0] < returned - 0.2, (seen, returned)
     assert signalled.signal_name == "SIGTERM"
+
+
+def test_a_forked_child_keeps_the_default_stop_signals():
+    """A child forked while the handlers are installed (a checkpoint writer): a SIGTERM sent to it alone kills it
+    and is not taken for the parent's stop."""
+    stop = StopRequests()
+    ready_r, ready_w = os.pipe()
+    with stop:
+        pid = os.fork()
+        if pid == 0:  # the child: say it runs, then wait to be terminated
+            os.write(ready_w, b"r")
+            time.sleep(30)
+            os._exit(0)
+        assert os.read(ready_r, 1) == b"r"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        time.sleep(0.2)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        assert stop.signal_name is None

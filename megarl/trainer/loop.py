@@ -116,6 +116,7 @@ def polled(job: Job, stop: StopRequests):
     try:
         yield
     finally:
+        job.stop = None
         for x in polls:
             x.should_stop = None
 
@@ -124,6 +125,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     """After step ``step``'s update: its validation, its metrics logged, a periodic save, and the stop agreed at the
     step boundary (collective over the launch). Whether the run stops here."""
     t = job.cfg.trainer
+    resumed_pending = state.pending_metrics is not None  # its checkpoint still waits for this validation
     if t.val_every and job.val_prompts and (step % t.val_every == 0 or step == t.total_steps):
         rng = rng_states()
         faults.fire("sigterm_validate", step, here=lambda: job.place.rank == job.place.ranks("rollout").start)
@@ -139,7 +141,7 @@ def end_step(job: Job, state: TrainerState, step: int, metrics: dict, stop: Stop
     state.history.append({"step": step, **metrics})
     stopping = stop.agreed(job.learners if job.cfg.async_training.bounded else job.place)
     last = step == t.total_steps
-    if stopping or (t.save_every and (step % t.save_every == 0 or last)):
+    if stopping or resumed_pending or (t.save_every and (step % t.save_every == 0 or last)):
         save(job, state)
     if stopping and last:  # nothing left to resume: a complete run
         job.say(f"{stop.by} during the last step: saved; the run is complete")

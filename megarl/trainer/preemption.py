@@ -20,6 +20,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STORE_POLL_S = 0.5
 """How often a rank that got no signal looks at the store (one round trip to the launch's store)."""
 _runs = {"count": 0}  # StopRequests connected in this process: the same count on every rank (one key per run)
+_installed = {"count": 0}  # StopRequests whose handlers are installed in this process now
 
 
 class StepAbandoned(Exception):  # noqa: N818 -- a decision, not an error
@@ -60,6 +61,7 @@ class StopRequests:
             os.set_blocking(write, False)
             self._wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
             threading.Thread(target=self._watch, args=(read,), name="megarl-stop", daemon=True).start()
+            _installed["count"] += 1
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -67,11 +69,17 @@ class StopRequests:
             signal.signal(s, handler)
         self._previous = {}
         if self._wakeup is not None:
+            _installed["count"] -= 1
             write, before = self._wakeup
-            signal.set_wakeup_fd(before)
-            os.write(write, b"\0")  # ends the watcher
-            os.close(write)
             self._wakeup = None
+            try:
+                current = signal.set_wakeup_fd(before)
+                if current != write:  # another library took the wakeup fd meanwhile: leave it its own
+                    signal.set_wakeup_fd(current)
+            finally:
+                os.write(write, b"\0")  # ends the watcher
+                os.close(write)
+        self._store = self._poster = None  # the store clients' connections close with the run
         return False
 
     def _watch(self, read: int) -> None:
@@ -90,10 +98,10 @@ class StopRequests:
         with self._lock:
             if self.signal_name is None or self._connect is None or self._posted:
                 return
+            self._posted = True  # once, reached or not: a store that is gone is not asked again at every poll
             try:
                 self._poster = self._poster or self._connect()
                 self._poster.set(self._key, self.signal_name)
-                self._posted = True
             except RuntimeError:  # the launch's store is gone (the run ended meanwhile): nobody is left to tell
                 pass
 
@@ -143,6 +151,21 @@ class StopRequests:
     def took(self) -> str:
         """How long since this rank first saw the request."""
         return f"{time.monotonic() - self.since:.1f} s" if self.since is not None else "0.0 s"
+
+
+def _forget_in_child() -> None:
+    """A forked child (a checkpoint writer) keeps the default stop signals and no wakeup pipe: a signal sent to it
+    alone must not reach its parent's watcher as the parent's stop."""
+    if _installed["count"]:
+        try:
+            signal.set_wakeup_fd(-1)
+            for s in SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
+        except ValueError:  # not the child's main thread: nothing of ours to undo there
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def launch_store():
