@@ -16,6 +16,7 @@ import time
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError
 from megarl.checkpoint.training import (
+    TRAINER_STATE,
     Found,
     checkpoints_root,
     complete_iterations,
@@ -162,6 +163,8 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
 
 def validation_pending(path: str) -> bool:
     """Whether checkpoint ``path`` was saved by a stop during its step's validation (its metrics wait for it)."""
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):  # a model-only checkpoint (converted)
+        return False
     return read_trainer_state(path)["state"].get("pending_metrics") is not None
 
 
