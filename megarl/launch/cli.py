@@ -56,8 +56,8 @@ def slurm_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-name", default=None, help="job name (default: megarl-<recipe name>)")
     p.add_argument("--rdzv-port", type=int, default=29500, help="c10d rendezvous port on the first node")
     p.add_argument("--signal-secs", type=int, default=None,
-                   help="SIGUSR1 this long before the time limit (s); default: from the plan (the current step + a "
-                        "save), at least 300")  # fmt: skip
+                   help="SIGUSR1 this long before the time limit (s); default: from the plan (an update + sync + "
+                        "trainer.stop_grace_s + a save), at least 300")  # fmt: skip
     p.add_argument("--fs-gb-s", type=float, default=2.0,
                    help="checkpoint filesystem GB/s per node, for the derived signal lead (default 2)")  # fmt: skip
     p.add_argument("--submit", action="store_true", help="write the script to the log folder and sbatch it")

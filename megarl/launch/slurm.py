@@ -94,7 +94,8 @@ class SlurmOptions:
     rdzv_port: int = 29500
     """TCP port of torchrun's c10d rendezvous on the first node."""
     signal_secs: int | None = None
-    """SLURM sends SIGUSR1 this many seconds before the time limit: enough for the current step and a save.
+    """SLURM sends SIGUSR1 this many seconds before the time limit: enough for an update in progress, the stop's
+    grace and a save.
     None: derived from the plan (``signal_lead``)."""
     fs_gb_s: float = 2.0
     """Checkpoint filesystem write bandwidth per node in GB/s, for the derived signal lead."""
