@@ -1,7 +1,10 @@
 """Runs inside every spawned rank: the same weights and right-padded micro-batches through the ``sdpa`` and the
-``unfused`` core attention at one layout; reports how far logits and gradients of the actor's loss differ."""
+``unfused`` core attention at one layout, or with and without ``megarl.compat.megatron_speed``; reports how far
+logits and gradients of the actor's loss differ."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -29,8 +32,24 @@ def _padded_batches(spec, n: int = 4) -> list[dict]:
     return batches
 
 
-def _run(spec, layout, attention: str, dtype: str):
-    """This rank's logits (per micro-batch, on the last stage) and gradients of one forward/backward."""
+@contextlib.contextmanager
+def megatron_speed_off():
+    """Megatron's own RoPE and output layer, as before ``megarl.compat.megatron_speed``."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import megarl.models.builder as builder
+
+    patched, batch_major = rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits
+    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched.original, lambda model: False
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched, batch_major
+
+
+def _run(spec, layout, attention: str, dtype: str, views: list | None = None):
+    """This rank's logits (per micro-batch, on the last stage) and gradients of one forward/backward; ``views``
+    collects whether each micro-batch's logits reached the loss as a view (not a copy) of the output layer's."""
     c = layout.coords(dist.get_rank())
     chunk = build_model_chunk(spec, layout, attention=attention, dtype=dtype)
     local = shards.local_state_dict(
@@ -43,6 +62,8 @@ def _run(spec, layout, attention: str, dtype: str):
     logits, loss = [], actor_loss(Case(layout, 2, batches[0]["tokens"].shape[1], micro_batches=2), spec.vocab_size)
 
     def recording_loss(mb, logits_BSV):
+        if views is not None:
+            views.append(logits_BSV._base is not None)
         logits.append(logits_BSV.detach().float().clone())
         return loss(mb, logits_BSV)
 
@@ -55,17 +76,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
-def compare(spec, layout, dtype: str = "float32") -> dict:
-    """Max relative differences (max |sdpa - unfused| / max |unfused|) over this layout's ranks."""
-    init_distributed(layout, seed=1)
-    logits_s, grads_s = _run(spec, layout, "sdpa", dtype)
-    logits_u, grads_u = _run(spec, layout, "unfused", dtype)
-    assert grads_s.keys() == grads_u.keys()
+def _differences(new: tuple, reference: tuple) -> dict:
+    """Max relative differences of ``new``'s (logits, grads) from ``reference``'s over this layout's ranks."""
+    (logits_n, grads_n), (logits_r, grads_r) = new, reference
+    assert grads_n.keys() == grads_r.keys()
     mine = {
-        "logits": max((_relative(s, u) for s, u in zip(logits_s, logits_u)), default=0.0),
-        "grads": max(_relative(grads_s[n], grads_u[n]) for n in grads_u),
-        "grad_norm": max(grads_u[n].abs().max().item() for n in grads_u),
-        "logit_batches": len(logits_u),
+        "logits": max((_relative(n, r) for n, r in zip(logits_n, logits_r)), default=0.0),
+        "grads": max(_relative(grads_n[n], grads_r[n]) for n in grads_r),
+        "grad_norm": max(grads_r[n].abs().max().item() for n in grads_r),
+        "logit_batches": len(logits_r),
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -77,5 +96,25 @@ def compare(spec, layout, dtype: str = "float32") -> dict:
     }
 
 
-def compare_cases(cases: list[tuple]) -> list[dict]:
-    return [compare(*case) for case in cases]
+def compare(spec, layout, dtype: str = "float32") -> dict:
+    """Max relative differences (max |sdpa - unfused| / max |unfused|) over this layout's ranks."""
+    init_distributed(layout, seed=1)
+    return _differences(_run(spec, layout, "sdpa", dtype), _run(spec, layout, "unfused", dtype))
+
+
+def compare_speedups(spec, layout, dtype: str = "float32") -> dict:
+    """Max relative differences with ``megarl.compat.megatron_speed`` against without it, and whether the loss got
+    the output layer's logits as views with it and as copies without it (on every rank of the last stage)."""
+    init_distributed(layout, seed=1)
+    views, views_off = [], []
+    new = _run(spec, layout, "sdpa", dtype, views)
+    with megatron_speed_off():
+        reference = _run(spec, layout, "sdpa", dtype, views_off)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (views, views_off))
+    return {**_differences(new, reference),
+            "views": [v for e in everyone for v in e[0]], "views_off": [v for e in everyone for v in e[1]]}  # fmt: skip
+
+
+def compare_cases(cases: list[tuple], speedup_cases: list[tuple] = ()) -> tuple[list[dict], list[dict]]:
+    return [compare(*case) for case in cases], [compare_speedups(*case) for case in speedup_cases]

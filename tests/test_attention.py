@@ -25,13 +25,20 @@ CASES = {
     "tp1_bf16": (GQA, L(dp=2), "bfloat16"),
     "pp2_bf16": (GQA, L(pp=2), "bfloat16"),
 }
+SPEEDUP_CASES = {"tp2": (GQA, L(tp=2)), "pp2_bf16": (GQA, L(pp=2), "bfloat16")}
+"""``megarl.compat.megatron_speed`` on and off (batch-major logits, RoPE without its empty concatenation)."""
 FP32_RTOL = 1e-5
 BF16_RTOL = 3e-2  # a few bf16 ulps (2^-7 = 7.8e-3): measured 1.0e-2 (logits), 1.6e-2 (gradients)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return dict(zip(CASES, run_on_ranks(compare_cases, 2, list(CASES.values()))))
+def world():
+    return run_on_ranks(compare_cases, 2, list(CASES.values()), list(SPEEDUP_CASES.values()))
+
+
+@pytest.fixture(scope="module")
+def results(world):
+    return dict(zip(CASES, world[0]))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -40,6 +47,41 @@ def test_sdpa_equals_the_unfused_attention(results, case):
     tol = BF16_RTOL if "bf16" in case else FP32_RTOL
     assert r["logits"] <= tol and r["grads"] <= tol, r
     assert r["logit_batches"] >= 2 and r["grad_norm"] > 0  # both micro-batches compared; gradients not all zero
+
+
+@pytest.mark.parametrize("case", list(SPEEDUP_CASES))
+def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy(world, case):
+    r = dict(zip(SPEEDUP_CASES, world[1]))[case]
+    tol = BF16_RTOL if "bf16" in case else FP32_RTOL
+    assert r["logits"] <= tol and r["grads"] <= tol, r
+    assert r["logit_batches"] >= 2 and r["grad_norm"] > 0
+    assert r["views"] and all(r["views"]) and not any(r["views_off"]), r  # the [b, s, v] logits: no copy made
+
+
+def test_the_output_layer_keeps_its_names_and_copies_of_the_model_keep_the_swap():
+    import copy
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megarl.compat.megatron_speed import batch_major_logits
+
+    class Model(torch.nn.Module):  # a stand-in holding an output layer as GPTModel does (no process group needed)
+        def __init__(self, layer):
+            super().__init__()
+            self.output_layer = layer
+
+    layer = ColumnParallelLinear.__new__(ColumnParallelLinear)
+    torch.nn.Module.__init__(layer)
+    layer.weight, layer.sequence_parallel = torch.nn.Parameter(torch.zeros(4, 2)), False
+    model = Model(layer)
+    names = list(model.state_dict())
+    assert batch_major_logits(model) and isinstance(model.output_layer, ColumnParallelLinear)
+    assert list(model.state_dict()) == names and "output_layer.weight" in names
+    assert type(copy.deepcopy(model).output_layer) is type(model.output_layer)
+    layer.__class__, layer.sequence_parallel = ColumnParallelLinear, True
+    assert not batch_major_logits(model)  # sequence parallel gathers along s: left as Megatron built it
+    model.output_layer = torch.nn.Linear(2, 1)  # a critic's value head
+    assert not batch_major_logits(model)
 
 
 def test_the_local_spec_takes_sdpa_by_default_and_unfused_on_request():
@@ -111,3 +153,18 @@ def test_kv_heads_are_shared_natively_on_cpu_and_in_half_precision_on_cuda():
     assert _native_gqa(query(True, torch.bfloat16), None)
     assert not _native_gqa(query(True, torch.float32), None)  # torch would take its math backend
     assert not _native_gqa(query(True, torch.bfloat16), torch.ones(1, dtype=torch.bool))
+
+
+def test_rope_without_its_empty_concatenation_equals_megatron_rope():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.compat.megatron_speed import rope_without_empty_cat
+
+    assert rope_without_empty_cat() and rope_without_empty_cat()  # idempotent
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(5, 2, 3, 8, generator=gen)
+    for rotary in (8, 4):  # every dimension rotated; a partial rotary (Megatron's own path, concatenation included)
+        freqs = torch.randn(5, 1, 1, rotary, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(patched(t.to(dtype), freqs), patched.original(t.to(dtype), freqs))

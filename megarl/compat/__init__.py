@@ -2,6 +2,8 @@
 
 - ``cpu``: the CPU shim for megatron-core (installed only when CUDA is absent; see its docstring).
 - ``megatron_fixes``: workarounds for megatron-core bugs on every platform, gated by version.
+- ``megatron_speed``: two copies megatron-core's local path makes (the logits' transpose, RoPE's empty concatenation)
+  removed, arithmetic unchanged (installed by ``megarl.models.builder``).
 - ``vllm_shm``: vLLM's shared-memory names carry the run's identity (installed by the vLLM engine).
 """
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import restore_tp_attributes
+from megarl.compat.megatron_speed import batch_major_logits, rope_without_empty_cat
 from megarl.models.spec import ModelSpec
 from megarl.models.value_head import ValueHead
 from megarl.parallel.layout import ParallelLayout
@@ -135,6 +136,7 @@ def build_model_chunk(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
         cpu_init=device.type == "cpu",
     )  # fmt: skip
+    rope_without_empty_cat()
     with megatron_mode():
         model = GPTModel(
             config=config,
@@ -151,6 +153,7 @@ def build_model_chunk(
         )
         if (value_head or spec.score_head) and model.post_process:
             model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype, bias=not spec.score_head)
+    batch_major_logits(model)
     restore_tp_attributes(model)
     place(model, device, config.params_dtype)
     return model

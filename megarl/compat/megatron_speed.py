@@ -1,0 +1,79 @@
+"""Two copies megatron-core's local path makes on every forward and backward, removed; the arithmetic is unchanged.
+
+Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one step of 8 x 256 tokens of a 34M Llama):
+- ``batch_major_logits``: ``GPTModel._postprocess`` returns ``logits.transpose(0, 1).contiguous()``: the [s, b, v]
+  logits are copied to [b, s, v] on the forward and their gradient copied back on the backward, twice the size of
+  the whole vocabulary per token (54 ms of copies per step there, the largest tensors of the step). The output
+  layer here computes the same logits from the [b, s, h] hidden states (a copy of h values per token instead of v)
+  and hands them on as a [s, b, v] view of [b, s, v] memory, so the transpose back is a view and ``contiguous`` is a
+  no-op. Every logit is the same dot product, bitwise.
+- ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
+  (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
+  and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AFFECTED_VERSIONS = ("0.16.",)
+
+
+def _applies() -> bool:
+    import megatron.core
+
+    return megatron.core.__version__.startswith(AFFECTED_VERSIONS)
+
+
+def batch_major_logits(model) -> bool:
+    """Make ``model.output_layer`` (a ``ColumnParallelLinear`` without sequence parallelism) lay its logits out
+    batch-major; returns whether it did (a critic's value head, or another version of megatron-core, is left as is).
+    The class is swapped, not the module: parameter names, checkpoints and copies of the model are unchanged."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    layer = getattr(model, "output_layer", None)
+    if not _applies() or type(layer) is not ColumnParallelLinear or layer.sequence_parallel:
+        return False
+    layer.__class__ = _BatchMajorOutputLayer
+    return True
+
+
+def _batch_major_output_layer():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class BatchMajorOutputLayer(ColumnParallelLinear):
+        """``ColumnParallelLinear`` on [s, b, h] returning its [s, b, v] output as a view of [b, s, v] memory."""
+
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            logits_BSV, bias = super().forward(
+                input_.transpose(0, 1).contiguous(), weight=weight, runtime_gather_output=runtime_gather_output
+            )
+            return logits_BSV.transpose(0, 1), bias
+
+    return BatchMajorOutputLayer
+
+
+_BatchMajorOutputLayer = _batch_major_output_layer()
+
+
+def rope_without_empty_cat() -> bool:
+    """Patch megatron-core's unfused RoPE to skip concatenating an empty pass-through part (idempotent); returns
+    whether the patch is in place."""
+    if not _applies():
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    if getattr(original, "megarl_patched", False):
+        return True
+
+    def apply_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if multi_latent_attention or freqs.shape[-1] != t.shape[-1]:
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+        return (t * cos_) + (rope_utils._rotate_half(t, rotary_interleaved) * sin_)
+
+    apply_bshd.megarl_patched, apply_bshd.original = True, original
+    rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
+    return True
