@@ -16,6 +16,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
 
     python benchmarks/train_step.py            # CPU: a 34M-parameter Llama, 8 x 256 tokens (~3 minutes here)
     python benchmarks/train_step.py --json     # the same rows as a JSON list
+    python benchmarks/train_step.py --without-compat   # also megarl-sdpa without megarl.compat.megatron_speed
     python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
 """
 
@@ -82,6 +83,31 @@ class Variant:
             # the others' state is allocated too: this variant's own peak is its state plus what its step added
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() - base + self.held)
         self.times.append(time.perf_counter() - t0)
+
+
+def without_compat(build):
+    """``build``'s megarl step as megatron-core computes it without ``megarl.compat.megatron_speed`` (Megatron's own
+    output layer and RoPE): the same function, two more copies."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import megarl.models.builder as builder
+
+    keep = builder.batch_major_logits
+    builder.batch_major_logits = lambda model: False
+    try:
+        inner, params = build()
+    finally:
+        builder.batch_major_logits = keep
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+
+    def step() -> float:
+        rope_utils._apply_rotary_pos_emb_bshd = patched.original
+        try:
+            return inner()
+        finally:
+            rope_utils._apply_rotary_pos_emb_bshd = patched
+
+    return step, params
 
 
 def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int):
@@ -180,6 +206,9 @@ def measure(hf_dir: str, args) -> list[dict]:
     shape = (args.sequences, args.length, args.micro)
     variants = [Variant(f"megarl-{a}", lambda a=a: megarl_step(hf_dir, a, dtype, *shape), cuda)
                 for a in ("sdpa", "unfused")]  # fmt: skip
+    if args.without_compat:
+        build = lambda: without_compat(lambda: megarl_step(hf_dir, "sdpa", dtype, *shape))  # noqa: E731
+        variants.insert(1, Variant("megarl-sdpa-nocompat", build, cuda))
     variants.append(Variant("hf", lambda: hf_step(hf_dir, args, cuda), cuda))
     for _ in range(args.warmup - 1):
         for v in variants:
@@ -195,12 +224,12 @@ def table(rows: list[dict], args, device: str) -> str:
     lines = [
         f"actor update step on {device}: {args.sequences} x {args.length} tokens, micro-batches of {args.micro}, "
         f"{rows[0]['params'] / 1e6:.1f}M parameters; median of {args.steps} steps after {args.warmup} warm-up",
-        f"{'variant':<16}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'grad norm (1st)':>17}",
+        f"{'variant':<22}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'grad norm (1st)':>17}",
     ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"{r['name']:<16}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}{mfu:>8}{peak:>9}"
+        lines.append(f"{r['name']:<22}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}{mfu:>8}{peak:>9}"
                      f"{r['step_s'] / hf['step_s']:>7.2f}x{r['grad_norm_first_step']:>17.4f}")  # fmt: skip
     return "\n".join(lines)
 
@@ -215,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (both sides)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--without-compat", action="store_true",
+                        help="also megarl-sdpa without megarl.compat.megatron_speed")  # fmt: skip
     args = parser.parse_args(argv)
     args.shape = CUDA_MODEL if cuda else CPU_MODEL
     sys.path.insert(0, REPO)
