@@ -52,6 +52,16 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
     for i in (3, 1, 0, 2):
         alone.update(run([i]))
     pairs = run([2, 0])
+    greedy = SamplingConfig(n=1, temperature=0, top_k=50, max_new_tokens=12)  # top_k: ignored when greedy
+    argmax, seed_free = True, True
+    first, _ = engine.generate(prompts, [0, 1, 2, 3], seeds, greedy)
+    other, _ = engine.generate(prompts[::-1], [3, 2, 1, 0], [s + 1 for s in seeds], greedy)
+    for s in first:
+        seq = torch.tensor([prompts[s.prompt_index] + s.token_ids])
+        with torch.no_grad():
+            logits = engine.model(seq).logits[0, len(prompts[s.prompt_index]) - 1 : -1]
+        argmax &= logits.argmax(-1).tolist() == s.token_ids
+        seed_free &= next(o.token_ids for o in other if o.prompt_index == s.prompt_index) == s.token_ids
     engine.sleep()
     asleep = engine.resident_bytes()
     engine.update_weights(actor_tensors(chunk), 1)
@@ -70,4 +80,6 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
         "awake_bytes": engine.resident_bytes(),
         "model_kept": engine.model is model,
         "same_after_sleep": tokens(again) == tokens(together),
+        "greedy_is_argmax": argmax and len(first) == 4,
+        "greedy_seed_and_batch_free": seed_free,
     }

@@ -118,6 +118,19 @@ def main(args: dict) -> None:
         engine.sleep()  # HF: frees its model; vLLM on CPU: logged no-op
     out["hf_freed"] = engines["hf"].resident_bytes() == 0
 
+    # greedy (val_sampling.temperature=0): vLLM's tokens are the argmax of the same weights' logits (HF's forward)
+    engines["hf"].update_weights(actor_tensors(ddp), version)  # back from its sleep, holding what vLLM holds
+    greedy = SamplingConfig(n=1, temperature=0, max_new_tokens=8, seed=5)
+    gap = 0.0
+    for s in rollout(engines["vllm"], prompts, step=version, sampling=greedy, seed=0)[0]:
+        with torch.no_grad():
+            logits = engines["hf"].model(torch.tensor([s.prompt_ids + s.token_ids])).logits
+        logits = logits[0, len(s.prompt_ids) - 1 : -1]
+        chosen = logits.gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        gap = max(gap, float((logits.max(-1).values - chosen).max()))
+    out["vllm_greedy_gap"] = gap  # 0 when every token is the argmax (up to the engines' float differences)
+    engines["hf"].sleep()
+
     # an actor update that is not synced: the mismatch metric must flag it
     train_once(2)
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=5)

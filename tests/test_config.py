@@ -48,6 +48,8 @@ def test_shipped_quickstart_recipe_loads():
         ("trainer.total_steps", "must look like key.sub=value"),
         ("actor.kl_loss_type=k1", "actor.kl_loss_type: k1 as a KL loss has expected gradient 0"),
         ("actor.kl_loss_type=k4", "actor.kl_loss_type: must be one of ('k2', 'k3', 'k3_is')"),
+        ("rollout.sampling.temperature=0", "rollout.sampling.temperature: must be > 0: training needs log-prob"),
+        ("rollout.val_sampling.temperature=-1", "rollout.val_sampling.temperature: must be >= 0 (0 = greedy)"),
     ],
 )
 def test_field_errors_name_the_key(recipe, override, message):
@@ -69,6 +71,11 @@ def test_clip_ranges_follow_the_policy_loss_and_the_kl_loss_defaults_to_k3_is(re
     """GSPO's sequence ratio is a geometric mean near 1: its paper clips at 3e-4 / 4e-4, not PPO's 0.2."""
     a = load_config(recipe, overrides).actor
     assert (a.clip_ratio_low, a.clip_ratio_high, a.kl_loss_type) == expected
+
+
+def test_validation_may_be_greedy(recipe):
+    cfg = load_config(recipe, ["rollout.val_sampling.temperature=0"])
+    assert cfg.rollout.val_sampling.greedy and not cfg.rollout.sampling.greedy
 
 
 def test_missing_model_section():

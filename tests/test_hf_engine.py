@@ -41,6 +41,12 @@ def test_the_trainer_recomputes_the_engines_truncated_logprobs(dp2):
     assert diff["full"] > 1e-2, diff  # the truncation is not a no-op on this model
 
 
+def test_temperature_zero_is_greedy(dp2):
+    """val_sampling.temperature=0: every token is the model's argmax given the tokens before it, whatever the seed
+    and the batch (left padding) around it."""
+    assert dp2["greedy_is_argmax"] and dp2["greedy_seed_and_batch_free"]
+
+
 def test_sleep_frees_the_weights_and_the_next_sync_restores_them(dp2):
     assert dp2["asleep_bytes"] == 0 and dp2["awake_bytes"] > 0
     assert dp2["model_kept"] and dp2["same_after_sleep"]  # built once; every parameter rewritten by the sync

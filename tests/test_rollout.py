@@ -115,6 +115,11 @@ def test_unsynced_update_is_flagged_by_the_mismatch_metric(llama_tp2, qwen2_dp2)
             assert r["stale"]["logprob_mismatch_max"] > 100 * MATCH, r["stale"]
 
 
+def test_vllm_temperature_zero_is_greedy(llama_tp2, qwen2_dp2):
+    for ranks in (llama_tp2, qwen2_dp2):
+        assert all(r["vllm_greedy_gap"] <= 1e-4 for r in ranks), [r["vllm_greedy_gap"] for r in ranks]
+
+
 def test_hf_engine_frees_its_model_after_rollout(llama_tp2):
     assert all(r["hf_freed"] for r in llama_tp2)
 

@@ -628,7 +628,9 @@ class SamplingConfig:
     n: int = 1
     """Samples per prompt."""
     temperature: float = 1.0
-    """Softmax temperature; the engine returns log-probabilities of logits / temperature (processed)."""
+    """Softmax temperature; the engine returns log-probabilities of logits / temperature (processed). 0: greedy
+    (the most likely token every time, in both engines; top_k / top_p do not apply): for ``rollout.val_sampling``
+    only, since training needs the log-probabilities of a temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1 disables."""
     top_k: int = 0
@@ -642,7 +644,12 @@ class SamplingConfig:
 
     def __post_init__(self):
         _require(self.n >= 1, "n", "must be >= 1")
-        _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: each step takes the most likely token."""
+        return self.temperature == 0
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
@@ -700,6 +707,9 @@ class RolloutConfig:
                  f"must be true, false or 'auto', got {self.enforce_eager!r}")  # fmt: skip
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0 (0 = the model's context length)")
         _require(self.val_sampling.n == 1, "val_sampling.n", "must be 1 (validation scores one sample per prompt)")
+        _require(not self.sampling.greedy, "sampling.temperature",
+                 "must be > 0: training needs log-probabilities of a temperature (0, greedy, is for "
+                 "rollout.val_sampling)")  # fmt: skip
         self.lora_merge = str(self.lora_merge).lower()  # YAML true/false arrive as 'True'/'False'
         allowed = ("auto", "true", "false")
         _require(self.lora_merge in allowed, "lora_merge", f"must be one of {allowed}, got {self.lora_merge!r}")

@@ -166,6 +166,8 @@ class HFEngine:
     def _logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         """log-probabilities of the distribution a token was drawn from: softmax over the top-k / top-p kept scores
         of logits / T (vLLM's ``processed_logprobs``); -inf outside."""
+        if sampling.greedy:  # the raw softmax's: greedy drew from no distribution of its own
+            return torch.log_softmax(logits.float(), -1)
         z = truncate(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
         return torch.log_softmax(z, -1)
 
@@ -191,8 +193,8 @@ class HFEngine:
         keys = _mix(torch.tensor([seed + j for seed in seeds for j in range(n)], device=self.device))
         config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=stops,
                                   pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        out = self.model.generate(ids, attention_mask=mask, generation_config=config,
-                                  logits_processor=[SeededSampling(keys, width, sampling)],
+        sampler = [] if sampling.greedy else [SeededSampling(keys, width, sampling)]  # greedy: HF's own argmax
+        out = self.model.generate(ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
                                   stopping_criteria=[_Stopping(self.should_stop)] if self.should_stop else None)
         new = out.sequences[:, width:]
         logprobs = torch.stack([self._logprobs(lg, sampling) for lg in out.logits], 1)
