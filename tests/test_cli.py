@@ -35,14 +35,17 @@ def test_quickstart_runs_rl_steps_at_tp2(tiny_llama_dir, tmp_path):
     out = _megarl(
         "train", "configs/quickstart.yaml", f"model.path={tiny_llama_dir}", "trainer.total_steps=2",
         f"trainer.output_dir={out_dir}", "trainer.val_every=2", "data.val_batch_size=4", "logging.wandb.mode=disabled",
-        "data.train_batch_size=4", "actor.global_batch_size=32",
+        "data.train_batch_size=4", "actor.global_batch_size=32", "rollout.val_sampling.temperature=0",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "launching 2 local ranks" in out.stdout
     assert re.search(r"\[megarl\] step 1/2 reward [0-9.]+", out.stdout), out.stdout[-2000:]
     assert "reward/mean: first 2 steps" in out.stdout
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2] and "val/reward/mean" in rows[1]
+    # step 0: the starting weights' (greedy) validation, before any update (trainer.val_before_train)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "val/reward/mean" in rows[0] and "val/reward/mean" in rows[2]
+    assert not [k for k in rows[0] if not k.startswith("val/") and k != "step"] and "reward/mean" in rows[1]
+    assert re.search(r"val/reward/mean: step 0 [0-9.]+ -> step 2 [0-9.]+", out.stdout), out.stdout[-2000:]
     assert (out_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "adv_estimator: grpo" in (out_dir / "config.yaml").read_text()
 

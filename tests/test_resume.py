@@ -178,8 +178,10 @@ def _stop_seconds(out: str) -> float:
     return float(re.search(r"the stop took ([0-9.]+) s", out).group(1))
 
 
-def _metrics(out_dir):
-    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+def _metrics(out_dir, with_step_0: bool = False):
+    """metrics.jsonl's rows; without the validation before training (step 0, val/* only) unless asked."""
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return rows if with_step_0 else [r for r in rows if r["step"] > 0]
 
 
 def _tensors(iter_dir, tmp):
@@ -338,9 +340,11 @@ def test_a_stop_during_validation_saves_its_step_and_the_resume_validates_it_aga
     assert "during step 4's validation; saved step 4, to validate again on resume" in stop.out, stop.out[-3000:]
     assert _stop_seconds(stop.out) < 25
     assert "resuming from" in chain["runs"]["generate@5"].out and "(step 4;" in chain["runs"]["generate@5"].out
-    rows = _metrics(chain["cut"])
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    rows = _metrics(chain["cut"], with_step_0=True)  # the starting weights validated once, not again on resume
+    assert [r["step"] for r in rows] == list(range(0, STEPS + 1))
     assert all("val/reward/mean" in r for r in rows if r["step"] % 2 == 0)
+    algorithmic = lambda row: {k: v for k, v in row.items() if not k.startswith(NOT_ALGORITHMIC)}  # noqa: E731
+    assert algorithmic(rows[0]) == algorithmic(_metrics(chain["ref"], with_step_0=True)[0])  # same weights, prompts
 
 
 @pytest.mark.parametrize("chain", EXACT, indirect=True)

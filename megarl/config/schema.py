@@ -571,6 +571,9 @@ class TrainerConfig:
     """Where metrics.jsonl, the W&B run, reward_curve.png and the resolved config go."""
     val_every: int = 0
     """Run a validation pass every N steps (and after the last); 0: never."""
+    val_before_train: bool = True
+    """With val_every > 0: validate the starting weights first, logged as step 0 (val/* only), the score every
+    later validation is compared with. Not repeated when a run resumes."""
     save_samples: bool = False
     """Write every step's samples to output_dir/samples/step_<N>.jsonl: prompt, response, the reward function's
     score, the reward trained on, and whether scoring failed ('error', 'timeout'; '' when it did not)."""

@@ -53,7 +53,7 @@ class Tracker:
         self.jsonl.write(step, metrics)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        self.bar.update(1)
+        self.bar.update(1 if step > 0 else 0)  # step 0: the validation before training
         self.bar.set_postfix(
             reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
             len=f"{metrics.get('response_length/mean', float('nan')):.1f}",

@@ -83,6 +83,9 @@ def run_steps(job: Job, state: TrainerState, stop: StopRequests) -> None:
     t = job.cfg.trainer
     if state.pending_metrics is not None and end_step(job, state, state.step, state.pending_metrics, stop):
         return announce(job, "end", state.step)  # stopped again during the validation that a stop had cut
+    if state.step == 0 and t.val_before_train and t.val_every and job.val_prompts and not validate_start(job, state):
+        stopped(job, stop, 0, "during the validation before training; nothing to save")
+        return announce(job, "end", 0)
     for step in range(state.step + 1, t.total_steps + 1):
         faults.fire("sigterm", step)  # fault injection (tests, drills): a no-op in normal runs
         faults.fire("generate", step, after_s=0.05)
@@ -103,6 +106,17 @@ def run_steps(job: Job, state: TrainerState, stop: StopRequests) -> None:
         job.tracker.finish(summary_lines(state.history) if job.place.leader else None)  # one-step-off: the rollout
         # pool holds no metrics of its own
     announce(job, "end", state.step)
+
+
+def validate_start(job: Job, state: TrainerState) -> bool:
+    """Collective: the starting weights' validation, logged as step 0 (``trainer.val_before_train``); False when a
+    stop request cut it."""
+    val = validate(job, 0)
+    if val is None:
+        return False
+    job.tracker.log(0, val)
+    state.history.append({"step": 0, **val})
+    return True
 
 
 @contextlib.contextmanager

@@ -141,15 +141,21 @@ def validation_metrics(result, samples) -> dict[str, float]:
 
 
 def summary_lines(history: list[dict]) -> list[str]:
-    """The end-of-run summary: reward over the first and last 10 steps, and time."""
-    rewards = [h["reward/mean"] for h in history]
+    """The end-of-run summary: reward over the first and last 10 steps, time, and validation (from the starting
+    weights' at step 0, when it ran, to the last)."""
+    steps = [h for h in history if h["step"] > 0]  # step 0: the validation before training, no update
+    rewards = [h["reward/mean"] for h in steps]
     k = min(10, len(rewards))
     first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
-    seconds = sum(h["timing/step"] for h in history)
+    seconds = sum(h["timing/step"] for h in steps)
     lines = [
-        f"{len(history)} steps in {seconds:.1f}s ({seconds / len(history):.2f}s/step)",
+        f"{len(steps)} steps in {seconds:.1f}s ({seconds / len(steps):.2f}s/step)",
         f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})",
     ]
-    if "val/reward/mean" in history[-1]:
+    val = [h for h in history if "val/reward/mean" in h]
+    if val and val[0]["step"] == 0 and len(val) > 1:
+        (before, after), last = (v["val/reward/mean"] for v in (val[0], val[-1])), val[-1]["step"]
+        lines.append(f"val/reward/mean: step 0 {before:.3f} -> step {last} {after:.3f} ({after - before:+.3f})")
+    elif "val/reward/mean" in history[-1]:
         lines.append(f"val/reward/mean (last): {history[-1]['val/reward/mean']:.3f}")
     return lines

@@ -59,9 +59,9 @@ SET_ASIDE_PREFIX = "set-aside-"
 
 def completed_steps(out: str) -> list[int]:
     """The steps ``metrics.jsonl`` records as completed (empty when it is absent or empty; a last line cut by a kill
-    is not one)."""
+    is not one; nor is step 0, the validation before training)."""
     path = os.path.join(out, METRICS_FILE)
-    return [int(row["step"]) for row in read_metrics(path)] if os.path.isfile(path) else []
+    return [int(r["step"]) for r in read_metrics(path) if int(r["step"]) > 0] if os.path.isfile(path) else []
 
 
 def set_aside_previous_run(out: str) -> str:
