@@ -18,6 +18,9 @@ RUNTIME = [
     "psutil==7.2.2",
     "peft==0.21.2",  # the LoRA adapter format (export / import); checked against transformers 5.19.0
     "accelerate==1.15.0",  # peft's dependency
+    "mathematics-dataset==1.0.1",  # builtin:dm_math/... (DeepMind's generator; megarl.compat.dm_math)
+    "absl-py==2.5.1",  # mathematics-dataset's dependencies, pinned here
+    "six==1.17.0",
 ]
 
 setup(

@@ -86,6 +86,49 @@ def test_builtin_digits_loads(tokenizer):
     assert read_records("builtin:digits") == read_records("builtin:digits", "train")  # seeded: same every time
 
 
+def test_builtin_dm_math_is_seeded_disjoint_and_leaves_the_global_rngs_alone(chat_tokenizer):
+    import random
+
+    import numpy as np
+
+    from megarl.data.builtin import DM_MATH_INSTRUCTION, _dm_math_splits
+    from megarl.rewards.math_verify_reward import math_score
+
+    name = "builtin:dm_math/arithmetic__add_or_sub"
+    _dm_math_splits.cache_clear()
+    random.seed(7), np.random.seed(7)
+    expected = random.random(), float(np.random.rand())
+    random.seed(7), np.random.seed(7)
+    train, val = read_records(name, "train"), read_records(name, "val")
+    assert (random.random(), float(np.random.rand())) == expected  # the generator's draws restored what was there
+    questions = lambda records: [r["prompt"][0]["content"] for r in records]  # noqa: E731
+    assert len(set(questions(train))) == len(train) == 2048 and len(set(questions(val))) == len(val) == 128
+    assert not set(questions(train)) & set(questions(val))  # validation never seen in training
+    _dm_math_splits.cache_clear()
+    assert read_records(name + ":easy@0", "val") == val  # the defaults, drawn again: the same questions
+    assert read_records(name + "@1", "val") != val
+    assert all(q.endswith(DM_MATH_INSTRUCTION) for q in questions(val))
+    assert all(math_score(r["answer"], r["answer"]) == 1.0 for r in val[:16])  # every answer is Math-Verify's to read
+    ds = _load([name], chat_tokenizer, answer_key="answer")
+    rendered = {f"<user>{r['prompt'][0]['content']}<assistant>": r["answer"] for r in train}
+    assert len(ds) > 0 and all(rendered[p.prompt_text] == p.ground_truth for p in ds)  # chat prompts, their answers
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("builtin:dm_math/arithmetic__nope", "unknown dm_math module 'arithmetic__nope'; choose one of ["),
+        ("builtin:dm_math/arithmetic__mul:tough", "difficulty must be one of ['any', 'easy', 'hard', 'medium']"),
+        ("builtin:dm_math/arithmetic__mul@x", "the seed after @ must be a non-negative integer"),
+        ("builtin:dmmath", "unknown built-in dataset 'builtin:dmmath'"),
+    ],
+)
+def test_builtin_names_that_do_not_exist_are_refused_in_one_line(name, message):
+    with pytest.raises((DataError, ValueError)) as e:
+        read_records(name, "train")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 def test_from_records_names_its_source(tokenizer):
     ds = PromptDataset.from_records(
         [{"prompt": "hi", "answer": 1}],

@@ -1,0 +1,43 @@
+"""DeepMind's ``mathematics_dataset`` 1.0.1 (Saxton et al., ICLR 2019) importable and deterministic here.
+
+- Import: its ``sample/polynomials.py`` does ``from sympy.solvers.diophantine import base_solution_linear``, which
+  sympy 1.14 (pinned) moved to ``sympy.solvers.diophantine.diophantine``. ``modules()`` puts the function back under
+  its old name before the first import (the function itself is unchanged).
+- Randomness: its generators draw from the global ``random`` and ``numpy.random`` states. ``seeded(seed)`` seeds both
+  for the generation and restores what they were afterwards, so building a dataset changes no other randomness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+
+def modules():
+    """``mathematics_dataset.modules.modules`` (the areas: algebra, arithmetic, calculus, ...), importable."""
+    import importlib
+
+    # the package module itself: the attribute sympy.solvers.diophantine is the function of that name
+    package = importlib.import_module("sympy.solvers.diophantine")
+    if not hasattr(package, "base_solution_linear"):
+        from sympy.solvers.diophantine.diophantine import base_solution_linear
+
+        package.base_solution_linear = base_solution_linear
+    from mathematics_dataset.modules import modules as areas
+
+    return areas
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """The global ``random`` and ``numpy.random`` states seeded with ``seed`` inside, restored after."""
+    import numpy as np
+
+    saved = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
