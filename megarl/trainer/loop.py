@@ -429,6 +429,29 @@ def record_timeline(job: Job, step: int, started: float, spans: list[dict]) -> N
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+VAL_SAMPLES_SHOWN = 3
+"""Validation prompts printed with their completions before training (step 0) and after the last step."""
+
+
+def keep_validation_samples(job: Job, step: int, samples, scores) -> None:
+    """Step ``step``'s validation completions as output_dir/samples/val_step_<N>.jsonl (prompt, response, answer,
+    score); the first ``VAL_SAMPLES_SHOWN`` printed at step 0 and at the last step."""
+    prompts = job.val_prompts
+    rows = [
+        {"prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt_text,
+         "response": job.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+         "answer": prompts[s.prompt_index].ground_truth, "score": score}
+        for s, score in zip(samples, scores)
+    ]  # fmt: skip
+    write_rows(os.path.join(job.cfg.trainer.output_dir, SAMPLES_DIR, f"val_step_{step:07d}.jsonl"), rows)
+    if step in (0, job.cfg.trainer.total_steps):
+        shown = sorted(rows, key=lambda r: r["prompt_index"])[:VAL_SAMPLES_SHOWN]
+        for r in shown:
+            prompt = " ".join(r["prompt"].split())[-90:]
+            job.say(f"step {step} validation: ...{prompt!r} -> {r['response']!r} (answer {r['answer']}, score "
+                    f"{r['score']:g})")  # fmt: skip
+
+
 def save_samples(job: Job, batch, step: int) -> None:
     """``trainer.save_samples``: the step's samples as output_dir/samples/step_<N>.jsonl."""
     rows = [
@@ -573,6 +596,8 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
             return None
         samples, result = done
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
+    if job.place.leader:
+        keep_validation_samples(job, step, samples, result.scores)
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
