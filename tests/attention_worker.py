@@ -72,6 +72,22 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None):
     return logits, grads
 
 
+def _lm_losses(spec, layout, dtype: str) -> torch.Tensor | None:
+    """Megatron's own per-token cross-entropy (``labels=``) of two sequences in one micro-batch (last stage)."""
+    from megarl.compat import megatron_mode
+
+    c = layout.coords(dist.get_rank())
+    chunk = build_model_chunk(spec, layout, dtype=dtype)
+    chunk.load_state_dict(shards.local_state_dict(
+        _full_weights(spec, False), shards.StageInfo(c.pp, layout.pp, spec.num_layers), c.tp, layout.tp,
+        tied_embeddings=spec.tie_word_embeddings, value_head=False), strict=False)  # fmt: skip
+    tokens = torch.randint(0, spec.vocab_size, (2, 13), generator=torch.Generator().manual_seed(9))
+    if layout.pp > 1:  # the labels path on one stage only: the loss needs no schedule
+        return None
+    with megatron_mode(), torch.no_grad():
+        return chunk(tokens[:, :-1], torch.arange(12).expand(2, -1), None, labels=tokens[:, 1:]).float()
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
@@ -107,12 +123,14 @@ def compare_speedups(spec, layout, dtype: str = "float32") -> dict:
     the output layer's logits as views with it and as copies without it (on every rank of the last stage)."""
     init_distributed(layout, seed=1)
     views, views_off = [], []
-    new = _run(spec, layout, "sdpa", dtype, views)
+    new, lm = _run(spec, layout, "sdpa", dtype, views), _lm_losses(spec, layout, dtype)
     with megatron_speed_off():
-        reference = _run(spec, layout, "sdpa", dtype, views_off)
+        reference, lm_off = _run(spec, layout, "sdpa", dtype, views_off), _lm_losses(spec, layout, dtype)
+    lm_diff = None if lm is None else _relative(lm, lm_off)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (views, views_off))
-    return {**_differences(new, reference),
+    dist.all_gather_object(everyone, (views, views_off, lm_diff))
+    lm_diffs = [e[2] for e in everyone if e[2] is not None]
+    return {**_differences(new, reference), "lm_loss": max(lm_diffs) if lm_diffs else None,
             "views": [v for e in everyone for v in e[0]], "views_off": [v for e in everyone for v in e[1]]}  # fmt: skip
 
 

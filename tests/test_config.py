@@ -50,6 +50,10 @@ def test_shipped_quickstart_recipe_loads():
         ("actor.kl_loss_type=k4", "actor.kl_loss_type: must be one of ('k2', 'k3', 'k3_is')"),
         ("rollout.sampling.temperature=0", "rollout.sampling.temperature: must be > 0: training needs log-prob"),
         ("rollout.val_sampling.temperature=-1", "rollout.val_sampling.temperature: must be >= 0 (0 = greedy)"),
+        ("rollout.sampling.top_p=0", "rollout.sampling.top_p: must be in (0, 1]"),
+        ("rollout.sampling.top_k=-3", "rollout.sampling.top_k: must be >= 0"),
+        ("rollout.val_sampling.max_new_tokens=0", "rollout.val_sampling.max_new_tokens: must be >= 1"),
+        ("rollout.sampling.seed=-1", "rollout.sampling.seed: must be >= 0"),
     ],
 )
 def test_field_errors_name_the_key(recipe, override, message):

@@ -2,6 +2,7 @@
 refused, error messages that name the file, record, key and fix, and the seeded, resumable epoch stream."""
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,10 +115,25 @@ def test_builtin_dm_math_is_seeded_disjoint_and_leaves_the_global_rngs_alone(cha
     assert len(ds) > 0 and all(rendered[p.prompt_text] == p.ground_truth for p in ds)  # chat prompts, their answers
 
 
+def test_builtin_dm_math_draws_the_same_questions_in_every_process():
+    """Its symbols come from a set of letters whose order follows PYTHONHASHSEED (another in every process) unless
+    megarl.compat.dm_math sorts them: two processes with other hash seeds must draw the same equations."""
+    import subprocess
+    import sys
+
+    code = ("import json; from megarl.compat.dm_math import modules; from megarl.data.builtin import _draw; "
+            "g = modules().train(lambda r: r)['algebra']['linear_1d']; "
+            "print(json.dumps(_draw(g, 32, 0, set())))")  # fmt: skip
+    drawn = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                            capture_output=True, text=True, check=True).stdout for seed in ("1", "2")]  # fmt: skip
+    assert drawn[0] == drawn[1] and len(json.loads(drawn[0])) == 32
+
+
 @pytest.mark.parametrize(
     "name, message",
     [
         ("builtin:dm_math/arithmetic__nope", "unknown dm_math module 'arithmetic__nope'; choose one of ["),
+        ("builtin:dm_math/algebra__linear_1d_composed", "composed modules draw differently in every process"),
         ("builtin:dm_math/arithmetic__mul:tough", "difficulty must be one of ['any', 'easy', 'hard', 'medium']"),
         ("builtin:dm_math/arithmetic__mul@x", "the seed after @ must be a non-negative integer"),
         ("builtin:dmmath", "unknown built-in dataset 'builtin:dmmath'"),

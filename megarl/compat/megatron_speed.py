@@ -6,7 +6,8 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   the whole vocabulary per token (54 ms of copies per step there, the largest tensors of the step). The output
   layer here computes the same logits from the [b, s, h] hidden states (a copy of h values per token instead of v)
   and hands them on as a [s, b, v] view of [b, s, v] memory, so the transpose back is a view and ``contiguous`` is a
-  no-op. Every logit is the same dot product, bitwise.
+  no-op. Every logit is the same dot product, bitwise. Megatron's own cross-entropy (``labels=``) gets its logits
+  contiguous in [s, b, v] again (its ``view`` needs that layout).
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).
@@ -35,7 +36,24 @@ def batch_major_logits(model) -> bool:
     if not _applies() or type(layer) is not ColumnParallelLinear or layer.sequence_parallel:
         return False
     layer.__class__ = _BatchMajorOutputLayer
+    _contiguous_logits_for_the_lm_loss()
     return True
+
+
+def _contiguous_logits_for_the_lm_loss() -> None:
+    """Megatron's own loss (``labels=``) views the [s, b, v] logits as [s x b, v]: it gets them laid out as it made
+    them (the copy batch-major logits save the trainer's losses; idempotent)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.compute_language_model_loss
+    if getattr(original, "megarl_patched", False):
+        return
+
+    def compute_language_model_loss(self, labels, logits):
+        return original(self, labels, logits.contiguous())
+
+    compute_language_model_loss.megarl_patched = True
+    LanguageModule.compute_language_model_loss = compute_language_model_loss
 
 
 def _batch_major_output_layer():

@@ -648,15 +648,15 @@ class SamplingConfig:
     def __post_init__(self):
         _require(self.n >= 1, "n", "must be >= 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         """Temperature 0: each step takes the most likely token."""
         return self.temperature == 0
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
 
 @dataclass(kw_only=True)

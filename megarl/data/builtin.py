@@ -8,8 +8,10 @@ They are generated from a fixed seed (no downloads), so every machine sees the s
   ``arithmetic__mul``, ``algebra__linear_1d``, ...; an unknown one is refused with the list); DIFFICULTY is
   ``easy``, ``medium`` or ``hard`` (the thirds of the generator's training entropy range, its ``train-easy`` ...)
   or ``any`` (the whole range), default ``easy``; SEED (default 0) picks the draw. ``DM_MATH_SIZES`` questions per
-  split, each a chat prompt asking for the final answer alone (the ``math`` reward checks it with Math-Verify);
-  validation questions never appear in training (drawn with another seed, repeats of training questions skipped).
+  split (over the generator's length limits skipped, as its generate.py does), each a chat prompt asking for the
+  final answer alone (the ``math`` reward checks it with Math-Verify); validation questions never appear in training
+  (drawn with another seed, repeats of training questions skipped). The same in every process
+  (``megarl.compat.dm_math``); ``*_composed`` modules are refused (they are not).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def _dm_math_splits(module: str, difficulty: str, seed: int) -> dict[str, list[t
     flat = {f"{area}__{k}": fn for area, fns in generators.items() for k, fn in fns.items() if callable(fn)}
     if module not in flat:
         raise ValueError(f"unknown dm_math module {module!r}; choose one of {sorted(flat)}")
+    if "composed" in module:  # composition orders a set of objects by address: another draw in every process
+        raise ValueError(f"dm_math module {module!r}: composed modules draw differently in every process; use one "
+                         "without '_composed'")  # fmt: skip
     train = _draw(flat[module], DM_MATH_SIZES["train"], 2 * seed, exclude=set())
     val = _draw(flat[module], DM_MATH_SIZES["val"], 2 * seed + 1, exclude=train)
     return {"train": list(train.items()), "val": list(val.items())}
@@ -72,15 +77,19 @@ def _dm_math_splits(module: str, difficulty: str, seed: int) -> dict[str, list[t
 
 def _draw(generate, count: int, seed: int, exclude) -> dict:
     """``count`` distinct (question -> answer) pairs from ``generate``, none of them in ``exclude``, in draw order."""
+    from mathematics_dataset import generate_settings as limits
+
     from megarl.compat.dm_math import seeded
 
     drawn = {}
     with seeded(seed):
         for _ in range(50 * count):
             problem = generate()
-            question = str(problem.question)
+            question, answer = str(problem.question), str(problem.answer)
+            if len(question) > limits.MAX_QUESTION_LENGTH or len(answer) > limits.MAX_ANSWER_LENGTH:
+                continue  # the generator's own filter (its generate.py)
             if question not in exclude and question not in drawn:
-                drawn[question] = str(problem.answer)
+                drawn[question] = answer
             if len(drawn) == count:
                 return drawn
     raise ValueError(f"the generator gave fewer than {count} distinct questions in {50 * count} draws")

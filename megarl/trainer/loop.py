@@ -596,12 +596,12 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
             return None
         samples, result = done
     stop_if_broken(job.cfg.reward, result.errors, len(samples), result.first_error, f"in step {step}'s validation")
-    if job.place.leader:
-        keep_validation_samples(job, step, samples, result.scores)
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
         if not job.place.pooled:  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
             job.phases.rollout(step)
         result.scores = combined_scores(job.cfg.reward, result.scores, rm)
+    if job.place.leader:
+        keep_validation_samples(job, step, samples, result.scores)  # the scores val/reward/mean averages
     return validation_metrics(result, samples)
