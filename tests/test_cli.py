@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _megarl(*args, cwd=None, timeout=600):
@@ -36,6 +37,7 @@ def test_quickstart_runs_rl_steps_at_tp2(tiny_llama_dir, tmp_path):
         "train", "configs/quickstart.yaml", f"model.path={tiny_llama_dir}", "trainer.total_steps=2",
         f"trainer.output_dir={out_dir}", "trainer.val_every=2", "data.val_batch_size=4", "logging.wandb.mode=disabled",
         "data.train_batch_size=4", "actor.global_batch_size=32", "rollout.val_sampling.temperature=0",
+        "trainer.save_every=2",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "launching 2 local ranks" in out.stdout
@@ -52,6 +54,19 @@ def test_quickstart_runs_rl_steps_at_tp2(tiny_llama_dir, tmp_path):
         assert len(re.findall(rf"\[megarl\] step {step} validation: \.\.\.'.*' -> '", out.stdout)) == 3, out.stdout
     assert (out_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "adv_estimator: grpo" in (out_dir / "config.yaml").read_text()
+    # the last step exported to an HF folder: transformers' greedy decoding of the validation prompts gives the
+    # tokens megarl's last (greedy, vLLM) validation gave
+    export = _megarl("convert", "megatron-to-hf", "--ckpt", str(out_dir / "checkpoints"), "--out", str(out_dir / "hf"))
+    assert export.returncode == 0, export.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "hf", dtype=torch.float32).eval()
+    for row in map(json.loads, open(out_dir / "samples" / "val_step_0000002.jsonl")):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([row["prompt_ids"]]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+        got = out[0, len(row["prompt_ids"]) :].tolist()
+        assert got[: len(row["response_ids"])] == row["response_ids"], (row, got)
 
 
 @pytest.mark.parametrize(

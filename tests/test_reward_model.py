@@ -133,7 +133,9 @@ def _train(hf_dir, rm_dir, out, extra=()):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=repo, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows[0]["step"] == 0 and "val/reward/mean" in rows[0]  # trainer.val_before_train: the starting weights
+    return rows[1:]
 
 
 @pytest.fixture(scope="module")

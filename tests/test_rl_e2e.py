@@ -113,8 +113,17 @@ def runs(tmp_path_factory):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     names = [*JOBS, *REWARD_JOBS, *FAULT_JOBS]
-    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in names}
-    return {"rows": rows, "out": out, "stdout": proc.stdout}
+    logged = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in names}
+    return {"rows": {name: _steps(rows) for name, rows in logged.items()}, "logged": logged, "out": out,
+            "stdout": proc.stdout}  # fmt: skip
+
+
+def _steps(rows: list[dict]) -> list[dict]:
+    """The steps' rows of a metrics.jsonl; a first row at step 0 (trainer.val_before_train) holds val/* only."""
+    if rows and rows[0]["step"] == 0:
+        assert all(k == "step" or k.startswith("val/") for k in rows[0]) and "val/reward/mean" in rows[0], rows[0]
+        return rows[1:]
+    return rows
 
 
 @pytest.mark.parametrize("name", list(JOBS))
@@ -174,8 +183,8 @@ def test_wandb_offline_run_holds_the_logged_keys(runs):
     assert len(run_dirs) == 1
     run_file = next((wandb_dir / run_dirs[0]).glob("run-*.wandb"))
     logged = history(str(run_file))
-    rows = runs["rows"]["grpo"]
-    assert [h["_step"] for h in logged] == [r["step"] for r in rows]
+    rows = runs["logged"]["grpo"]  # the validation before training (step 0) included
+    assert rows[0]["step"] == 0 and [h["_step"] for h in logged] == [r["step"] for r in rows]
     for h, r in zip(logged, rows):
         for key, value in r.items():
             if key != "step":

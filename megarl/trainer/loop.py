@@ -435,12 +435,14 @@ VAL_SAMPLES_SHOWN = 3
 
 def keep_validation_samples(job: Job, step: int, samples, scores) -> None:
     """Step ``step``'s validation completions as output_dir/samples/val_step_<N>.jsonl (prompt, response, answer,
-    score); the first ``VAL_SAMPLES_SHOWN`` printed at step 0 and at the last step."""
+    score, and the token ids of prompt and response); the first ``VAL_SAMPLES_SHOWN`` printed at step 0 and at the
+    last step."""
     prompts = job.val_prompts
     rows = [
         {"prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt_text,
          "response": job.tokenizer.decode(s.token_ids, skip_special_tokens=True),
-         "answer": prompts[s.prompt_index].ground_truth, "score": score}
+         "answer": prompts[s.prompt_index].ground_truth, "score": score,
+         "prompt_ids": list(prompts[s.prompt_index].prompt_ids), "response_ids": list(s.token_ids)}
         for s, score in zip(samples, scores)
     ]  # fmt: skip
     write_rows(os.path.join(job.cfg.trainer.output_dir, SAMPLES_DIR, f"val_step_{step:07d}.jsonl"), rows)
