@@ -6,7 +6,16 @@ HF ``generate`` (sampling, n samples per prompt), then one forward/backward of t
 PPO-clipped token-mean with old = current log-probs) on the same number of sequences, and an Adam step.
 Both: the same model, prompts, sampling and token budget; 1 warm-up step, then the median of the measured steps.
 
+``--model DIR`` (an HF folder, e.g. ``.cache/smollm2-135m-instruct`` from ``megarl fetch-model``): that model at
+``configs/demo_real.yaml``'s shape instead (8 prompts x 8 samples, 16 new tokens, DP=2 with one thread per rank,
+dm_math prompts, fp32). It also prints the update's compute floor: 6 x parameters x the step's unpadded prompt +
+response tokens, at the matmul rate measured in the same run (the model's own linear layers' forward, input-gradient
+and weight-gradient GEMMs at one rank's share of the tokens, on as many processes as ranks at once, with the
+ranks' threads). Both sides keep freed host memory (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``),
+so the comparison is of compute, not of the page faults of whichever heap happens to shrink.
+
     python benchmarks/rl_step.py             # ~5 minutes here (tiny and ~24M-parameter models)
+    python benchmarks/rl_step.py --model .cache/smollm2-135m-instruct      # ~10 minutes here
 """
 
 from __future__ import annotations
@@ -47,57 +56,84 @@ def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
     ]
 
 
-def _megarl_worker(hf_dir: str, out_dir: str, overrides: list[str]) -> None:
+def _model_overrides(hf_dir: str, out_dir: str, args) -> list[str]:
+    """``configs/demo_real.yaml`` as the benchmark runs it: no validation, no checkpoint, no W&B."""
+    return [
+        f"model.path={hf_dir}",
+        f"trainer.output_dir={out_dir}",
+        f"trainer.total_steps={args.steps + 1}",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "logging.wandb.mode=disabled",
+        "logging.progress_bar=false",
+    ]
+
+
+def _megarl_worker(config: str, hf_dir: str, out_dir: str, overrides: list[str]) -> None:
     from megarl.config import load_config, validate
     from megarl.trainer.loop import train
     from megarl.training.init_weights import model_source
 
-    cfg = load_config("configs/quickstart.yaml", overrides)
+    cfg = load_config(config, overrides)
     train(cfg, validate(cfg, world_size=2), model_source(hf_dir))
 
 
-def run_megarl(hf_dir: str, args) -> dict:
+def run_megarl(hf_dir: str, args, config: str = "configs/quickstart.yaml", overrides=None) -> dict:
     from megarl.parallel.spawn import run_on_ranks
 
     with tempfile.TemporaryDirectory() as out:
-        run_on_ranks(_megarl_worker, 2, hf_dir, out, _overrides(hf_dir, out, args))
+        overrides = (overrides or _overrides)(hf_dir, out, args)
+        run_on_ranks(_megarl_worker, 2, config, hf_dir, out, overrides)
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]  # step 1: warm-up
     med = {p: statistics.median(r[f"timing/{p}"] for r in rows) for p in PHASES}
     med["tokens"] = statistics.median(
         r["response_length/mean"] * args.prompts * args.n for r in rows
     )  # generated tokens per step
+    med["trained_tokens"] = statistics.median(r["perf/tokens_per_s"] * r["timing/step"] for r in rows)
     return med
 
 
-def run_baseline(hf_dir: str, args) -> dict:
+def _prompt_ids(tok, data: str | None) -> list[list[int]]:
+    """Prompt token ids: the digits task's raw text, or ``data``'s prompts as megarl tokenises them (chat)."""
+    if data is None:
+        from megarl.data.builtin import builtin_records
+
+        return [
+            tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in builtin_records("builtin:digits", "train")
+        ]
+    from megarl.data import PromptDataset
+
+    dataset = PromptDataset.from_files([data], split="train", tokenizer=tok, prompt_key="prompt", answer_key="answer",
+                                       max_prompt_length=96, on_overlong="drop")  # fmt: skip
+    return [list(p.prompt_ids) for p in dataset.prompts]
+
+
+def run_baseline(hf_dir: str, args, data: str | None = None) -> dict:
     """The same step written plainly with transformers in one process."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.algos import aggregate, broadcast_to_tokens, grpo, ppo_policy_loss
-    from megarl.data.builtin import builtin_records
+    from megarl.compat.host_memory import keep_freed_memory
 
+    keep_freed_memory()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    records = builtin_records("builtin:digits", "train")
-    times = {"generate": [], "update_actor": [], "step": [], "tokens": []}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    all_prompts = _prompt_ids(tok, data)
+    times = {"generate": [], "update_actor": [], "step": [], "tokens": [], "trained_tokens": []}
     for step in range(args.steps + 1):
-        prompts = [
-            tok(r["prompt"], add_special_tokens=False)["input_ids"]
-            for r in records[step * args.prompts :][: args.prompts]
-        ]
+        prompts = all_prompts[step * args.prompts :][: args.prompts]
         width = max(map(len, prompts))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])  # left padding
-        attn = (ids != tok.pad_token_id).long()
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=args.new_tokens, num_return_sequences=args.n, pad_token_id=tok.pad_token_id,
+                max_new_tokens=args.new_tokens, num_return_sequences=args.n, pad_token_id=pad,
             )  # fmt: skip
         t1 = time.perf_counter()
         response = out[:, width:]
@@ -121,7 +157,92 @@ def run_baseline(hf_dir: str, args) -> dict:
             times["update_actor"].append(t2 - t1)
             times["step"].append(t2 - t0)
             times["tokens"].append(float(mask.sum()))
+            times["trained_tokens"].append(float(mask.sum()) + args.n * sum(map(len, prompts)))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _linear_gemm_seconds(hf_dir: str, tokens: int) -> list[float]:
+    """On every rank at once (one thread each): the seconds of the forward, input-gradient and weight-gradient GEMMs
+    of every linear layer of ``hf_dir``'s model (the output layer included) for ``tokens`` tokens, and the GEMMs'
+    FLOPs; [seconds, flops] summed, the slowest rank's seconds."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    shapes: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes[tuple(module.weight.shape)] = shapes.get(tuple(module.weight.shape), 0) + 1
+    seconds = flops = 0.0
+    dist.barrier()
+    for (out_f, in_f), count in shapes.items():
+        w, x, dy = torch.randn(out_f, in_f), torch.randn(tokens, in_f), torch.randn(tokens, out_f)
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):  # forward, input gradient, weight gradient
+            a @ b
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+            seconds += count * min(times)
+        flops += count * 6 * out_f * in_f * tokens
+    slowest = torch.tensor([seconds])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [float(slowest), flops]
+
+
+def update_floor(hf_dir: str, trained_tokens: float, ranks: int) -> dict:
+    """The update's compute floor (see the module docstring): the matmul rate of the model's own linear layers,
+    measured on ``ranks`` processes at once at one rank's share of the tokens, and 6 x parameters x tokens at it."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.parallel.spawn import run_on_ranks
+
+    share = int(trained_tokens / ranks)
+    seconds, flops = run_on_ranks(_linear_gemm_seconds, ranks, hf_dir, share)
+    rate = flops / seconds  # per rank
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).parameters())
+    return {"rate": rate, "params": params, "floor_s": 6 * params * trained_tokens / (ranks * rate)}
+
+
+def main_model(args) -> None:
+    """``--model``: the demo's shape on a real model, megarl's phases beside the baseline's and the floor."""
+    data = "builtin:dm_math/arithmetic__add_or_sub"
+    args.prompts, args.n, args.new_tokens = 8, 8, 16
+    print(f"GRPO step on {args.model}: configs/demo_real.yaml ({args.prompts} prompts x {args.n} samples x <= "
+          f"{args.new_tokens} new tokens, {data}, DP=2, fp32); 2 CPU cores; median of {args.steps} steps after 1 "
+          f"warm-up")  # fmt: skip
+    from megarl.compat.host_memory import HUGE_PAGES_ENV
+
+    os.environ.update(HUGE_PAGES_ENV)  # as `megarl train` starts its CPU ranks (and the baseline's children)
+    m = run_megarl(args.model, args, "configs/demo_real.yaml", _model_overrides)
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:  # a fresh process: torch reads HUGE_PAGES_ENV when it starts
+        b = pool.apply(run_baseline, (args.model, args, data))
+    floor = update_floor(args.model, m["trained_tokens"], ranks=2)
+    b_floor = floor["floor_s"] * b["trained_tokens"] / m["trained_tokens"]  # the same rate, the baseline's tokens
+    print(
+        f"{'side':<26}{'generate':>10}{'update':>10}{'other':>9}{'step':>9}{'tokens':>8}{'floor':>8}{'update/floor':>14}"
+    )
+    for side, r, fl in (("megarl DP=2 + vLLM", m, floor["floor_s"]), ("HF generate + torch (2 thr)", b, b_floor)):
+        other = r["step"] - r["generate"] - r["update_actor"]
+        print(f"{side:<26}{r['generate']:>9.2f}s{r['update_actor']:>9.2f}s{other:>8.2f}s{r['step']:>8.2f}s"
+              f"{r['trained_tokens']:>8.0f}{fl:>7.2f}s{r['update_actor'] / fl:>13.2f}x")  # fmt: skip
+    print(
+        f"floor: 6 x {floor['params'] / 1e6:.1f}M parameters x the step's prompt + response tokens at "
+        f"{floor['rate'] / 1e9:.1f} GFLOP/s per rank (this model's linear GEMMs, 2 ranks x 1 thread, measured now)"
+    )
+    print("megarl phases: " + ", ".join(f"{p} {m[p]:.2f}s" for p in PHASES if p != "step"))
+    ratio = m["update_actor"] / b["update_actor"]
+    print(
+        f"update: megarl {m['update_actor']:.2f}s vs baseline {b['update_actor']:.2f}s ({ratio:.2f}x); "
+        f"per token {m['update_actor'] / m['trained_tokens'] * 1e3:.2f} vs "
+        f"{b['update_actor'] / b['trained_tokens'] * 1e3:.2f} ms"
+    )
 
 
 def main(argv=None) -> None:
@@ -132,7 +253,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--rollout-tp", type=int, default=0, help="vLLM TP (0: the actor's, 2)")
+    parser.add_argument("--model", help="an HF folder: that model at configs/demo_real.yaml's shape instead")
     args = parser.parse_args(argv)
+    if args.model:
+        return main_model(args)
     from megarl.models.tiny import make_tiny_hf_model
 
     print(f"GRPO step: {args.prompts} prompts x {args.n} samples x <= {args.new_tokens} new tokens; 2 CPU cores; "

@@ -58,6 +58,11 @@ def _cmd_train(args) -> int:
         return 0
     stopped = os.path.join(cfg.trainer.output_dir, STOPPED_FILE)
     if launched is None and world > 1:
+        from megarl.compat.host_memory import HUGE_PAGES_ENV
+        from megarl.config.device_defaults import on_cuda
+
+        if cfg.trainer.keep_freed_memory and not on_cuda():
+            os.environ.update(HUGE_PAGES_ENV)  # read by torch when a rank starts
         rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
         return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
     from megarl.parallel.spawn import run_on_ranks

@@ -109,3 +109,28 @@ def test_megatron_needs_the_mode():
     """)
         == "ok"
     )
+
+
+def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
+    """glibc gives freed blocks over its mmap threshold back to the kernel and the next ones fault in every page;
+    with ``keep_freed_memory`` they stay in the process: once the heap has grown to hold them, allocating the same
+    blocks again touches pages that are already there. Page faults are counted by the kernel (``getrusage``)."""
+    out = _run("""
+        import resource, torch
+        from megarl.compat.host_memory import keep_freed_memory
+
+        def faults_of_blocks(mb=40, count=4):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            blocks = [torch.ones(mb * 2**20 // 4) for _ in range(count)]  # written: every page touched
+            del blocks
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+        returned = [faults_of_blocks() for _ in range(3)]
+        assert keep_freed_memory()
+        kept = [faults_of_blocks() for _ in range(4)][1:]  # the first grows the heap
+        print(min(returned), min(kept))
+    """)
+    returned, kept = map(int, out.split())
+    pages = 4 * 40 * 2**20 // 4096
+    assert returned > pages // 2, (returned, kept)  # glibc's default: fresh pages every time
+    assert kept < pages // 100, (returned, kept)  # reused

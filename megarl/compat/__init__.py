@@ -5,6 +5,7 @@
 - ``megatron_speed``: two copies megatron-core's local path makes (the logits' transpose, RoPE's empty concatenation)
   removed, arithmetic unchanged (installed by ``megarl.models.builder``).
 - ``dm_math``: DeepMind's mathematics_dataset 1.0.1 under sympy 1.14 (a moved import), and its global RNGs kept.
+- ``host_memory``: freed host memory kept in a CPU rank for reuse (glibc mallopt; installed by the trainer).
 - ``vllm_shm``: vLLM's shared-memory names carry the run's identity (installed by the vLLM engine).
 """
 

@@ -596,6 +596,10 @@ class TrainerConfig:
     are cut at once (their rollout dropped), an update or weight sync in progress finishes. Keep it, plus the save,
     under SLURM's KillWait (30 s by default); a stop that took longer says so. Bounded async: the most the learners
     and the save wait for the rollout pool once stopping."""
+    keep_freed_memory: bool = True
+    """CPU ranks (no CUDA): freed host memory stays in the rank's process for reuse instead of going back to the
+    kernel (glibc ``mallopt``, ``megarl.compat.host_memory``): page faults took up to a third of a CPU update step.
+    The process's resident memory stays at its peak. No effect on GPU ranks."""
     collective_timeout_s: int = 600
     """Seconds a rank waits in any collective (the default group, Megatron's and vLLM's groups) before it exits with
     one line naming the group and the call. It must cover the longest gap between two ranks reaching the same

@@ -28,6 +28,8 @@ from megarl.checkpoint.training import (
     read_trainer_state,
     set_rng_states,
 )
+from megarl.compat import cpu as cpu_compat
+from megarl.compat.host_memory import keep_freed_memory
 from megarl.config.loader import to_yaml
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
@@ -296,6 +298,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         here = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     if layout_of is not None:  # Megatron's groups, inside this rank's pool when pooled
         init_distributed(here, seed=cfg.trainer.seed, timeout_s=timeout_s)
+    if cfg.trainer.keep_freed_memory and cpu_compat.is_installed():
+        keep_freed_memory()
     place = place or Placement.colocated()
     rank = place.rank
     out_dir = cfg.trainer.output_dir
