@@ -36,14 +36,23 @@ MODELS = {
 PHASES = ("generate", "reward", "old_logprob", "ref", "advantages", "update_actor", "sync", "step")
 
 
-def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
+def _model_overrides(hf_dir: str, out_dir: str, args) -> list[str]:
+    """The config as the benchmark runs it (``--model``: ``configs/demo_real.yaml`` as it is): no validation, no
+    checkpoint, no W&B."""
     return [
         f"model.path={hf_dir}",
         f"trainer.output_dir={out_dir}",
         f"trainer.total_steps={args.steps + 1}",
         "trainer.val_every=0",
+        "trainer.save_every=0",
         "logging.wandb.mode=disabled",
         "logging.progress_bar=false",
+    ]
+
+
+def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
+    """``configs/quickstart.yaml`` at the benchmark's shape."""
+    return _model_overrides(hf_dir, out_dir, args) + [
         f"data.train_batch_size={args.prompts}",
         f"actor.global_batch_size={args.prompts * args.n}",
         f"rollout.sampling.n={args.n}",
@@ -53,19 +62,6 @@ def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
         "rollout.kv_cache_mb=64",
         "actor.max_tokens_per_micro_batch=4096",
         f"rollout.tp={args.rollout_tp}",
-    ]
-
-
-def _model_overrides(hf_dir: str, out_dir: str, args) -> list[str]:
-    """``configs/demo_real.yaml`` as the benchmark runs it: no validation, no checkpoint, no W&B."""
-    return [
-        f"model.path={hf_dir}",
-        f"trainer.output_dir={out_dir}",
-        f"trainer.total_steps={args.steps + 1}",
-        "trainer.val_every=0",
-        "trainer.save_every=0",
-        "logging.wandb.mode=disabled",
-        "logging.progress_bar=false",
     ]
 
 
