@@ -8,10 +8,10 @@ Both: the same model, prompts, sampling and token budget; 1 warm-up step, then t
 
 ``--model DIR`` (an HF folder, e.g. ``.cache/smollm2-135m-instruct`` from ``megarl fetch-model``): that model at
 ``configs/demo_real.yaml``'s shape instead (8 prompts x 8 samples, 16 new tokens, DP=2 with one thread per rank,
-dm_math prompts, fp32). It also prints the update's compute floor: 6 x parameters x the step's unpadded prompt +
-response tokens, at the matmul rate measured in the same run (the model's own linear layers' forward, input-gradient
-and weight-gradient GEMMs at one rank's share of the tokens, on as many processes as ranks at once, with the
-ranks' threads). Both sides keep freed host memory (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``),
+dm_math prompts, fp32). It also prints the update's compute floor: 6 x parameters (of the linear layers, the output
+layer's included) x the step's unpadded prompt + response tokens, at the matmul rate measured in the same run (the
+model's own linear layers' forward, input-gradient and weight-gradient GEMMs at one rank's share of the tokens, on as
+many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``),
 so the comparison is of compute, not of the page faults of whichever heap happens to shrink.
 
     python benchmarks/rl_step.py             # ~5 minutes here (tiny and ~24M-parameter models)
@@ -164,6 +164,9 @@ def _linear_gemm_seconds(hf_dir: str, tokens: int) -> list[float]:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megarl.compat.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # the GEMMs' outputs reuse freed memory, as in the ranks: compute, not page faults
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
     if not dist.is_initialized():
@@ -192,15 +195,15 @@ def _linear_gemm_seconds(hf_dir: str, tokens: int) -> list[float]:
 
 def update_floor(hf_dir: str, trained_tokens: float, ranks: int) -> dict:
     """The update's compute floor (see the module docstring): the matmul rate of the model's own linear layers,
-    measured on ``ranks`` processes at once at one rank's share of the tokens, and 6 x parameters x tokens at it."""
-    from transformers import AutoModelForCausalLM
-
+    measured on ``ranks`` processes at once at one rank's share of the tokens, and 6 x parameters x tokens at it.
+    The parameters are the linear layers' (the output layer's included; an untied input embedding is a lookup, not
+    a GEMM): for a tied model such as SmolLM2 all but the norms' 35K."""
     from megarl.parallel.spawn import run_on_ranks
 
     share = int(trained_tokens / ranks)
     seconds, flops = run_on_ranks(_linear_gemm_seconds, ranks, hf_dir, share)
     rate = flops / seconds  # per rank
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).parameters())
+    params = flops / (6 * share)  # the GEMMs' FLOPs are 6 x parameters x tokens
     return {"rate": rate, "params": params, "floor_s": 6 * params * trained_tokens / (ranks * rate)}
 
 
@@ -249,7 +252,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--rollout-tp", type=int, default=0, help="vLLM TP (0: the actor's, 2)")
-    parser.add_argument("--model", help="an HF folder: that model at configs/demo_real.yaml's shape instead")
+    parser.add_argument("--model", help="an HF folder: that model at configs/demo_real.yaml's shape instead "
+                        "(--prompts, --n and --new-tokens do not apply)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.model:
         return main_model(args)

@@ -61,9 +61,9 @@ def _cmd_train(args) -> int:
         from megarl.compat.host_memory import HUGE_PAGES_ENV
         from megarl.config.device_defaults import on_cuda
 
-        if cfg.trainer.keep_freed_memory and not on_cuda():
-            os.environ.update(HUGE_PAGES_ENV)  # read by torch when a rank starts
-        rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides])
+        cpu_ranks = cfg.trainer.keep_freed_memory and not on_cuda()
+        env = {**HUGE_PAGES_ENV, **os.environ} if cpu_ranks else None  # read by torch when a rank starts
+        rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides], env=env)
         return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
     from megarl.parallel.spawn import run_on_ranks
     from megarl.trainer.loop import train
@@ -144,8 +144,9 @@ def _rank(train, *args) -> int:
     return 0
 
 
-def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Start ``nproc`` local ranks of this same command (single node). Multi-node jobs use ``megarl launch``."""
+def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Start ``nproc`` local ranks of this same command (single node), in ``env`` (None: this process's).
+    Multi-node jobs use ``megarl launch``."""
     from megarl.launch.lifetime import supervise
 
     cmd = [
@@ -159,7 +160,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
         *argv,
     ]
     print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
-    return supervise(cmd)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
+    return supervise(cmd, env=env)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
 
 
 def _plan_for(cfg, spec, args=None, sync: bool = True):

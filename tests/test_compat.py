@@ -115,8 +115,11 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
     """glibc gives freed blocks over its mmap threshold back to the kernel and the next ones fault in every page;
     with ``keep_freed_memory`` they stay in the process: once the heap has grown to hold them, allocating the same
     blocks again touches pages that are already there. Page faults are counted by the kernel (``getrusage``)."""
-    out = _run("""
-        import resource, torch
+    out = _run(
+        """
+        import ctypes, resource
+        ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the host's THP mode
+        import torch
         from megarl.compat.host_memory import keep_freed_memory
 
         def faults_of_blocks(mb=40, count=4):
@@ -129,7 +132,9 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
         assert keep_freed_memory()
         kept = [faults_of_blocks() for _ in range(4)][1:]  # the first grows the heap
         print(min(returned), min(kept))
-    """)
+    """,
+        env={"THP_MEM_ALLOC_ENABLE": "0"},
+    )
     returned, kept = map(int, out.split())
     pages = 4 * 40 * 2**20 // 4096
     assert returned > pages // 2, (returned, kept)  # glibc's default: fresh pages every time

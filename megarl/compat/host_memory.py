@@ -9,20 +9,22 @@ process; the user time (compute) was the same. In ``benchmarks/rl_step.py --mode
 went from 43-46 s to 38.6 s. CUDA's caching allocator does the same for GPU memory.
 
 Freed blocks are reused, but a heap that grows still faults its new pages in, 4 KiB at a time, and fragmentation
-makes it grow for a few steps. ``HUGE_PAGES_ENV`` asks torch for 2 MiB-aligned blocks with transparent huge pages
-(``THP_MEM_ALLOC_ENABLE``, read once by torch's CPU allocator: it must be in a process's environment before it
-starts, so ``megarl train`` sets it for the ranks it starts): in a scratch DP=2 update the faults fell from
+makes it grow for a few steps. ``HUGE_PAGES_ENV`` makes torch's CPU allocator ask for transparent huge pages
+(``madvise(MADV_HUGEPAGE)``) on every block of 2 MiB or more (``THP_MEM_ALLOC_ENABLE``, read once by torch: it
+must be in a process's environment before it starts, so ``megarl train`` passes it to the ranks it starts under
+torchrun; a one-rank run in the command's own process does without): in a scratch DP=2 update the faults fell from
 50,000-100,000 per step to under 1,000 by the third step (32.2 s -> 30.9 s); in ``rl_step.py --model``, 37.4 s.
 
-``keep_freed_memory`` sets ``M_MMAP_MAX=0`` (every block comes from the heap, where freed ones are reused) and
-``M_TRIM_THRESHOLD`` to its maximum (the heap never shrinks): the process's resident memory stays at its peak.
-It does nothing where the C library is not glibc.
+``keep_freed_memory`` sets ``M_MMAP_MAX=0`` (the main thread's blocks come from the heap, where freed ones are
+reused; other threads' arenas still map blocks over 64 MiB) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1, the most
+``mallopt``'s int takes (the heap shrinks only when more than that is free at its top): the process's resident
+memory stays near its peak. It does nothing where the C library is not glibc, nor under an allocator preloaded in
+its place (tcmalloc, jemalloc: they keep freed memory themselves).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 HUGE_PAGES_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 """Environment for CPU rank processes: torch's blocks of 2 MiB and more on transparent huge pages."""
@@ -36,8 +38,7 @@ def keep_freed_memory() -> bool:
     """Keep freed host memory in this process (see the module docstring). Returns whether glibc took both
     settings; False where the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
