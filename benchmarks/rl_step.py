@@ -11,8 +11,9 @@ Both: the same model, prompts, sampling and token budget; 1 warm-up step, then t
 dm_math prompts, fp32). It also prints the update's compute floor: 6 x parameters (of the linear layers, the output
 layer's included) x the step's unpadded prompt + response tokens, at the matmul rate measured in the same run (the
 model's own linear layers' forward, input-gradient and weight-gradient GEMMs at one rank's share of the tokens, on as
-many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``),
-so the comparison is of compute, not of the page faults of whichever heap happens to shrink.
+many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory
+(``megarl.compat.host_memory``, ``trainer.keep_freed_memory``), so the comparison is of compute, not of the page
+faults of whichever heap happens to shrink.
 
     python benchmarks/rl_step.py             # ~5 minutes here (tiny and ~24M-parameter models)
     python benchmarks/rl_step.py --model .cache/smollm2-135m-instruct      # ~10 minutes here
@@ -89,7 +90,7 @@ def run_megarl(hf_dir: str, args, config: str = "configs/quickstart.yaml", overr
     return med
 
 
-def _prompt_ids(tok, data: str | None) -> list[list[int]]:
+def _prompt_ids(tok, data: str | None, max_prompt_length: int) -> list[list[int]]:
     """Prompt token ids: the digits task's raw text, or ``data``'s prompts as megarl tokenises them (chat)."""
     if data is None:
         from megarl.data.builtin import builtin_records
@@ -100,11 +101,11 @@ def _prompt_ids(tok, data: str | None) -> list[list[int]]:
     from megarl.data import PromptDataset
 
     dataset = PromptDataset.from_files([data], split="train", tokenizer=tok, prompt_key="prompt", answer_key="answer",
-                                       max_prompt_length=96, on_overlong="drop")  # fmt: skip
+                                       max_prompt_length=max_prompt_length, on_overlong="drop")  # fmt: skip
     return [list(p.prompt_ids) for p in dataset.prompts]
 
 
-def run_baseline(hf_dir: str, args, data: str | None = None) -> dict:
+def run_baseline(hf_dir: str, args, data: str | None = None, max_prompt_length: int = 0) -> dict:
     """The same step written plainly with transformers in one process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,7 +119,7 @@ def run_baseline(hf_dir: str, args, data: str | None = None) -> dict:
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    all_prompts = _prompt_ids(tok, data)
+    all_prompts = _prompt_ids(tok, data, max_prompt_length)
     times = {"generate": [], "update_actor": [], "step": [], "tokens": [], "trained_tokens": []}
     for step in range(args.steps + 1):
         prompts = all_prompts[step * args.prompts :][: args.prompts]
@@ -209,8 +210,12 @@ def update_floor(hf_dir: str, trained_tokens: float, ranks: int) -> dict:
 
 def main_model(args) -> None:
     """``--model``: the demo's shape on a real model, megarl's phases beside the baseline's and the floor."""
-    data = "builtin:dm_math/arithmetic__add_or_sub"
-    args.prompts, args.n, args.new_tokens = 8, 8, 16
+    from megarl.config import load_config
+
+    demo = load_config("configs/demo_real.yaml", [])  # the shape the baseline copies
+    data, max_prompt_length = demo.data.train_files[0], demo.data.max_prompt_length
+    args.prompts, args.n = demo.data.train_batch_size, demo.rollout.sampling.n
+    args.new_tokens = demo.rollout.sampling.max_new_tokens
     print(f"GRPO step on {args.model}: configs/demo_real.yaml ({args.prompts} prompts x {args.n} samples x <= "
           f"{args.new_tokens} new tokens, {data}, DP=2, fp32); 2 CPU cores; median of {args.steps} steps after 1 "
           f"warm-up")  # fmt: skip
@@ -221,7 +226,7 @@ def main_model(args) -> None:
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(1) as pool:  # a fresh process: torch reads HUGE_PAGES_ENV when it starts
-        b = pool.apply(run_baseline, (args.model, args, data))
+        b = pool.apply(run_baseline, (args.model, args, data, max_prompt_length))
     floor = update_floor(args.model, m["trained_tokens"], ranks=2)
     b_floor = floor["floor_s"] * b["trained_tokens"] / m["trained_tokens"]  # the same rate, the baseline's tokens
     print(
