@@ -1,6 +1,6 @@
 """Runs inside every spawned rank: the same weights and right-padded micro-batches through the ``sdpa`` and the
 ``unfused`` core attention at one layout, or with and without ``megarl.compat.megatron_speed``; reports how far
-logits and gradients of the actor's loss differ."""
+logits (at the positions that score a response token) and gradients of the actor's loss differ."""
 
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ from megarl.training.step import run_schedule
 from tests.activation_worker import Case, actor_loss
 from tests.parity_worker import _full_weights
 
+PROMPT_LEN = 3
+"""Every sequence's: the loss scores positions >= 2 (``collate``'s ``scored_from``)."""
+
 
 def _padded_batches(spec, n: int = 4) -> list[dict]:
     """Sequences of different lengths, two per micro-batch, right-padded to each micro-batch's longest."""
     gen = torch.Generator().manual_seed(5)
-    seqs = [Sequence(torch.randint(0, spec.vocab_size, (ln,), generator=gen).tolist(), prompt_len=3)
+    seqs = [Sequence(torch.randint(0, spec.vocab_size, (ln,), generator=gen).tolist(), prompt_len=PROMPT_LEN)
             for ln in (17, 9, 12, 5)[:n]]  # fmt: skip
     batches, _ = micro_batches(seqs, max_tokens=0, micro_batch_size=2)
     for mb in batches:  # a per-sequence advantage, and the engine's log-probs (unused by the on-policy loss)
@@ -47,9 +50,10 @@ def megatron_speed_off():
         rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched, batch_major
 
 
-def _run(spec, layout, attention: str, dtype: str, views: list | None = None):
-    """This rank's logits (per micro-batch, on the last stage) and gradients of one forward/backward; ``views``
-    collects whether each micro-batch's logits reached the loss as a view (not a copy) of the output layer's."""
+def _run(spec, layout, attention: str, dtype: str, views: list | None = None, firsts: list | None = None):
+    """This rank's logits at the scored positions (per micro-batch, on the last stage) and gradients of one
+    forward/backward; ``views`` collects whether each micro-batch's logits reached the loss as a view (not a copy)
+    of the output layer's, ``firsts`` the first position the output layer computed."""
     c = layout.coords(dist.get_rank())
     chunk = build_model_chunk(spec, layout, attention=attention, dtype=dtype)
     local = shards.local_state_dict(
@@ -64,7 +68,8 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None):
     def recording_loss(mb, logits_BSV):
         if views is not None:
             views.append(logits_BSV._base is not None)
-        logits.append(logits_BSV.detach().float().clone())
+            firsts.append(mb["scored_from"])
+        logits.append(logits_BSV[:, PROMPT_LEN - 1 - mb["scored_from"] :].detach().float().clone())
         return loss(mb, logits_BSV)
 
     run_schedule(model, batches, recording_loss)
@@ -120,18 +125,21 @@ def compare(spec, layout, dtype: str = "float32") -> dict:
 
 def compare_speedups(spec, layout, dtype: str = "float32") -> dict:
     """Max relative differences with ``megarl.compat.megatron_speed`` against without it, and whether the loss got
-    the output layer's logits as views with it and as copies without it (on every rank of the last stage)."""
+    the output layer's logits as views with it and as copies without it, and the first position it computed (on
+    every rank of the last stage)."""
     init_distributed(layout, seed=1)
-    views, views_off = [], []
-    new, lm = _run(spec, layout, "sdpa", dtype, views), _lm_losses(spec, layout, dtype)
+    views, views_off, firsts, firsts_off = [], [], [], []
+    new, lm = _run(spec, layout, "sdpa", dtype, views, firsts), _lm_losses(spec, layout, dtype)
     with megatron_speed_off():
-        reference, lm_off = _run(spec, layout, "sdpa", dtype, views_off), _lm_losses(spec, layout, dtype)
+        reference = _run(spec, layout, "sdpa", dtype, views_off, firsts_off)
+        lm_off = _lm_losses(spec, layout, dtype)
     lm_diff = None if lm is None else _relative(lm, lm_off)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (views, views_off, lm_diff))
+    dist.all_gather_object(everyone, (views, views_off, lm_diff, firsts, firsts_off))
     lm_diffs = [e[2] for e in everyone if e[2] is not None]
-    return {**_differences(new, reference), "lm_loss": max(lm_diffs) if lm_diffs else None,
-            "views": [v for e in everyone for v in e[0]], "views_off": [v for e in everyone for v in e[1]]}  # fmt: skip
+    gathered = {key: [x for e in everyone for x in e[i]] for i, key in ((0, "views"), (1, "views_off"),
+                                                                         (3, "firsts"), (4, "firsts_off"))}  # fmt: skip
+    return {**_differences(new, reference), "lm_loss": max(lm_diffs) if lm_diffs else None, **gathered}
 
 
 def compare_cases(cases: list[tuple], speedup_cases: list[tuple] = ()) -> tuple[list[dict], list[dict]]:

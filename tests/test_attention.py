@@ -11,7 +11,7 @@ from megarl.models.attention import SdpaAttention
 from megarl.models.builder import layer_spec
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
-from tests.attention_worker import compare_cases
+from tests.attention_worker import PROMPT_LEN, compare_cases
 from tests.parity_worker import tiny_spec
 
 GQA = tiny_spec()  # 4 query heads / 2 KV heads, q/k/v bias (Qwen2)
@@ -26,7 +26,8 @@ CASES = {
     "pp2_bf16": (GQA, L(pp=2), "bfloat16"),
 }
 SPEEDUP_CASES = {"tp2": (GQA, L(tp=2)), "pp2_bf16": (GQA, L(pp=2), "bfloat16")}
-"""``megarl.compat.megatron_speed`` on and off (batch-major logits, RoPE without its empty concatenation)."""
+"""``megarl.compat.megatron_speed`` on and off (batch-major logits from the first scored position, RoPE without its
+empty concatenation)."""
 FP32_RTOL = 1e-5
 BF16_RTOL = 3e-2  # a few bf16 ulps (2^-7 = 7.8e-3): measured 1.0e-2 (logits), 1.6e-2 (gradients)
 
@@ -50,12 +51,14 @@ def test_sdpa_equals_the_unfused_attention(results, case):
 
 
 @pytest.mark.parametrize("case", list(SPEEDUP_CASES))
-def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy(world, case):
+def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy_and_prompt_logits(world, case):
     r = dict(zip(SPEEDUP_CASES, world[1]))[case]
     tol = BF16_RTOL if "bf16" in case else FP32_RTOL
     assert r["logits"] <= tol and r["grads"] <= tol, r
     assert r["logit_batches"] >= 2 and r["grad_norm"] > 0
     assert r["views"] and all(r["views"]) and not any(r["views_off"]), r  # the [b, s, v] logits: no copy made
+    # logits from the first scored position on (prompt positions skipped); all of them without the speed-ups
+    assert r["firsts"] == [PROMPT_LEN - 1] * len(r["views"]) and r["firsts_off"] == [0] * len(r["views_off"]), r
     if "pp" not in case:  # Megatron's own cross-entropy (labels=) on a micro-batch of two: unchanged
         assert r["lm_loss"] is not None and r["lm_loss"] <= tol, r
 

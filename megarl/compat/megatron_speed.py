@@ -8,12 +8,19 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   and hands them on as a [s, b, v] view of [b, s, v] memory, so the transpose back is a view and ``contiguous`` is a
   no-op. Every logit is the same dot product, bitwise. Megatron's own cross-entropy (``labels=``) gets its logits
   contiguous in [s, b, v] again (its ``view`` needs that layout).
+- ``logits_from``: the same layer computes logits only from a given position on. An RL loss scores response tokens
+  only, yet the output layer (a fifth of SmolLM2-135M's FLOPs) and the whole-vocabulary log-softmax ran at every
+  prompt position too, their gradients zero there. Positions before the first response token of a micro-batch are
+  skipped (``benchmarks/rl_step.py --model``: the update's time before and after is in the README).
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -32,6 +39,25 @@ def batch_major_logits(model) -> bool:
     layer.__class__ = _BatchMajorOutputLayer
     _contiguous_logits_for_the_lm_loss()
     return True
+
+
+@contextmanager
+def logits_from(model_chunk, position: int) -> Iterator[int]:
+    """Within the block, ``model_chunk``'s output layer computes logits only at sequence positions ``>= position``
+    (the forward returns [b, S - first, v] logits). Yields ``first``: ``position``, or 0 where the layer cannot
+    (no batch-major output layer: another stage of a pipeline, a value head, sequence parallelism). Positions
+    before ``first`` must score nothing: their hidden states get no gradient from the output layer."""
+    while not hasattr(model_chunk, "output_layer") and hasattr(model_chunk, "module"):
+        model_chunk = model_chunk.module  # DDP, Float16Module
+    layer = getattr(model_chunk, "output_layer", None)
+    if not isinstance(layer, _BatchMajorOutputLayer) or position <= 0:
+        yield 0
+        return
+    layer.first_position = position
+    try:
+        yield position
+    finally:
+        layer.first_position = 0
 
 
 def _contiguous_logits_for_the_lm_loss() -> None:
@@ -54,12 +80,14 @@ def _batch_major_output_layer():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     class BatchMajorOutputLayer(ColumnParallelLinear):
-        """``ColumnParallelLinear`` on [s, b, h] returning its [s, b, v] output as a view of [b, s, v] memory."""
+        """``ColumnParallelLinear`` on [s, b, h] returning its [s, b, v] output as a view of [b, s, v] memory; from
+        position ``first_position`` on (``logits_from``)."""
+
+        first_position = 0
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
-            logits_BSV, bias = super().forward(
-                input_.transpose(0, 1).contiguous(), weight=weight, runtime_gather_output=runtime_gather_output
-            )
+            hidden_BSH = input_[self.first_position :].transpose(0, 1).contiguous()
+            logits_BSV, bias = super().forward(hidden_BSH, weight=weight, runtime_gather_output=runtime_gather_output)
             return logits_BSV.transpose(0, 1), bias
 
     return BatchMajorOutputLayer

@@ -51,7 +51,8 @@ def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size:
 
 def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """One micro-batch: ``tokens``, ``targets``, ``position_ids``, ``loss_mask`` [b, S] (S = longest - 1), plus each
-    response-aligned field scattered to [b, S] (0 outside the response)."""
+    response-aligned field scattered to [b, S] (0 outside the response), and ``scored_from``: the first position
+    that scores a response token (the shortest prompt's length - 1; nothing before it needs logits)."""
     fields = fields or {}
     width = max(len(s.tokens) for s in seqs) - 1
     b = len(seqs)
@@ -68,7 +69,9 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
         for name, values in fields.items():
             out[name][i, start:n] = values[i]
     positions = torch.arange(width).expand(b, width).contiguous()
-    return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask, **out}
+    first = max(min(s.prompt_len for s in seqs) - 1, 0)
+    return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask, **out,
+            "scored_from": first}  # fmt: skip
 
 
 def response_values(values_BS: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

@@ -107,11 +107,12 @@ def logprobs_from_logits(
 
 def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch.Tensor]:
     """Collective over the model-parallel group: ``per_token(micro_batch, output) -> [b, S]`` for every micro-batch,
-    forward only, returned on every TP and PP rank of this data-parallel replica (host tensors)."""
+    forward only, returned on every TP and PP rank of this data-parallel replica (host tensors). Positions before
+    the micro-batch's ``scored_from`` (``run_schedule``) are 0."""
     from megatron.core import parallel_state as ps
 
     def loss_fn(mb, output):
-        values = per_token(mb, output).detach()
+        values = torch.nn.functional.pad(per_token(mb, output).detach(), (mb.get("scored_from", 0), 0))
         return values.sum() * 0, {"values": values}
 
     with torch.no_grad():

@@ -1,8 +1,10 @@
 """One optimizer step over micro-batches through Megatron's pipeline schedule (1F1B for PP > 1).
 
 A micro-batch is a dict of [batch, seq] tensors: ``tokens``, ``position_ids``, optionally ``labels`` and whatever
-the loss needs. With labels, a GPTModel returns the per-token cross-entropy (= -log p of the label), computed
-vocab-parallel without gathering logits; a critic returns values [batch, seq, 1].
+the loss needs, and optionally ``scored_from``: the first position the loss scores (the output layer skips the
+positions before it where it can, and the loss gets its fields from the same position: ``positions_from``). With
+labels, a GPTModel returns the per-token cross-entropy (= -log p of the label), computed vocab-parallel without
+gathering logits; a critic returns values [batch, seq, 1].
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import megatron_mode
+from megarl.compat.megatron_speed import logits_from
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, model_output) -> (scalar loss for backward, metrics to report)."""
@@ -55,8 +58,10 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
             k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in next(data_iterator).items()
         }
-        output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
-        return output, partial(loss_fn, mb)
+        wanted = mb.get("scored_from", 0) if "labels" not in mb else 0  # Megatron's own loss scores every position
+        with logits_from(model_chunk, wanted) as first:
+            output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
+        return output, partial(loss_fn, positions_from(mb, first))
 
     batch_size, seq_length = micro_batches[0]["tokens"].shape
     with megatron_mode():
@@ -70,6 +75,18 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
             forward_only=forward_only,
         )
     return reported
+
+
+def positions_from(micro_batch: dict, first: int) -> dict:
+    """The micro-batch as the loss sees logits computed from position ``first`` on: every [b, S] field sliced to
+    [b, S - first] and ``scored_from`` set to ``first`` (the position of the slice's column 0)."""
+    if first == 0 and "scored_from" not in micro_batch:
+        return micro_batch
+    shape = micro_batch["tokens"].shape
+    sliced = {
+        k: v[:, first:] if isinstance(v, torch.Tensor) and v.shape[:2] == shape else v for k, v in micro_batch.items()
+    }
+    return {**sliced, "scored_from": first}
 
 
 def _reduce_metrics(reported: list[dict], ps, reduce: str = MEAN) -> dict:
