@@ -5,9 +5,10 @@ megarl: ``megarl.training.step.train_step`` (what the trainer's actor update cal
 Megatron chunk with the local spec, once per core attention (``model.attention``: ``sdpa``, ``unfused``). Baseline:
 ``AutoModelForCausalLM`` with ``attn_implementation="sdpa"``, the same PPO loss on ``log_softmax`` of its logits,
 ``torch.optim.AdamW`` (fused on CUDA, its default foreach implementation on CPU), gradient clipping at 1.0. Both:
-the same weights (one HF folder), tokens, advantages, micro-batches and gradient accumulation; dtype policy fp32 on
-CPU; on CUDA fp32 master weights with bf16 compute (megarl: bf16 parameters + Megatron's fp32 main parameters;
-HF: fp32 parameters under bf16 autocast). All variants live at once and take their steps in turn (round robin, so a
+the same weights (one HF folder), tokens, advantages, micro-batches and gradient accumulation; freed host memory
+kept on CPU (``megarl.compat.host_memory``, as in a CPU rank); dtype policy fp32 on CPU; on CUDA fp32 master
+weights with bf16 compute (megarl: bf16 parameters + Megatron's fp32 main parameters; HF: fp32 parameters under
+bf16 autocast). All variants live at once and take their steps in turn (round robin, so a
 drift of the machine's speed hits each alike); medians of ``--steps`` steps each after ``--warmup`` steps,
 CUDA-synchronised. A variant's peak GPU memory is its own state plus the most its step allocated on top.
 
@@ -196,10 +197,13 @@ def _row(v: Variant, args) -> dict:
 
 def measure(hf_dir: str, args) -> list[dict]:
     """Rank 0 of a world of 1 (Megatron needs its process groups): every variant in turn on this device."""
+    from megarl.compat.host_memory import keep_freed_memory
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
     torch.set_num_threads(args.threads)  # both sides get the same cores
+    if not torch.cuda.is_available():  # as a CPU rank does (trainer.keep_freed_memory): compute, not page faults
+        keep_freed_memory()
     init_distributed(ParallelLayout(), seed=1)
     cuda = torch.cuda.is_available()
     dtype = "bfloat16" if cuda else "float32"
