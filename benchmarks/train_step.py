@@ -18,6 +18,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
     python benchmarks/train_step.py            # CPU: a 34M-parameter Llama, 8 x 256 tokens (~3 minutes here)
     python benchmarks/train_step.py --json     # the same rows as a JSON list
     python benchmarks/train_step.py --without-compat   # also megarl-sdpa without megarl.compat.megatron_speed
+    python benchmarks/train_step.py --prompt 48 --length 64 --sequences 32 --micro 32   # a prompt the loss skips
     python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
 """
 
@@ -52,12 +53,16 @@ def _flops_per_step(shape: dict, params: int, tokens: int, length: int) -> float
     return 6 * params * tokens + attention
 
 
-def _batch(vocab: int, sequences: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random training sequences [n, length + 1] and one advantage per sequence, broadcast to its tokens."""
+def _batch(vocab: int, sequences: int, length: int, prompt: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random training sequences [n, length + 1], one advantage per sequence broadcast to its tokens, and the loss
+    mask [n, length]: the positions that score a response token (all of them when ``prompt`` is 0; otherwise
+    from position ``prompt - 1`` on, as ``megarl.training.batch.collate`` lays out a prompt of that length)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (sequences, length + 1), generator=gen)
     advantages = torch.randn(sequences, 1, generator=gen).expand(sequences, length).contiguous()
-    return tokens, advantages
+    mask = torch.ones(sequences, length)
+    mask[:, : max(prompt - 1, 0)] = 0
+    return tokens, advantages, mask
 
 
 class Variant:
@@ -111,10 +116,12 @@ def without_compat(build):
     return step, params
 
 
-def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int):
+def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
+                all_logits: bool = False):
     """The actor's update as the trainer runs it, on the HF folder's weights (world 1, TP=PP=1): a callable taking
-    one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``) and returning its
-    gradient norm; and the parameter count."""
+    one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``; the first
+    ``prompt`` tokens of each a prompt the loss does not score) and returning its gradient norm; and the parameter
+    count. ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
     from megarl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
@@ -129,15 +136,16 @@ def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length:
     chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, attention=attention)
     load_initial_weights(chunk, model_source(hf_dir), spec, layout, 0)
     model, optimizer = wrap_for_training(chunk, OptimConfig(optimizer="adam", lr=LR, clip_grad=1.0))
-    tokens, advantages = _batch(spec.vocab_size, sequences, length)
+    tokens, advantages, mask = _batch(spec.vocab_size, sequences, length, prompt)
     batches = []
     for i in range(0, sequences, micro):
         ids, rows = tokens[i : i + micro], len(tokens[i : i + micro])
         batches.append({"tokens": ids[:, :-1].contiguous(), "targets": ids[:, 1:].contiguous(),
                         "position_ids": torch.arange(length).expand(rows, -1).contiguous(),
-                        "loss_mask": torch.ones(rows, length), "advantages": advantages[i : i + micro],
-                        "rollout_logp": torch.zeros(rows, length)})  # fmt: skip
-    norm = GlobalNorm(tokens=sequences * length, seqs=sequences, norm_len=length, scale=len(batches))
+                        "loss_mask": mask[i : i + micro], "advantages": advantages[i : i + micro],
+                        "rollout_logp": torch.zeros(rows, length),
+                        "scored_from": 0 if all_logits else max(prompt - 1, 0)})  # fmt: skip
+    norm = GlobalNorm(tokens=int(mask.sum()), seqs=sequences, norm_len=length, scale=len(batches))
     loss = actor_loss(ActorConfig(), AlgorithmConfig(adv_estimator="grpo"), norm, temperature=1.0,
                       true_vocab=spec.vocab_size)  # fmt: skip
 
@@ -156,7 +164,7 @@ def hf_step(hf_dir: str, args, cuda: bool):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=1e-8, fused=cuda or None)
-    tokens, advantages = _batch(args.shape["vocab_size"], args.sequences, args.length)
+    tokens, advantages, mask = _batch(args.shape["vocab_size"], args.sequences, args.length, args.prompt)
     n = args.sequences
     params = sum(p.numel() for p in model.parameters())
 
@@ -169,8 +177,8 @@ def hf_step(hf_dir: str, args, cuda: bool):
                 logits = model(input_ids=ids[:, :-1]).logits
             logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             pg = ppo_policy_loss(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2, clip_c=3.0)
-            mask = torch.ones_like(logp)
-            aggregate(pg["loss"], mask, "token-mean", global_tokens=n * args.length, global_seqs=n).backward()
+            aggregate(pg["loss"], mask[i : i + args.micro].to(device), "token-mean", global_tokens=int(mask.sum()),
+                      global_seqs=n).backward()  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         return float(grad_norm)
@@ -207,12 +215,15 @@ def measure(hf_dir: str, args) -> list[dict]:
     init_distributed(ParallelLayout(), seed=1)
     cuda = torch.cuda.is_available()
     dtype = "bfloat16" if cuda else "float32"
-    shape = (args.sequences, args.length, args.micro)
+    shape = (args.sequences, args.length, args.micro, args.prompt)
     variants = [Variant(f"megarl-{a}", lambda a=a: megarl_step(hf_dir, a, dtype, *shape), cuda)
                 for a in ("sdpa", "unfused")]  # fmt: skip
     if args.without_compat:
         build = lambda: without_compat(lambda: megarl_step(hf_dir, "sdpa", dtype, *shape))  # noqa: E731
         variants.insert(1, Variant("megarl-sdpa-nocompat", build, cuda))
+    if args.prompt:  # the same step with the prompt positions' logits computed (as before logits_from)
+        build = lambda: megarl_step(hf_dir, "sdpa", dtype, *shape, all_logits=True)  # noqa: E731
+        variants.insert(1, Variant("megarl-sdpa-all-logits", build, cuda))
     variants.append(Variant("hf", lambda: hf_step(hf_dir, args, cuda), cuda))
     for _ in range(args.warmup - 1):
         for v in variants:
@@ -226,7 +237,8 @@ def measure(hf_dir: str, args) -> list[dict]:
 def table(rows: list[dict], args, device: str) -> str:
     hf = next(r for r in rows if r["name"] == "hf")
     lines = [
-        f"actor update step on {device}: {args.sequences} x {args.length} tokens, micro-batches of {args.micro}, "
+        f"actor update step on {device}: {args.sequences} x {args.length} tokens"
+        f"{f' (the first {args.prompt} a prompt)' if args.prompt else ''}, micro-batches of {args.micro}, "
         f"{rows[0]['params'] / 1e6:.1f}M parameters; median of {args.steps} steps after {args.warmup} warm-up",
         f"{'variant':<22}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'grad norm (1st)':>17}",
     ]
@@ -247,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (both sides)")
+    parser.add_argument("--prompt", type=int, default=0,
+                        help="tokens of each sequence that are prompt (not scored): adds megarl-sdpa-all-logits")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--without-compat", action="store_true",
                         help="also megarl-sdpa without megarl.compat.megatron_speed")  # fmt: skip

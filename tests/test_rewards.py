@@ -91,6 +91,19 @@ def test_math_verify_equivalent_wrong_and_unparsable():
     assert _batch(BUILTIN_REWARDS["math"], responses, truths) == [1.0, 0.0, 0.0, 1.0]
 
 
+def test_math_verify_wants_a_number_for_a_number_not_the_question_restated():
+    """Math-Verify evaluates the expression it extracts: a policy trained on dm_math's additions learned to echo the
+    question ('87 - -64' for 151). An operation answering a plain number scores 0; the number itself, the last
+    member of an equation, a fraction or a symbolic ground truth are unchanged."""
+    assert math_score("To solve 87 - -64, we need to find the difference", "151") == 0.0
+    assert math_score("-7908 + -0.1", "-7908.1") == 0.0
+    assert math_score("$2 \\times 3$", "6") == 0.0
+    assert math_score("87 + 64 = 151", "151") == 1.0
+    assert math_score("The answer is -7908.1", "-7908.1") == 1.0
+    assert math_score("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_score("\\boxed{x+1}", "1+x") == 1.0
+
+
 def test_math_verify_latex_ground_truth_and_missing_one():
     assert math_score("The answer is $\\sqrt{4}$", "\\boxed{2}") == 1.0
     assert math_score("\\boxed{x+1}", "1+x") == 1.0
