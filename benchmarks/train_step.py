@@ -19,6 +19,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
     python benchmarks/train_step.py --json     # the same rows as a JSON list
     python benchmarks/train_step.py --without-compat   # also megarl-sdpa without megarl.compat.megatron_speed
     python benchmarks/train_step.py --prompt 48 --length 64 --sequences 32 --micro 32   # a prompt the loss skips
+    python benchmarks/train_step.py --model .cache/smollm2-135m-instruct ...   # a real model's weights and shape
     python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
 """
 
@@ -250,6 +251,14 @@ def table(rows: list[dict], args, device: str) -> str:
     return "\n".join(lines)
 
 
+def _shape(hf_dir: str) -> dict:
+    """The shape keys this benchmark uses, from an HF folder's config.json."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    return dict(hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+                vocab_size=config["vocab_size"])  # fmt: skip
+
+
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -264,15 +273,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--without-compat", action="store_true",
                         help="also megarl-sdpa without megarl.compat.megatron_speed")  # fmt: skip
+    parser.add_argument("--model", help="an HF folder (e.g. .cache/smollm2-135m-instruct) instead of the random one")
     args = parser.parse_args(argv)
-    args.shape = CUDA_MODEL if cuda else CPU_MODEL
+    args.shape = _shape(args.model) if args.model else CUDA_MODEL if cuda else CPU_MODEL
     sys.path.insert(0, REPO)
     from megarl.models.tiny import make_tiny_hf_model
     from megarl.parallel.spawn import run_on_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = make_tiny_hf_model(os.path.join(tmp, "model"), "llama", max_position_embeddings=args.length,
-                                    **args.shape)  # fmt: skip
+        hf_dir = args.model or make_tiny_hf_model(os.path.join(tmp, "model"), "llama",
+                                                  max_position_embeddings=args.length, **args.shape)  # fmt: skip
         rows = run_on_ranks(measure, 1, hf_dir, args)
     device = torch.cuda.get_device_name() if cuda else f"CPU ({args.threads} threads)"
     print(json.dumps(rows) if args.json else table(rows, args, device))
