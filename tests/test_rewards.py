@@ -99,6 +99,9 @@ def test_math_verify_wants_a_number_for_a_number_not_the_question_restated():
     assert math_score("-7908 + -0.1", "-7908.1") == 0.0
     assert math_score("$2 \\times 3$", "6") == 0.0
     assert math_score("87 + 64 = 151", "151") == 1.0
+    assert math_score("Therefore, the final answer is $3 + 4 = 7$.", "7") == 1.0
+    assert math_score("\\boxed{87 + 64 = 151}", "151") == 1.0
+    assert math_score("\\boxed{1.2 \\times 10^{-4}}", "0.00012") == 1.0
     assert math_score("The answer is -7908.1", "-7908.1") == 1.0
     assert math_score("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert math_score("\\boxed{x+1}", "1+x") == 1.0

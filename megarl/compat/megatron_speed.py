@@ -1,4 +1,5 @@
-"""Two copies megatron-core's local path makes on every forward and backward, removed; the arithmetic is unchanged.
+"""Two copies megatron-core's local path makes on every forward and backward, removed, and the logits the loss does
+not score skipped; the arithmetic of what is computed is unchanged.
 
 Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one step of 8 x 256 tokens of a 34M Llama):
 - ``batch_major_logits``: ``GPTModel._postprocess`` returns ``logits.transpose(0, 1).contiguous()``: the [s, b, v]
@@ -11,7 +12,7 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
 - ``logits_from``: the same layer computes logits only from a given position on. An RL loss scores response tokens
   only, yet the output layer (a fifth of SmolLM2-135M's FLOPs) and the whole-vocabulary log-softmax ran at every
   prompt position too, their gradients zero there. Positions before the first response token of a micro-batch are
-  skipped (``benchmarks/rl_step.py --model``: the update's time before and after is in the README).
+  skipped (``benchmarks/train_step.py --model DIR --prompt P``: ``megarl-sdpa`` beside ``megarl-sdpa-all-logits``).
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).

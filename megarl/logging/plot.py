@@ -28,10 +28,11 @@ def plot_reward_curve(rows: list[dict], out_png: str) -> str:
     val = [(r["step"], r["val/reward/mean"]) for r in rows if r.get("val/reward/mean") is not None]
     if val:
         ax.plot([s for s, _ in val], [v for _, v in val], "s--", label="val/reward/mean")
-    k = min(window, max(1, len(rewards) // 2))  # two windows that do not overlap
-    if k:
+    if rewards:
+        k = min(window, max(1, len(rewards) // 2))  # two windows that do not overlap
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        ax.set_title(f"reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}")
+        steps_k = f"{k} step{'s' if k > 1 else ''}"
+        ax.set_title(f"reward: first {steps_k} {first:.3f}, last {steps_k} {last:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

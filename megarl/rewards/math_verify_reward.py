@@ -28,14 +28,19 @@ def _gold_text(ground_truth) -> str:
     return truth if "$" in truth or "\\boxed" in truth else f"${truth}$"
 
 
-_PLAIN_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 _OPERATION = re.compile(r"[0-9.)}]\s*[-+*\u00d7\u00b7]\s*[-+(]?\s*[0-9(\\]|\\(?:times|cdot)")
 """A binary +, -, x between operands ('87 - -64', '2 \\times 3'); a leading sign or a fraction is not one."""
+_POWER_OF_TEN = re.compile(r"\s*(?:\\times|\\cdot|[*\u00d7\u00b7])\s*10\s*\^\s*(?:\{\s*[-+]?[0-9]+\s*\}|[-+]?[0-9]+)")
+"""Scientific notation's 'x 10^{-4}': part of a number, not an operation."""
 
 
 def restates(gold_text: str, answer_text: str) -> bool:
-    """Whether an answer to a plain-number ground truth is an unevaluated operation (the extracted strings)."""
-    return bool(_PLAIN_NUMBER.fullmatch(gold_text.strip()) and _OPERATION.search(answer_text))
+    """Whether an answer to a plain-number ground truth is an unevaluated operation (Math-Verify's extracted
+    strings). Only the last side of an equation counts ('$87 + 64 = 151$' answers 151)."""
+    if not _PLAIN_NUMBER.fullmatch(gold_text.strip()):
+        return False
+    return bool(_OPERATION.search(_POWER_OF_TEN.sub("", answer_text.rsplit("=", 1)[-1])))
 
 
 def math_score(response: str, ground_truth) -> float:

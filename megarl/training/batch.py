@@ -69,7 +69,7 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
         for name, values in fields.items():
             out[name][i, start:n] = values[i]
     positions = torch.arange(width).expand(b, width).contiguous()
-    first = max(min(s.prompt_len for s in seqs) - 1, 0)
+    first = min(max(min(s.prompt_len for s in seqs) - 1, 0), width - 1)  # one position even if no response
     return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask, **out,
             "scored_from": first}  # fmt: skip
 
