@@ -211,10 +211,10 @@ def measure(hf_dir: str, args) -> list[dict]:
     from megarl.parallel.layout import ParallelLayout
 
     torch.set_num_threads(args.threads)  # both sides get the same cores
-    if not torch.cuda.is_available():  # as a CPU rank does (trainer.keep_freed_memory): compute, not page faults
+    cuda = torch.cuda.is_available()
+    if not cuda:  # as a CPU rank does (trainer.keep_freed_memory): compute, not page faults
         keep_freed_memory()
     init_distributed(ParallelLayout(), seed=1)
-    cuda = torch.cuda.is_available()
     dtype = "bfloat16" if cuda else "float32"
     shape = (args.sequences, args.length, args.micro, args.prompt)
     variants = [Variant(f"megarl-{a}", lambda a=a: megarl_step(hf_dir, a, dtype, *shape), cuda)

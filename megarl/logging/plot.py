@@ -4,11 +4,19 @@ val/reward/mean when present."""
 from __future__ import annotations
 
 import os
+import statistics
 
 from megarl.logging.jsonl import read_metrics
 
 METRICS_FILE = "metrics.jsonl"
 PNG_FILE = "reward_curve.png"
+
+
+def first_and_last(rewards: list[float], window: int = 10) -> tuple[str, float, float]:
+    """The mean reward over the first and over the last ``window`` steps (half the run when shorter: the two do not
+    overlap), with the span's label ('5 steps'). ``rewards`` must not be empty."""
+    k = min(window, max(1, len(rewards) // 2))
+    return f"{k} step{'s' if k > 1 else ''}", statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
 
 
 def plot_reward_curve(rows: list[dict], out_png: str) -> str:
@@ -29,10 +37,8 @@ def plot_reward_curve(rows: list[dict], out_png: str) -> str:
     if val:
         ax.plot([s for s, _ in val], [v for _, v in val], "s--", label="val/reward/mean")
     if rewards:
-        k = min(window, max(1, len(rewards) // 2))  # two windows that do not overlap
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        steps_k = f"{k} step{'s' if k > 1 else ''}"
-        ax.set_title(f"reward: first {steps_k} {first:.3f}, last {steps_k} {last:.3f}")
+        span, first, last = first_and_last(rewards, window)
+        ax.set_title(f"reward: first {span} {first:.3f}, last {span} {last:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

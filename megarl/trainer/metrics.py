@@ -9,6 +9,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from megarl.logging.plot import first_and_last
+
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 peak FLOP/s per GPU by device-name fragment (no entry: no perf/mfu)."""
 
@@ -140,21 +142,16 @@ def validation_metrics(result, samples) -> dict[str, float]:
     }
 
 
-def _steps(k: int) -> str:
-    return f"{k} step{'s' if k > 1 else ''}"
-
-
 def summary_lines(history: list[dict]) -> list[str]:
     """The end-of-run summary: reward over the first and last 10 steps (half the run when shorter), time, and
     validation (from the starting weights' at step 0, when it ran, to the last)."""
     steps = [h for h in history if h["step"] > 0]  # step 0: the validation before training, no update
     rewards = [h["reward/mean"] for h in steps]
-    k = min(10, max(1, len(rewards) // 2))  # two windows that do not overlap (a 10-step run: 5 and 5)
-    first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+    span, first, last = first_and_last(rewards)  # a 10-step run: its first 5 and its last 5
     seconds = sum(h["timing/step"] for h in steps)
     lines = [
         f"{len(steps)} steps in {seconds:.1f}s ({seconds / len(steps):.2f}s/step)",
-        f"reward/mean: first {_steps(k)} {first:.3f} -> last {_steps(k)} {last:.3f} ({last - first:+.3f})",
+        f"reward/mean: first {span} {first:.3f} -> last {span} {last:.3f} ({last - first:+.3f})",
     ]
     val = [h for h in history if "val/reward/mean" in h]
     if val and val[0]["step"] == 0 and len(val) > 1:
