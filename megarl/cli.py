@@ -11,7 +11,7 @@ import sys
 def _cmd_train(args) -> int:
     launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     if launched is not None:  # a rank under torchrun: first of all, die with the launcher
-        from megarl.launch import lifetime
+        from megarl import lifetime
 
         lifetime.start_rank(int(os.environ.get("RANK", "0")))
         stop = _stop_requests()  # then take SIGTERM/SIGUSR1 as a stop request (start-up included)
@@ -74,7 +74,7 @@ def _cmd_train(args) -> int:
     if launched is not None:
         return _rank(functools.partial(train, stop=stop), cfg, spec, source)  # a rank under torchrun: the
         # relaunching parent reports a stop
-    from megarl.launch import lifetime
+    from megarl import lifetime
 
     lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
     stop = _stop_requests()
@@ -116,7 +116,7 @@ def _rank(train, *args) -> int:
     """One torchrun rank's run: 0 after a clean end (also a stop after a save); 1 with one line when a collective
     timed out (a peer died or hangs), or with rank 0's account of a broken reward function (every rank stops on the
     same gathered scores); any other error propagates (its traceback is the report)."""
-    from megarl.launch import lifetime
+    from megarl import lifetime
     from megarl.parallel.init import describe_collective_timeout
     from megarl.rewards import RewardFailure
     from megarl.trainer.collect import DynamicSamplingExhausted
@@ -147,7 +147,7 @@ def _rank(train, *args) -> int:
 def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> int:
     """Start ``nproc`` local ranks of this same command (single node), in ``env`` (None: this process's).
     Multi-node jobs use ``megarl launch``."""
-    from megarl.launch.lifetime import supervise
+    from megarl.lifetime import supervise
 
     cmd = [
         sys.executable,

@@ -8,9 +8,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from megarl import lifetime
 from megarl.config.schema import LoraConfig, OptimConfig
 from megarl.convert.hf_to_megatron import load_hf_into_chunk
-from megarl.launch import lifetime
 from megarl.lora import adapters_off, apply_lora
 from megarl.lora.adapters import hf_shape, peft_key
 from megarl.models import read_hf_config, spec_from_hf_config

@@ -62,8 +62,8 @@ def run_pools(hf_dir: str, out_dir: str, prompt: list[int], new_tokens: int) -> 
     else:
         from vllm import SamplingParams
 
+        from megarl import lifetime
         from megarl.compat import vllm_shm
-        from megarl.launch import lifetime
         from megarl.reshard.transport import ShardWrite
         from megarl.rollout.vllm_engine import preserved_process_state
 

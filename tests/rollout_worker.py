@@ -20,12 +20,12 @@ from megarl.convert.hf_to_megatron import load_hf_into_chunk
 from megarl.models import read_hf_config, spec_from_hf_config
 from megarl.models.builder import build_model_chunk
 from megarl.parallel.init import init_distributed
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import ParallelLayout, prompt_slice
 from megarl.reshard.layout import megatron_layout
 from megarl.reshard.sync import actor_tensors
 from megarl.rollout import write_engine_dir
 from megarl.rollout.hf_engine import HFEngine
-from megarl.rollout.protocol import prompt_slice, rollout, samples_for_dp_rank
+from megarl.rollout.protocol import rollout, samples_for_dp_rank
 from megarl.rollout.stream import StreamSession, stream_seed
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.training.logprobs import logprob_mismatch, token_logprobs

@@ -1,4 +1,4 @@
-"""Process lifetime (megarl/launch/lifetime.py) with real processes: a dead run's shared memory is swept and a live
+"""Process lifetime (megarl/lifetime.py) with real processes: a dead run's shared memory is swept and a live
 one's never; children die with their parent at kernel level (also helpers a rank forks); the supervisor SIGKILLs the
 rest of a run at once when a rank dies (a peer that ignores SIGTERM included) and removes the run's segments; a
 collective that times out is reported in one line naming the call, the group and the caller. The same mechanisms with
@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from megarl.launch import lifetime
+from megarl import lifetime
 from megarl.parallel.spawn import run_on_ranks
 from tests import leftovers
 
@@ -39,7 +39,7 @@ def _child(code: str, **kw) -> subprocess.Popen:
 def test_sweep_removes_what_a_dead_run_left_and_never_a_live_runs():
     member = """
         import os, sys, time
-        from megarl.launch import lifetime
+        from megarl import lifetime
         lifetime.join_run()
         open(os.path.join(lifetime.SHM_DIR, lifetime.shm_prefix() + "-psm_test"), "w").close()
         print(lifetime.run_id(), flush=True)
@@ -74,7 +74,7 @@ def test_the_last_member_out_removes_the_runs_entries_even_with_a_forked_helper_
     env = {**os.environ, lifetime.RUN_ENV: lifetime.new_run_id()}
     code = """
         import os, time
-        from megarl.launch import lifetime
+        from megarl import lifetime
         lifetime.join_run()
         open(os.path.join(lifetime.SHM_DIR, lifetime.shm_prefix() + "-cpushm_0"), "w").close()
         helper = os.fork()
@@ -101,10 +101,10 @@ def test_children_and_forked_helpers_die_with_their_parent():
     the child, then the helper, die (a rank's checkpoint writers die with the rank)."""
     parent = """
         import multiprocessing as mp, subprocess, sys, time
-        from megarl.launch import lifetime
+        from megarl import lifetime
         child = '''
         import multiprocessing as mp, time
-        from megarl.launch import lifetime
+        from megarl import lifetime
         lifetime.forks_die_with_this_process()
         helper = mp.get_context("fork").Process(target=time.sleep, args=(60,))
         helper.start()
@@ -165,7 +165,7 @@ AGENT = """
 import signal, subprocess, sys, time
 rank = '''
 import os, signal, sys, time
-from megarl.launch import lifetime
+from megarl import lifetime
 r = int(sys.argv[1])
 lifetime.start_rank(r)
 if r == 0:
@@ -220,7 +220,7 @@ def test_a_stop_signal_reaches_the_ranks_and_spares_the_agent(tmp_path):
     stops gracefully (and finishes cleanly: no death reported), the agent lives on to report its exit status."""
     rank = f"""
 import signal, sys, time
-from megarl.launch import lifetime
+from megarl import lifetime
 lifetime.start_rank(0)
 stop = []
 signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))

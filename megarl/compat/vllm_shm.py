@@ -1,4 +1,4 @@
-"""vLLM's shared-memory names carry the run's identity (``megarl.launch.lifetime``), so that runs on one host never
+"""vLLM's shared-memory names carry the run's identity (``megarl.lifetime``), so that runs on one host never
 collide and a run's segments can be told apart and removed after a kill.
 
 - ``_CPUSHMDistributed.make_group_name`` (the CPU communicator's segments ``<name>_<rank>``): vLLM builds the name from
@@ -19,7 +19,7 @@ import os
 import secrets
 from multiprocessing import shared_memory
 
-from megarl.launch.lifetime import SHM_DIR
+from megarl.lifetime import SHM_DIR
 
 _state = {"prefix": None}  # this process's run prefix, set once by install(); not a cache
 _STDLIB_SHARED_MEMORY = shared_memory.SharedMemory

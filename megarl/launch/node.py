@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 
-from megarl.launch.lifetime import supervise
+from megarl.lifetime import supervise
 
 
 def main(argv: list[str]) -> int:

@@ -9,9 +9,9 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from megarl import lifetime
 from megarl.config import MegarlConfig, load_config
 from megarl.config.validate import launch_world_size, preflight
-from megarl.launch import lifetime
 from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
 from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE
 

@@ -131,3 +131,10 @@ def _distinct(groups) -> list[list[int]]:
     for g in groups:
         seen.setdefault(tuple(g), None)
     return [list(g) for g in seen]
+
+
+def prompt_slice(num_prompts: int, engine: int, engines: int) -> range:
+    """The contiguous prompts engine ``engine`` of ``engines`` generates (sizes differ by at most one)."""
+    base, extra = divmod(num_prompts, engines)
+    start = engine * base + min(engine, extra)
+    return range(start, start + base + (1 if engine < extra else 0))

@@ -2,7 +2,7 @@
 
 Used by the single-node tools (conversion, verify) and the multi-process tests. Each rank gets the env:// variables
 torchrun would set, and OMP_NUM_THREADS=1 (ranks share the host's cores). Entry scripts need a __main__ guard.
-The ranks are one run (``megarl.launch.lifetime``): they die with this process, a rank that dies takes the others
+The ranks are one run (``megarl.lifetime``): they die with this process, a rank that dies takes the others
 with it at once (no 30 s SIGTERM grace: a peer stuck in a collective never handles it), and the run's shared memory
 is removed when it ends.
 """
@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from megarl.launch import lifetime
+from megarl import lifetime
 
 
 def _note(line: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megarl.parallel.layout import prompt_slice
 from megarl.rewards.score import ScoreResult, merge
-from megarl.rollout.protocol import prompt_slice
 
 
 def score_on_ranks(rewards, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]):

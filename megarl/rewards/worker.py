@@ -19,7 +19,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from megarl.launch.lifetime import STOP_SIGNALS, die_with_parent
+from megarl.lifetime import STOP_SIGNALS, die_with_parent
 from megarl.rewards.registry import RewardLoadError, load_reward_fn
 from megarl.rewards.score import call, outcome, raised
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from megarl.parallel.layout import prompt_slice
+
 if TYPE_CHECKING:
     from megarl.config.schema import SamplingConfig
     from megarl.reshard.sync import SyncReport
@@ -105,13 +107,6 @@ def engine_count(world_size: int, rollout_tp: int) -> int:
     if world_size % rollout_tp:
         raise ValueError(f"rollout TP={rollout_tp} does not divide the world size {world_size}")
     return world_size // rollout_tp
-
-
-def prompt_slice(num_prompts: int, engine: int, engines: int) -> range:
-    """The contiguous prompts engine ``engine`` of ``engines`` generates (sizes differ by at most one)."""
-    base, extra = divmod(num_prompts, engines)
-    start = engine * base + min(engine, extra)
-    return range(start, start + base + (1 if engine < extra else 0))
 
 
 def request_seed(base_seed: int, step: int, prompt_index: int, n: int) -> int:

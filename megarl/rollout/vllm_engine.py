@@ -13,7 +13,7 @@ The wrapper owns vLLM's side effects on the trainer's process (facts/vllm-cpu-co
   ``protocol.request_seed``), since every TP rank samples on its own;
 - its shared-memory segments (the CPU communicator's, the message queues) are named after the process's run
   (``compat.vllm_shm``), so they never collide with another run's and are removed with the run
-  (``launch.lifetime``), also after a SIGKILL;
+  (``megarl.lifetime``), also after a SIGKILL;
 - its groups wait at most ``collective_timeout_s`` in a collective (``trainer.collective_timeout_s``).
 """
 
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl import lifetime
 from megarl.compat import vllm_shm
 from megarl.config.device_defaults import enforce_eager
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
-from megarl.launch import lifetime
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout

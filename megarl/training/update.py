@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.protocol import prompt_slice
+from megarl.parallel.layout import prompt_slice
 from megarl.training.batch import Sequence, micro_batches, response_values
 from megarl.training.logprobs import forward_per_token
 from megarl.training.losses import GlobalNorm
