@@ -185,7 +185,7 @@ def test_gspo_is_a_mean_over_sequences(recipe):
 def test_old_logprobs_are_computed_when_the_kl_in_reward_or_sequence_rejection_needs_them(recipe):
     """One mini-batch, one epoch: the old-log-prob pass is skipped, unless the KL in the reward (it must see the
     trainer's log-probs, not the engine's) or rollout_is=seq_mask (whole sequences before the update) needs it."""
-    from megarl.trainer.job import skips_old_logprob
+    from megarl.config.recipe import skips_old_logprob
 
     one = ["data.train_batch_size=1", "rollout.sampling.n=8", "actor.global_batch_size=8"]
     assert skips_old_logprob(load_config(recipe, one))

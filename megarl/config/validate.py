@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from megarl.config.loader import ConfigError
+from megarl.config.recipe import needs_critic, needs_reference
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
@@ -53,8 +54,6 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     if spec.score_head:
         errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
                       "be a causal LM (set it as reward.model.path)")  # fmt: skip
-    from megarl.trainer.models import needs_critic
-
     if not pools and needs_critic(cfg) and critic_parallel(cfg) != cfg.actor.parallel:
         errors.append(
             "critic.parallel differs from actor.parallel: colocated models share one layout; give the critic a pool "
@@ -457,8 +456,6 @@ def launch_world_size(cfg: MegarlConfig) -> int:
 
 def placement_errors(cfg: MegarlConfig) -> list[str]:
     """Pools disjoint, contiguous from rank 0, every needed role in exactly one pool, sizes that fit the layouts."""
-    from megarl.trainer.models import needs_critic, needs_reference
-
     pools = pools_of(cfg)
     if not pools:
         return []

@@ -21,6 +21,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.config.schema import MegarlConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
@@ -271,7 +272,7 @@ def rank_memory(
     """
     from megarl.config.device_defaults import kv_cache_bytes
     from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
-    from megarl.trainer.models import needs_critic, needs_reference, needs_reward_model, reward_model_spec
+    from megarl.trainer.models import reward_model_spec
     from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
 
     dtype, pools = cfg.model.dtype, pools_of(cfg)

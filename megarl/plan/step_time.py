@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megarl.config.recipe import needs_critic, needs_reference, skips_old_logprob
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import critic_parallel, pools_of, rollout_tp
 from megarl.models.spec import ModelSpec
@@ -48,8 +49,6 @@ def _params(spec: ModelSpec, *, value_head: bool = False) -> int:
 
 def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime:
     """The estimate for ``cfg`` on ``hw`` (``megarl.plan.job.Hardware``); ``sync_s``: the resharding plan's."""
-    from megarl.trainer.job import skips_old_logprob
-    from megarl.trainer.models import needs_critic, needs_reference
 
     flops_s = hw.peak_tflops * 1e12 * hw.mfu
     seqs = cfg.data.train_batch_size * cfg.rollout.sampling.n
@@ -115,7 +114,6 @@ def save_time(cfg: MegarlConfig, spec: ModelSpec, hw) -> SaveTime:
     """The estimate for ``cfg`` on ``hw``: the actor's trained parameters (its adapters with LoRA) and the critic's,
     each with its weights, fp32 main parameters (bf16/fp16 runs) and optimizer state; the frozen reference and reward
     model are not saved."""
-    from megarl.trainer.models import needs_critic
 
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     main = 4 if dtype_bytes < 4 else 0

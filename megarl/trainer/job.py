@@ -31,6 +31,7 @@ from megarl.checkpoint.training import (
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.host_memory import keep_freed_memory
 from megarl.config.loader import to_yaml
+from megarl.config.recipe import skips_old_logprob
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
@@ -165,17 +166,6 @@ def describe_checkpoint_root(job: Job, root: str) -> None:
             "lora": dataclasses.asdict(job.cfg.actor.lora) if job.cfg.actor.lora is not None else None,
         },
     )
-
-
-def skips_old_logprob(cfg: MegarlConfig) -> bool:
-    """One mini-batch and one epoch: the policy before the update is the current one, so the update's own forward
-    gives the old log-probs. Not with the KL in the reward (the penalty and its controller must see the trainer's
-    log-probs, not the engine's), nor with sequence-level rejection (it needs whole sequences' old log-probs before
-    the update's counts are formed), nor one-step-off (the engine's log-probs are one update old: pi_old is the
-    trainer's, and the mismatch by lag is logged)."""
-    one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
-    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped
-    return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
 
 
 def start_engine(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout, place: Placement):

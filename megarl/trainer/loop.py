@@ -28,6 +28,7 @@ from megarl.checkpoint.training import (
     rng_states,
     save_training,
 )
+from megarl.config.recipe import needs_critic
 from megarl.config.validate import critic_parallel
 from megarl.logging.jsonl import write_rows
 from megarl.parallel.layout import ParallelLayout
@@ -41,7 +42,6 @@ from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
 from megarl.trainer.collect import Collected, collect, combine_rewards, combined_scores, sequences_of
 from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
 from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
-from megarl.trainer.models import needs_critic
 from megarl.trainer.preemption import StepAbandoned, StopRequests, launch_store
 from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE, validation_pending
 from megarl.trainer.roles import Roles

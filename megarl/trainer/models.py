@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.config.schema import MegarlConfig
 from megarl.models.builder import build_model_chunk
 from megarl.models.spec import ModelSpec
@@ -33,18 +34,6 @@ class RLModels:
     """LoRA: the reference is the actor with its adapters off (no second copy of the weights)."""
     reward_model: torch.nn.Module | None = None
     """A frozen reward model with a scalar score head (``reward.model``)."""
-
-
-def needs_reference(cfg: MegarlConfig) -> bool:
-    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.kl_in_reward
-
-
-def needs_critic(cfg: MegarlConfig) -> bool:
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def needs_reward_model(cfg: MegarlConfig) -> bool:
-    return cfg.reward.model is not None
 
 
 def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:

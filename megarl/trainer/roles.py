@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.parallel.pools import Placement
 from megarl.trainer.models import RLModels, reference_policy
 from megarl.training.batch import Sequence
@@ -248,8 +249,6 @@ class Roles:
 def make_roles(cfg, spec, models: RLModels | None, place: Placement | None = None) -> Roles:
     """The step's roles over this rank's ``models`` (None on a pool that hosts no model). Colocated, the models
     built say which roles exist; with pools, the recipe does (``needs_reference``/``needs_critic``)."""
-    from megarl.trainer.models import needs_critic, needs_reference, needs_reward_model
-
     place = place or Placement.colocated()
     if place.pooled:
         has_reference, has_critic = needs_reference(cfg), needs_critic(cfg)

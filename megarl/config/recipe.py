@@ -1,0 +1,32 @@
+"""What a recipe needs, read from its config alone: which models the run builds and which forwards the step
+runs. Below everything that builds or plans a run (the trainer, the planner, the validation)."""
+
+from __future__ import annotations
+
+from megarl.config.schema import MegarlConfig
+
+
+def needs_reference(cfg: MegarlConfig) -> bool:
+    """A frozen reference is built: a KL term is on (in the loss or in the reward)."""
+    return cfg.actor.kl_loss_coef > 0 or cfg.algorithm.kl_in_reward
+
+
+def needs_critic(cfg: MegarlConfig) -> bool:
+    """A critic is built: GAE advantages need values."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def needs_reward_model(cfg: MegarlConfig) -> bool:
+    """A reward model scores the samples (``reward.model``)."""
+    return cfg.reward.model is not None
+
+
+def skips_old_logprob(cfg: MegarlConfig) -> bool:
+    """One mini-batch and one epoch: the policy before the update is the current one, so the update's own forward
+    gives the old log-probs. Not with the KL in the reward (the penalty and its controller must see the trainer's
+    log-probs, not the engine's), nor with sequence-level rejection (it needs whole sequences' old log-probs before
+    the update's counts are formed), nor one-step-off (the engine's log-probs are one update old: pi_old is the
+    trainer's, and the mismatch by lag is logged)."""
+    one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
+    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped
+    return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
