@@ -27,14 +27,14 @@ MODELS = {
 def _worker(hf_dir: str, root: str, repeats: int) -> dict:
     import torch
 
+    from megarl.backend.setup import make_scheduler, wrap_for_training
+    from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
     from megarl.checkpoint.training import load_training, save_training
     from megarl.config.schema import OptimConfig
     from megarl.models.builder import build_model_chunk
     from megarl.models.spec import read_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.training.setup import make_scheduler, wrap_for_training
-    from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
 
     layout = ParallelLayout(tp=2)
     init_distributed(layout)

@@ -75,14 +75,14 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     stepped once (Adam's moments exist), each part measured with ``torch.cuda.memory_allocated``; with the plan's."""
     import torch
 
+    from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
+    from megarl.backend.setup import wrap_for_training
     from megarl.compat import megatron_mode
     from megarl.config import load_config, validate
     from megarl.models.builder import build_model_chunk
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.plan.memory import rank_memory
-    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
-    from megarl.training.setup import wrap_for_training
+    from megarl.planner.memory import rank_memory
 
     cfg = load_config(recipe, overrides)
     spec = validate(cfg)
@@ -118,11 +118,11 @@ def measure_training_peak(hf_dir: str) -> dict:
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from train_step import megarl_step
 
+    from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
     from megarl.config import load_config, validate
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.plan.memory import ACTIVATIONS, LOGITS, rank_memory
-    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
+    from megarl.planner.memory import ACTIVATIONS, LOGITS, rank_memory
 
     init_distributed(ParallelLayout())
     step, _ = megarl_step(hf_dir, "sdpa", "bfloat16", sequences=16, length=2048, micro=2)

@@ -25,8 +25,8 @@ import tempfile
 import time
 
 from megarl.data.builtin import builtin_records
-from megarl.rewards.pool import RewardPool, default_num_workers
 from megarl.rewards.scorer import InProcess
+from megarl.rewards.worker_pool import RewardPool, default_num_workers
 
 
 def _batch(samples: int, seed: int = 0):

@@ -67,9 +67,9 @@ def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
 
 
 def _megarl_worker(config: str, hf_dir: str, out_dir: str, overrides: list[str]) -> None:
+    from megarl.backend.init_weights import model_source
     from megarl.config import load_config, validate
-    from megarl.trainer.loop import train
-    from megarl.training.init_weights import model_source
+    from megarl.run.train import train
 
     cfg = load_config(config, overrides)
     train(cfg, validate(cfg, world_size=2), model_source(hf_dir))

@@ -1,7 +1,7 @@
 """The actor's update step: megarl against a plain transformers step, same model, tokens and optimizer, one run.
 
-megarl: ``megarl.training.step.train_step`` (what the trainer's actor update calls) with the trainer's actor loss
-(``megarl.training.losses.actor_loss``: GRPO/PPO's clipped token-mean, on-policy, its entropy metric included), on a
+megarl: ``megarl.backend.step.train_step`` (what the trainer's actor update calls) with the trainer's actor loss
+(``megarl.backend.losses.actor_loss``: GRPO/PPO's clipped token-mean, on-policy, its entropy metric included), on a
 Megatron chunk with the local spec, once per core attention (``model.attention``: ``sdpa``, ``unfused``). Baseline:
 ``AutoModelForCausalLM`` with ``attn_implementation="sdpa"``, the same PPO loss on ``log_softmax`` of its logits,
 ``torch.optim.AdamW`` (fused on CUDA, its default foreach implementation on CPU), gradient clipping at 1.0. Both:
@@ -57,7 +57,7 @@ def _flops_per_step(shape: dict, params: int, tokens: int, length: int) -> float
 def _batch(vocab: int, sequences: int, length: int, prompt: int = 0) -> tuple[torch.Tensor, ...]:
     """Random training sequences [n, length + 1], one advantage per sequence broadcast to its tokens, and the loss
     mask [n, length]: the positions that score a response token (all of them when ``prompt`` is 0; otherwise
-    from position ``prompt - 1`` on, as ``megarl.training.batch.collate`` lays out a prompt of that length)."""
+    from position ``prompt - 1`` on, as ``megarl.backend.batch.collate`` lays out a prompt of that length)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (sequences, length + 1), generator=gen)
     advantages = torch.randn(sequences, 1, generator=gen).expand(sequences, length).contiguous()
@@ -123,14 +123,14 @@ def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length:
     one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``; the first
     ``prompt`` tokens of each a prompt the loss does not score) and returning its gradient norm; and the parameter
     count. ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
+    from megarl.backend.init_weights import load_initial_weights, model_source
+    from megarl.backend.losses import GlobalNorm, actor_loss
+    from megarl.backend.setup import wrap_for_training
+    from megarl.backend.step import SUM, train_step
     from megarl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
     from megarl.parallel.layout import ParallelLayout
-    from megarl.training.init_weights import load_initial_weights, model_source
-    from megarl.training.losses import GlobalNorm, actor_loss
-    from megarl.training.setup import wrap_for_training
-    from megarl.training.step import SUM, train_step
 
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     layout = ParallelLayout()

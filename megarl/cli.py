@@ -15,11 +15,11 @@ def _cmd_train(args) -> int:
 
         lifetime.start_rank(int(os.environ.get("RANK", "0")))
         stop = _stop_requests()  # then take SIGTERM/SIGUSR1 as a stop request (start-up included)
+    from megarl import faults
     from megarl.config import ConfigError, validate
     from megarl.config.loader import load_config_and_defaults
     from megarl.config.validate import check_inputs
-    from megarl.trainer import faults
-    from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
+    from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
 
     try:
         cfg, chosen = load_config_and_defaults(args.config, args.overrides)
@@ -49,7 +49,7 @@ def _cmd_train(args) -> int:
             f"are valid; {cfg.algorithm.adv_estimator} at TP={par.tp} PP={par.pp} DP={par.dp} (world {world}) would "
             f"write to {cfg.trainer.output_dir}"
         )
-        from megarl.plan import PlanError, verdict_line
+        from megarl.planner import PlanError, verdict_line
 
         try:
             print(f"[megarl] {verdict_line(_plan_for(cfg, spec, sync=False))}")
@@ -65,9 +65,9 @@ def _cmd_train(args) -> int:
         env = {**HUGE_PAGES_ENV, **os.environ} if cpu_ranks else None  # read by torch when a rank starts
         rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides], env=env)
         return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
+    from megarl.backend.init_weights import model_source
     from megarl.parallel.spawn import run_on_ranks
-    from megarl.trainer.loop import train
-    from megarl.training.init_weights import model_source
+    from megarl.run.train import train
 
     source = model_source(cfg.model.path)
     _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
@@ -79,7 +79,7 @@ def _cmd_train(args) -> int:
     lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
     stop = _stop_requests()
     from megarl.rewards import RewardFailure
-    from megarl.trainer.collect import DynamicSamplingExhausted
+    from megarl.rl.collect import DynamicSamplingExhausted
 
     try:
         in_here = "RANK" not in os.environ  # run_on_ranks runs it in this process (else it spawns one)
@@ -94,9 +94,9 @@ def _cmd_train(args) -> int:
 
 
 def _stop_requests():
-    """A rank's stop requests, installed before it builds anything (``megarl.trainer.preemption``)."""
-    from megarl.trainer import faults
-    from megarl.trainer.preemption import StopRequests
+    """A rank's stop requests, installed before it builds anything (``megarl.run.preemption``)."""
+    from megarl import faults
+    from megarl.run.preemption import StopRequests
 
     stop = StopRequests().__enter__()  # left by ``train`` (which enters it again) as the rank ends
     faults.fire("sigusr1", 0)
@@ -119,8 +119,8 @@ def _rank(train, *args) -> int:
     from megarl import lifetime
     from megarl.parallel.init import describe_collective_timeout
     from megarl.rewards import RewardFailure
-    from megarl.trainer.collect import DynamicSamplingExhausted
-    from megarl.trainer.resume import ResumeError, RunComplete
+    from megarl.rl.collect import DynamicSamplingExhausted
+    from megarl.run.resume import ResumeError, RunComplete
 
     try:
         train(*args)
@@ -164,7 +164,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str] | 
 
 
 def _plan_for(cfg, spec, args=None, sync: bool = True):
-    from megarl.plan import default_hardware, make_plan
+    from megarl.planner import default_hardware, make_plan
 
     par = cfg.actor.parallel
     hw = default_hardware(
@@ -183,7 +183,7 @@ def _plan_for(cfg, spec, args=None, sync: bool = True):
 
 def _cmd_plan(args) -> int:
     from megarl.config import ConfigError, load_config, validate
-    from megarl.plan import PlanError, format_plan
+    from megarl.planner import PlanError, format_plan
 
     try:
         cfg = load_config(args.config, args.overrides, cuda=True)  # planned for GPUs, from any machine

@@ -8,12 +8,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from megarl.backend.setup import wrap_for_training
+from megarl.backend.step import run_schedule
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.setup import wrap_for_training
-from megarl.training.step import run_schedule
 from tests.parity_worker import tiny_spec
 from tests.saved_tensors import SavedBytes
 
@@ -41,9 +41,9 @@ class Case:
 
 def actor_loss(case: Case, vocab: int):
     """The trainer's actor loss (GRPO's clipped token-mean; an entropy bonus when the case has one)."""
+    from megarl.backend.losses import GlobalNorm
+    from megarl.backend.losses import actor_loss as trainer_actor_loss
     from megarl.config.schema import ActorConfig, AlgorithmConfig
-    from megarl.training.losses import GlobalNorm
-    from megarl.training.losses import actor_loss as trainer_actor_loss
 
     tokens = case.sequences * case.length * case.micro_batches
     norm = GlobalNorm(tokens=tokens, seqs=case.sequences * case.micro_batches, norm_len=case.length,

@@ -9,13 +9,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megarl.backend.batch import Sequence, micro_batches
+from megarl.backend.setup import wrap_for_training
+from megarl.backend.step import run_schedule
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.parallel import megatron_shards as shards
 from megarl.parallel.init import init_distributed
-from megarl.training.batch import Sequence, micro_batches
-from megarl.training.setup import wrap_for_training
-from megarl.training.step import run_schedule
 from tests.activation_worker import Case, actor_loss
 from tests.parity_worker import _full_weights
 

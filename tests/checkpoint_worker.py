@@ -9,6 +9,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from megarl.backend.setup import make_scheduler, wrap_for_training
+from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.checkpoint.training import OPTIM_METADATA, _sharded_state, load_training, save_training
 from megarl.compat import megatron_fixes, megatron_mode
 from megarl.config.schema import OptimConfig
@@ -16,8 +18,6 @@ from megarl.models.builder import build_model_chunk
 from megarl.models.spec import read_hf_config, spec_from_hf_config
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.setup import make_scheduler, wrap_for_training
-from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
 
 OPTIM = OptimConfig(lr=1e-2, use_distributed_optimizer=True, lr_warmup_steps=2, lr_decay_style="cosine",
                     lr_decay_steps=10)  # fmt: skip

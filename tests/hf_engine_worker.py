@@ -8,6 +8,7 @@ from megarl.config.schema import RolloutConfig, SamplingConfig
 
 
 def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
+    from megarl.backend.logprobs import token_logprobs
     from megarl.convert.hf_to_megatron import load_hf_into_chunk
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
@@ -16,7 +17,6 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
     from megarl.reshard.layout import megatron_layout
     from megarl.reshard.sync import actor_tensors
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.training.logprobs import token_logprobs
 
     layout = ParallelLayout(dp=2)
     init_distributed(layout, seed=3)

@@ -9,6 +9,9 @@ import torch
 import torch.distributed as dist
 
 from megarl import lifetime
+from megarl.backend.logprobs import token_logprobs
+from megarl.backend.setup import wrap_for_training
+from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.config.schema import LoraConfig, OptimConfig
 from megarl.convert.hf_to_megatron import load_hf_into_chunk
 from megarl.lora import adapters_off, apply_lora
@@ -22,9 +25,6 @@ from megarl.reshard.layout import megatron_adapter_layout, megatron_layout
 from megarl.reshard.sync import actor_tensors, push_actor
 from megarl.rollout.protocol import EngineUnhealthyError
 from megarl.rollout.vllm_engine import VLLMEngine
-from megarl.training.logprobs import token_logprobs
-from megarl.training.setup import wrap_for_training
-from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
 from tests.vllm_sync_worker import GEN, ROLLOUT, _everyone
 
 

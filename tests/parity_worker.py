@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.backend.setup import wrap_for_training
+from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as shards
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.setup import wrap_for_training
-from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
 
 LR = 0.5
 
@@ -165,7 +165,7 @@ def run_case(
 
 def _values_shape(model, micro_batch) -> list[int] | None:
     """Shape of the critic's output for one micro-batch (on the last stage; shared with every rank)."""
-    from megarl.training.step import forward_backward
+    from megarl.backend.step import forward_backward
 
     def record(mb, values):
         dims = {f"dim{i}": torch.tensor(float(n)) for i, n in enumerate(values.shape)}

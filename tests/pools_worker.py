@@ -44,11 +44,11 @@ def run_pools(hf_dir: str, out_dir: str, prompt: list[int], new_tokens: int) -> 
     if pool.name == "train":
         from megatron.core import parallel_state as ps
 
+        from megarl.backend.logprobs import token_logprobs
         from megarl.convert.hf_to_megatron import load_hf_into_chunk
         from megarl.models.builder import build_model_chunk
         from megarl.parallel.init import init_distributed
         from megarl.reshard.sync import actor_tensors
-        from megarl.training.logprobs import token_logprobs
 
         init_distributed(layout, seed=1)
         chunk = build_model_chunk(spec, layout, init_weights=False)

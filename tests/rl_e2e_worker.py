@@ -12,9 +12,9 @@ import sys
 
 import psutil
 
+from megarl.backend.init_weights import model_source
 from megarl.config import load_config, validate
-from megarl.trainer.loop import train
-from megarl.training.init_weights import model_source
+from megarl.run.train import train
 
 
 def _reward_workers() -> list[int]:

@@ -266,16 +266,16 @@ def run(hf_dir: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from megarl.backend.batch import Sequence
+    from megarl.backend.init_weights import model_source
+    from megarl.backend.losses import actor_loss
+    from megarl.backend.models import build_rl_models
+    from megarl.backend.update import ppo_updates
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.loop import seq_mask_accepted
-    from megarl.trainer.models import build_rl_models
-    from megarl.training.batch import Sequence
-    from megarl.training.init_weights import model_source
-    from megarl.training.losses import actor_loss
-    from megarl.training.update import ppo_updates
+    from megarl.run.train import seq_mask_accepted
 
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     layout = ParallelLayout()
@@ -337,11 +337,11 @@ def _tensors(tree) -> list[torch.Tensor]:
 def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:
     """Adam with weight decay and LR warmup, mini-batches of 3: an update whose first mini-batch has every sequence
     rejected against an update on the second mini-batch alone, each on a fresh copy of the initial weights."""
+    from megarl.backend.init_weights import model_source
+    from megarl.backend.losses import actor_loss
+    from megarl.backend.models import build_rl_models
+    from megarl.backend.update import ppo_updates
     from megarl.config.loader import load_config
-    from megarl.trainer.models import build_rl_models
-    from megarl.training.init_weights import model_source
-    from megarl.training.losses import actor_loss
-    from megarl.training.update import ppo_updates
 
     cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "actor.optim.optimizer=adam", "actor.optim.lr=0.001",
                              "actor.optim.weight_decay=0.1", "actor.optim.lr_warmup_steps=4",
@@ -374,11 +374,11 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     -A w per token), with megarl's advantages (checked against hand values by the test)."""
     from megarl.algos import kl_controller
     from megarl.config.loader import load_config
+    from megarl.rl.collect import Collected
+    from megarl.rl.roles import make_roles
+    from megarl.rl.timer import PhaseTimer
     from megarl.rollout.protocol import Sample
-    from megarl.trainer.collect import Collected
-    from megarl.trainer.loop import learn
-    from megarl.trainer.roles import make_roles
-    from megarl.trainer.timer import PhaseTimer
+    from megarl.run.train import learn
 
     cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "algorithm.adv_estimator=grpo",
                              "algorithm.rollout_is=seq_mask"])  # fmt: skip
@@ -414,8 +414,8 @@ def critic_case(hf, base, spec, models, seqs, msg) -> dict:
     """The critic's clipped value loss: values = the HF model's last hidden state (after the final norm) times the
     critic's head (set to random weights here, so gradients reach the body), in plain torch; old values perturbed so
     that some tokens clip, returns of both signs."""
-    from megarl.training.losses import critic_loss
-    from megarl.training.update import ppo_updates
+    from megarl.backend.losses import critic_loss
+    from megarl.backend.update import ppo_updates
 
     gen = torch.Generator().manual_seed(13)
     head = models.critic.module.output_layer

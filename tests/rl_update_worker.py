@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import kl_controller
+from megarl.backend import update
+from megarl.backend.init_weights import model_source
+from megarl.backend.models import build_rl_models
 from megarl.config.loader import load_config
 from megarl.models import read_hf_config, spec_from_hf_config
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
+from megarl.rl.collect import Collected
+from megarl.rl.roles import make_roles
+from megarl.rl.timer import PhaseTimer
 from megarl.rollout.protocol import Sample
-from megarl.trainer.collect import Collected
-from megarl.trainer.loop import learn
-from megarl.trainer.models import build_rl_models
-from megarl.trainer.roles import make_roles
-from megarl.trainer.timer import PhaseTimer
-from megarl.training import update
-from megarl.training.init_weights import model_source
+from megarl.run.train import learn
 from tests.metric_tolerance import token_share
 from tests.parity_worker import _gather_full
 
@@ -159,8 +159,8 @@ def run_case(
                 write_peft_adapter(out["exported"], out["adapters"], cfg.actor.lora, hf_dir)
         out["trainable"] = sum(p.numel() for p in models.actor.parameters() if p.requires_grad)
     if reference and split == "mbs2" and cfg.actor.lora is None:  # the weights before the update
+        from megarl.backend.init_weights import load_initial_weights
         from megarl.models.builder import build_model_chunk
-        from megarl.training.init_weights import load_initial_weights
 
         initial = build_model_chunk(spec, layout, init_weights=False, dtype=cfg.model.dtype)
         load_initial_weights(initial, model_source(hf_dir), spec, layout, dist.get_rank())
@@ -210,7 +210,7 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
     """PPO (actor, critic, reference; Adam) after one real update: the bytes each consumer the planner names has
     allocated; then an offload -> reload round trip (what it freed, whether everything came back bitwise) and the
     next update compared with a second model set that was never offloaded, and one built with recompute."""
-    from megarl.training.offload import Offloader, grad_buffers, optimizer_tensors
+    from megarl.backend.offload import Offloader, grad_buffers, optimizer_tensors
 
     overrides = memory_overrides(hf_dir, layout, distopt)
     cfg = load_config(None, overrides)
@@ -242,7 +242,7 @@ def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
                             *m.critic.parameters(), *grad_buffers(m.critic), *optimizer_tensors(m.critic_optim),
                             *m.reference.parameters()]  # fmt: skip
     before = [t.detach().clone() for t in everything(a)]
-    from megarl.training import offload
+    from megarl.backend import offload
 
     pinned, pin_in_place = [], offload.pin_in_place  # what the pinning path locks (on CPU: recorded, not pinned)
     offload.pin_in_place = lambda buf: pinned.append(buf.untyped_storage().nbytes())

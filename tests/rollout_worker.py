@@ -15,6 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megarl.backend.logprobs import logprob_mismatch, token_logprobs
+from megarl.backend.setup import wrap_for_training
+from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.config.schema import OptimConfig, RolloutConfig, SamplingConfig
 from megarl.convert.hf_to_megatron import load_hf_into_chunk
 from megarl.models import read_hf_config, spec_from_hf_config
@@ -28,9 +31,6 @@ from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.protocol import rollout, samples_for_dp_rank
 from megarl.rollout.stream import StreamSession, stream_seed
 from megarl.rollout.vllm_engine import VLLMEngine
-from megarl.training.logprobs import logprob_mismatch, token_logprobs
-from megarl.training.setup import wrap_for_training
-from megarl.training.step import lm_loss, make_lm_micro_batches, train_step
 
 CFG = RolloutConfig(kv_cache_mb=32, max_model_len=512, bucket_mb=1)
 

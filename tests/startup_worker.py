@@ -46,10 +46,10 @@ class RecordingEngine:
 
 
 def run_startup(overrides: list[str]) -> dict:
+    from megarl.backend.init_weights import model_source
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
-    from megarl.trainer import job as job_module
-    from megarl.training.init_weights import model_source
+    from megarl.run import job as job_module
 
     cfg = load_config(None, overrides)
     spec = validate(cfg)

@@ -770,7 +770,7 @@ KL_ROWS = {  # 2 prompts x 3 samples of unequal lengths: (score, logp, ref logp)
 
 def _kl_in_reward_advantages(estimator: str, beta: float, gamma: float = 1.0):
     from megarl.config.loader import load_config
-    from megarl.trainer.advantage import advantages, pad_rows
+    from megarl.rl.estimate import advantages, pad_rows
 
     algo = load_config(None, ["model.path=x", f"algorithm.adv_estimator={estimator}", "algorithm.kl_in_reward=true",
                               "algorithm.kl_penalty=k1", f"algorithm.gamma={gamma}"]).algorithm  # fmt: skip

@@ -3,8 +3,8 @@ loss's fields from the position the output layer started at)."""
 
 import torch
 
-from megarl.training.batch import Sequence, collate
-from megarl.training.step import positions_from
+from megarl.backend.batch import Sequence, collate
+from megarl.backend.step import positions_from
 
 
 def test_scored_from_is_the_shortest_prompts_first_scored_position():

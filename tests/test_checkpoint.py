@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from megarl import faults
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megarl.checkpoint.training import find_resume
@@ -15,8 +16,7 @@ from megarl.config import load_config
 from megarl.config.validate import validate
 from megarl.convert.cli import hf_to_megatron_main, megatron_to_hf_main
 from megarl.models.spec import read_hf_config
-from megarl.trainer import faults
-from megarl.trainer.resume import ResumeError, RunComplete, plan_start, set_aside_previous_run
+from megarl.run.resume import ResumeError, RunComplete, plan_start, set_aside_previous_run
 
 
 def _iteration(root, step, files=None, manifest=True):

@@ -1,4 +1,4 @@
-"""Dynamic sampling in ``megarl.trainer.collect`` with a fake engine and reward (the rollout and the scoring
+"""Dynamic sampling in ``megarl.rl.collect`` with a fake engine and reward (the rollout and the scoring
 collectives replaced by plain functions): what is filtered, on which metric, the order of the kept groups, the
 metrics, and the stop when ``max_gen_batches`` rounds do not fill the batch."""
 
@@ -6,12 +6,12 @@ import pytest
 
 from megarl.config import load_config
 from megarl.data import Prompt
-from megarl.rewards.score import ScoreResult
+from megarl.rewards.results import ScoreResult
 from megarl.rewards.scorer import NoFunction
+from megarl.rl import collect as collect_module
+from megarl.rl.collect import DynamicSamplingExhausted, collect
+from megarl.rl.timer import PhaseTimer
 from megarl.rollout.protocol import RolloutStats, Sample
-from megarl.trainer import collect as collect_module
-from megarl.trainer.collect import DynamicSamplingExhausted, collect
-from megarl.trainer.timer import PhaseTimer
 
 N = 4  # samples per prompt
 

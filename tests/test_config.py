@@ -317,7 +317,7 @@ def test_plan_resolves_auto_for_gpus_on_any_machine(tiny_llama_dir, capsys):
     assert "(bfloat16)" in out.splitlines()[0]
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.parallel.layout import ParallelLayout
-    from megarl.plan.memory import rank_memory
+    from megarl.planner.memory import rank_memory
 
     cfg = load_config("configs/quickstart.yaml", [model, "rollout.kv_cache_mb=auto"], cuda=True)
     spec = spec_from_hf_config(read_hf_config(cfg.model.path))

@@ -8,8 +8,8 @@ from megarl.config import load_config
 from megarl.config.loader import ConfigError
 from megarl.lora import read_peft_adapter
 from megarl.models.spec import ModelSpec
-from megarl.trainer.job import _check_lora, lora_identity
-from megarl.trainer.resume import ResumeError
+from megarl.run.job import _check_lora, lora_identity
+from megarl.run.resume import ResumeError
 
 
 def _lora(*overrides):

@@ -21,7 +21,7 @@ from megarl.config.schema import LoraConfig
 from megarl.models import read_hf_config, spec_from_hf_config
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
-from megarl.plan.memory import lora_sync_bytes
+from megarl.planner.memory import lora_sync_bytes
 from megarl.reshard.layout import hf_layout, vllm_layout
 from tests.lora_sync_worker import run_lora_sync
 

@@ -47,7 +47,7 @@ def test_wheel_holds_every_module_and_template_and_launches_from_a_plain_install
     assert all((target / f).is_file() for f in PACKAGE_DATA)
     env = {**os.environ, "PYTHONPATH": str(target)}
     recipe = os.path.join(REPO, "configs", "tiny_grpo.yaml")
-    probe = "import megarl.reshard.plan, megarl.trainer.loop, megarl; print(megarl.__file__)"
+    probe = "import megarl.reshard.plan, megarl.run.train, megarl; print(megarl.__file__)"
     where = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert where.returncode == 0 and where.stdout.startswith(str(target)), where.stdout + where.stderr
     launched = subprocess.run(

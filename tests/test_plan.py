@@ -10,9 +10,9 @@ from megarl.cli import main
 from megarl.config import load_config, validate
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.megatron_shards import REPLICATED, tp_split
-from megarl.plan import Hardware, PlanError, format_plan, make_plan
-from megarl.plan.job import apply
-from megarl.plan.memory import Param, grad_buffer, model_params
+from megarl.planner import Hardware, PlanError, format_plan, make_plan
+from megarl.planner.job import apply
+from megarl.planner.memory import Param, grad_buffer, model_params
 from megarl.reshard.layout import megatron_layout
 
 RECIPE = "configs/llama2_70b_ppo_tp4pp8dp2.yaml"
@@ -102,7 +102,7 @@ def test_train_dry_run_prints_the_same_verdict(tiny_llama_dir, capsys):
 def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     """Adapter slots: every later sync moves every full factor to each of the 64 ranks (vLLM's LoRA loader slices
     them itself), except what a rank holds itself; merged (the default when colocated) the whole weights every time."""
-    from megarl.plan.memory import lora_sync_bytes
+    from megarl.planner.memory import lora_sync_bytes
     from megarl.reshard.layout import megatron_adapter_layout
 
     overrides = ["model.transformer_impl=local", "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"]
@@ -117,7 +117,7 @@ def test_a_lora_plan_syncs_the_base_once_then_only_the_adapters():
     assert job.sync["moved"] > 100 * adapters["moved"] and job.sync["est_s"] > 10 * adapters["est_s"]
     text = format_plan(job)
     assert "every later sync (the LoRA adapters into vLLM's LoRA slots" in text
-    from megarl.plan.job import host_memory_per_node
+    from megarl.planner.job import host_memory_per_node
 
     asleep = sum(m.consumers["vLLM weights"] for m in job.ranks[:8])  # node 0's engines sleep at level 1
     assert host_memory_per_node(job)[0]["vLLM weights while asleep"] == asleep > 0
@@ -182,7 +182,7 @@ def test_startup_phase_equals_the_training_state_resident_when_the_engine_starts
     The training bytes resident on each rank then (counted from the live storages) equal the planner's start-up
     phase; the engine's share of the phase is the planner's exact weights, KV cache and buffers on top."""
     from megarl.parallel.spawn import run_on_ranks
-    from megarl.plan.memory import STARTUP, rank_memory
+    from megarl.planner.memory import STARTUP, rank_memory
     from tests.startup_worker import run_startup
 
     overrides = [f"model.path={tiny_llama_dir}", f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1",

@@ -1,6 +1,6 @@
 """`megarl plan`'s activation bytes against what autograd really saves: each case runs a real Megatron chunk through
 the actor's (or critic's) loss and Megatron's schedule, counting the unique storages held for backward at their peak
-(``tests.saved_tensors``), and compares them with the planner's accounting (``megarl.plan.activations``) on every
+(``tests.saved_tensors``), and compares them with the planner's accounting (``megarl.planner.activations``) on every
 rank: within 15%. Sequence lengths 64-1024, 1-8 sequences per micro-batch, TP=1/2, PP=2 (1F1B, 4 micro-batches),
 recompute on and off, both attention variants, fp32 and bf16, actor (the trainer's loss, with and without an entropy
 bonus) and critic. One spawned world of 2."""
@@ -9,7 +9,7 @@ import pytest
 
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
-from megarl.plan.activations import Kernels, MicroBatchShape, Model, stage_activation_bytes
+from megarl.planner.activations import Kernels, MicroBatchShape, Model, stage_activation_bytes
 from tests.activation_worker import Case, count_cases
 
 BF16 = "bfloat16"
@@ -86,8 +86,8 @@ gpu-h100-first-contact.md. It includes the logits around the loss; the saved byt
 def test_the_plan_of_the_1_2b_model_matches_the_h100_measurement(tokens):
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
-    from megarl.plan.job import Hardware, make_plan
-    from megarl.plan.memory import ACTIVATIONS, LOGITS, micro_batch_shape
+    from megarl.planner.job import Hardware, make_plan
+    from megarl.planner.memory import ACTIVATIONS, LOGITS, micro_batch_shape
 
     overrides = ["model.path=configs/models/llama-1.2b", "model.dtype=bfloat16", "actor.parallel.tp=1",
                  "actor.seq_length=2048", f"actor.max_tokens_per_micro_batch={tokens}", "rollout.max_model_len=2048",

@@ -1,4 +1,4 @@
-"""Stop requests (``megarl.trainer.preemption``): a signal only sets a flag; the flag reaches the other ranks through
+"""Stop requests (``megarl.run.preemption``): a signal only sets a flag; the flag reaches the other ranks through
 the launch's store (a TCPStore here, as torchrun's), each run of a process has its own key, and the fault drills
 name their signals. The stops through the real `megarl train` are in tests/test_resume.py, test_reward_stops.py and
 test_requeue.py."""
@@ -12,8 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megarl.trainer import faults, preemption
-from megarl.trainer.preemption import STORE_POLL_S, StopRequests
+from megarl import faults
+from megarl.run import preemption
+from megarl.run.preemption import STORE_POLL_S, StopRequests
 
 
 class Launch:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megarl.trainer.resume import EXIT_PREEMPTED
+from megarl.run.resume import EXIT_PREEMPTED
 from tests.leftovers import alive_after
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

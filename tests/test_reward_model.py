@@ -95,7 +95,7 @@ def test_a_classification_checkpoint_round_trips_bitwise(scored, family):
 def test_the_planner_counts_the_reward_models_parameters_exactly(scored, family):
     """``megarl plan``'s reward model parameters per rank (its score head without bias) are the built model's."""
     from megarl.parallel.layout import ParallelLayout
-    from megarl.plan.memory import model_params
+    from megarl.planner.memory import model_params
 
     models, ranks, _ = scored
     spec = spec_from_hf_config(read_hf_config(models[f"{family}_pad_eos"]))

@@ -1,4 +1,4 @@
-"""A user's reward function in worker processes (``megarl.rewards.pool``): a hang, ``sys.exit``, ``os._exit``, a
+"""A user's reward function in worker processes (``megarl.rewards.worker_pool``): a hang, ``sys.exit``, ``os._exit``, a
 segfault or a NaN on some samples costs exactly those samples; workers are replaced, ignore stop signals, die with
 their rank and take what they started with them (on a timeout and when the rank dies); the batch has a time budget;
 load failures name their cause."""
@@ -16,10 +16,10 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import RewardConfig
 from megarl.rewards import RewardFailure, RewardLoadError, score_batch
-from megarl.rewards import pool as pool_module
-from megarl.rewards.pool import RewardPool, RewardWorkerError, default_num_workers
-from megarl.rewards.score import CANCELLED, ERROR, TIMEOUT
+from megarl.rewards import worker_pool as pool_module
+from megarl.rewards.results import CANCELLED, ERROR, TIMEOUT
 from megarl.rewards.scorer import InProcess, open_rewards, stop_if_broken
+from megarl.rewards.worker_pool import RewardPool, RewardWorkerError, default_num_workers
 from tests import misbehaving_rewards
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,7 +83,7 @@ def test_groups_submitted_as_they_finish_are_scored_while_the_caller_goes_on(tmp
     """``submit`` (one prompt group of 4 samples at a time, as the engine finishes them) returns at once while the
     workers score (a call has started before ``finish`` is called); ``finish`` gives each group's result, and the
     groups merged equal the whole batch scored in one call, failures included."""
-    from megarl.rewards.score import merge
+    from megarl.rewards.results import merge
 
     marker = tmp_path / "calls"
     monkeypatch.setenv("MEGARL_TEST_MARKER", str(marker))
@@ -190,7 +190,7 @@ def test_load_failures_name_their_cause(tmp_path, monkeypatch):
 
 POOL_IN_A_CHILD = """
 import sys, time
-from megarl.rewards.pool import RewardPool
+from megarl.rewards.worker_pool import RewardPool
 pool = RewardPool(sys.argv[1], num_workers=2, timeout_s=5)
 print(*[w.proc.pid for w in pool.workers], flush=True)
 time.sleep(600)
@@ -222,7 +222,7 @@ def test_workers_ignore_stop_signals_and_die_with_their_rank():
 
 SCORING_IN_A_CHILD = """
 import sys
-from megarl.rewards.pool import RewardPool
+from megarl.rewards.worker_pool import RewardPool
 pool = RewardPool(sys.argv[1], num_workers=1, timeout_s=600)
 pool.score(["say 7:"], ["r"], [None], [{}])
 """

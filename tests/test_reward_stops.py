@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 
-from megarl.trainer.resume import EXIT_PREEMPTED
+from megarl.run.resume import EXIT_PREEMPTED
 from tests.leftovers import alive_after
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -210,7 +210,7 @@ def test_planner_bytes_equal_what_a_lora_run_allocates(world2, hf_dir, dtype):
     exactly."""
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
-    from megarl.plan.memory import rank_memory
+    from megarl.planner.memory import rank_memory
 
     cfg = load_config(None, lora_memory_overrides(hf_dir, L(tp=2), dtype))
     planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), L(tp=2), gpus_per_node=2)
@@ -275,7 +275,7 @@ def test_megatron_016_tp_attribute_bug_is_worked_around(world2):
 def _memory_case(request, hf_dir, name):
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
-    from megarl.plan.memory import rank_memory
+    from megarl.planner.memory import rank_memory
 
     world, layout, distopt = MEMORY[name]
     cfg = load_config(None, memory_overrides(hf_dir, layout, distopt))
@@ -320,7 +320,7 @@ def test_per_pool_planner_bytes_equal_what_each_pools_layout_allocates(request, 
     real TP=2 and PP=2 runs allocated for those roles; nothing is offloaded."""
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
-    from megarl.plan.memory import rank_memory
+    from megarl.planner.memory import rank_memory
 
     pools = ["placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
              "placement.pools.critic.ranks=2-3", "placement.pools.critic.roles=[critic,reference]",

@@ -1,14 +1,14 @@
-"""``megarl.trainer.metrics`` on a hand-made step (no ranks)."""
+"""``megarl.rl.metrics`` on a hand-made step (no ranks)."""
 
 from types import SimpleNamespace
 
 import torch
 
 from megarl.config import load_config
+from megarl.rl import metrics as metrics_module
+from megarl.rl.collect import Collected
+from megarl.rl.timer import PhaseTimer
 from megarl.rollout.protocol import Sample
-from megarl.trainer import metrics as metrics_module
-from megarl.trainer.collect import Collected
-from megarl.trainer.timer import PhaseTimer
 
 
 def _step_metrics(*overrides, kl: dict):

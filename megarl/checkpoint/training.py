@@ -44,7 +44,7 @@ TRAINER_STATE = "trainer_state.json"
 ROLLOUT_BATCH = "rollout_batch.pt"
 """One-step-off: the batch generated for the next step when the checkpoint was saved (``{"step", "batch"}``)."""
 ROLLOUT_STREAM = "rollout_stream.pt"
-"""Bounded: the rollout pool's stream when the checkpoint was saved (``megarl.trainer.bounded.RolloutServer``)."""
+"""Bounded: the rollout pool's stream when the checkpoint was saved (``megarl.rl.bounded.RolloutServer``)."""
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITER = re.compile(r"^iter_(\d{7})$")
 

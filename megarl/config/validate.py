@@ -17,8 +17,8 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     Returns the ModelSpec so callers do not read the HF config twice. Raises ConfigError naming key and fix.
     """
     if spec is None:
+        from megarl.backend.init_weights import model_source
         from megarl.checkpoint.format import CheckpointError
-        from megarl.training.init_weights import model_source
 
         try:
             spec = spec_from_hf_config(model_source(cfg.model.path).hf_config, cfg.model.vocab_pad_multiple)
@@ -240,8 +240,8 @@ def check_inputs(cfg: MegarlConfig, skip: frozenset[str] = frozenset()) -> None:
     ``skip``: paths not to look at (the launch host cannot see them)."""
     from megarl.data import DataError, check_files
     from megarl.rewards import RewardLoadError
-    from megarl.rewards.pool import RewardWorkerError
     from megarl.rewards.scorer import check_loads
+    from megarl.rewards.worker_pool import RewardWorkerError
 
     if _reward_file(cfg.reward.function) not in skip:
         try:
@@ -360,7 +360,7 @@ def pools_of(cfg: MegarlConfig) -> list:
 
 def _pool_layout_errors(cfg: MegarlConfig, spec: ModelSpec, pools: list) -> list[str]:
     """Each pool that is not the actor's: its layout divides every model it builds, and its DP size the batch."""
-    from megarl.trainer.models import reward_model_spec
+    from megarl.backend.models import reward_model_spec
 
     errors = []
     for p in pools:
@@ -392,8 +392,8 @@ def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list)
     r = cfg.reward.model
     if r is None:
         return []
+    from megarl.backend.models import reward_model_spec
     from megarl.models.family import UnsupportedModelError
-    from megarl.trainer.models import reward_model_spec
 
     try:
         _, rm_spec = reward_model_spec(cfg)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.backend.step import run_schedule
 from megarl.checkpoint import format as ckpt
 from megarl.compat import megatron_mode
 from megarl.models.builder import DTYPES, build_model_chunk
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.step import run_schedule
 
 # max |logit difference| allowed, per dtype: fp32 differs only by summation order.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}

@@ -17,7 +17,7 @@ import launch as templates
 from megarl.config import MegarlConfig, load_config
 from megarl.config.validate import preflight
 from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
-from megarl.trainer.resume import STOPPED_FILE
+from megarl.run.resume import STOPPED_FILE
 
 DEFAULT_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron overlaps TP communication with compute only in issue order
@@ -287,12 +287,12 @@ def submit(script: str, path: str, passed: dict[str, str]) -> str:
 
 
 def signal_lead(opts: SlurmOptions, cfg: MegarlConfig) -> tuple[int, str]:
-    """The SIGUSR1 lead from the plan on these nodes (``megarl.plan.step_time.signal_lead``) and how it was derived;
+    """The SIGUSR1 lead from the plan on these nodes (``megarl.planner.step_time.signal_lead``) and how it was derived;
     the minimum when the job cannot be planned here (its model's config.json unreadable on this host)."""
     from megarl.config.validate import validate
-    from megarl.plan import Hardware, PlanError, make_plan
-    from megarl.plan.step_time import MIN_SIGNAL_LEAD_S
-    from megarl.plan.step_time import signal_lead as planned_lead
+    from megarl.planner import Hardware, PlanError, make_plan
+    from megarl.planner.step_time import MIN_SIGNAL_LEAD_S
+    from megarl.planner.step_time import signal_lead as planned_lead
 
     try:
         plan = make_plan(cfg, validate(cfg), Hardware(opts.nodes, opts.gpus_per_node, fs_gb_s=opts.fs_gb_s))

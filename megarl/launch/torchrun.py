@@ -13,7 +13,7 @@ from megarl import lifetime
 from megarl.config import MegarlConfig, load_config
 from megarl.config.validate import launch_world_size, preflight
 from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
-from megarl.trainer.resume import EXIT_PREEMPTED, STOPPED_FILE
+from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,7 @@ from megarl.models.spec import ModelSpec
 
 COLUMN, ROW = "column", "row"
 MODULES = {  # Megatron linear -> (parallel style, its HF targets in fused-output order, HF parent module), in the
-    # order a layer registers them (linear_proj before linear_qkv): megarl.plan lays out the adapters' buffer by it
+    # order a layer registers them (linear_proj before linear_qkv): megarl.planner lays out the adapters' buffer by it
     "self_attention.linear_proj": (ROW, ("o_proj",), "self_attn"),
     "self_attention.linear_qkv": (COLUMN, ("q_proj", "k_proj", "v_proj"), "self_attn"),
     "mlp.linear_fc1": (COLUMN, ("gate_proj", "up_proj"), "mlp"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from megarl.training.batch import Sequence
-from megarl.training.losses import critic_values
-from megarl.training.update import forward_fields
+from megarl.backend.batch import Sequence
+from megarl.backend.losses import critic_values
+from megarl.backend.update import forward_fields
 
 
 def score_position(token_ids: list[int], pad_token_id: int | None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megarl.parallel.layout import prompt_slice
-from megarl.rewards.score import ScoreResult, merge
+from megarl.rewards.results import ScoreResult, merge
 
 
 def score_on_ranks(rewards, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]):

@@ -8,9 +8,9 @@ has its own timeouts), so they run in the trainer's process and cost nothing ext
 from __future__ import annotations
 
 from megarl.config.schema import RewardConfig
-from megarl.rewards.pool import RewardPool, default_num_workers
 from megarl.rewards.registry import BUILTIN_REWARDS, load_reward_fn
-from megarl.rewards.score import RewardFailure, ScoreResult, score_batch
+from megarl.rewards.results import RewardFailure, ScoreResult, score_batch
+from megarl.rewards.worker_pool import RewardPool, default_num_workers
 
 
 class _ScoredWhenSubmitted:

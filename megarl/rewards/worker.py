@@ -1,4 +1,4 @@
-"""One reward worker process, started by ``megarl.rewards.pool.RewardPool``:
+"""One reward worker process, started by ``megarl.rewards.worker_pool.RewardPool``:
 
     python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID
 
@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 from megarl.lifetime import STOP_SIGNALS, die_with_parent
 from megarl.rewards.registry import RewardLoadError, load_reward_fn
-from megarl.rewards.score import call, outcome, raised
+from megarl.rewards.results import call, outcome, raised
 
 
 def answer(fn, request: tuple) -> tuple:

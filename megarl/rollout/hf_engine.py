@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.sampling import truncate
+from megarl.backend.offload import distinct_storages
 from megarl.config.schema import RolloutConfig, SamplingConfig
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
@@ -28,7 +29,6 @@ from megarl.reshard.layout import SideLayout, hf_layout
 from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
-from megarl.training.offload import distinct_storages
 
 
 class _HFModelWrite:

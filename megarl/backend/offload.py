@@ -7,7 +7,7 @@ the storage to zero bytes, which frees it; reloading grows it back in place and 
 (``param.data``, ``param.main_grad``, the optimizer's references) stays valid, so nothing has to be re-wired, and
 the round trip is bitwise.
 
-The groups are named like the planner's consumers (``megarl.plan.memory``), which models exactly these flags.
+The groups are named like the planner's consumers (``megarl.planner.memory``), which models exactly these flags.
 Adam's ``step`` counters stay put (torch keeps them on the host).
 """
 

@@ -19,7 +19,7 @@ from megarl.config.validate import (
 from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.plan.memory import (
+from megarl.planner.memory import (
     DTYPE_BYTES,
     MiB,
     RankMemory,
@@ -29,7 +29,7 @@ from megarl.plan.memory import (
     micro_batch_tokens,
     rank_memory,
 )
-from megarl.plan.step_time import (
+from megarl.planner.step_time import (
     SaveTime,
     StepTime,
     save_time,
@@ -331,7 +331,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     lines += [
         "",
         "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Accounted: activations, "
-        f"tensor by tensor as the model saves them (megarl/plan/activations.py; the largest micro-batch: "
+        f"tensor by tensor as the model saves them (megarl/planner/activations.py; the largest micro-batch: "
         f"{mb.tokens} tokens in sequences of up to {mb.length}). Estimates: the logits around the loss, the "
         "configured KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
@@ -340,7 +340,7 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
 
 def host_memory_per_node(job: JobPlan) -> list[dict[str, int]]:
     """Per node, the host memory the job pins: the offloaded training state (``offload.*``: exact-size pinned copies,
-    ``megarl.training.offload.host_buffer``) and, with LoRA adapter slots, vLLM's base weights while it sleeps at
+    ``megarl.backend.offload.host_buffer``) and, with LoRA adapter slots, vLLM's base weights while it sleeps at
     level 1 (vLLM's own pinned copies)."""
     gpn, out = job.hw.gpus_per_node, []
     for node in range(job.hw.nodes):

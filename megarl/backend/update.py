@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.backend.batch import Sequence, micro_batches, response_values
+from megarl.backend.logprobs import forward_per_token
+from megarl.backend.losses import GlobalNorm
+from megarl.backend.step import SUM, NonFiniteUpdate, train_step
 from megarl.parallel.layout import prompt_slice
-from megarl.training.batch import Sequence, micro_batches, response_values
-from megarl.training.logprobs import forward_per_token
-from megarl.training.losses import GlobalNorm
-from megarl.training.step import SUM, NonFiniteUpdate, train_step
 
 
 def minibatch_rows(num_seqs: int, global_batch_size: int) -> list[range]:

@@ -20,7 +20,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.config.validate import critic_parallel, pools_of, rollout_tp
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.plan.memory import DTYPE_BYTES, lora_params, model_params
+from megarl.planner.memory import DTYPE_BYTES, lora_params, model_params
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _params(spec: ModelSpec, *, value_head: bool = False) -> int:
 
 
 def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime:
-    """The estimate for ``cfg`` on ``hw`` (``megarl.plan.job.Hardware``); ``sync_s``: the resharding plan's."""
+    """The estimate for ``cfg`` on ``hw`` (``megarl.planner.job.Hardware``); ``sync_s``: the resharding plan's."""
 
     flops_s = hw.peak_tflops * 1e12 * hw.mfu
     seqs = cfg.data.train_batch_size * cfg.rollout.sampling.n
@@ -133,7 +133,7 @@ def save_time_line(save: SaveTime, hw) -> str:
 
 def signal_lead(cfg: MegarlConfig, step: StepTime, save: SaveTime) -> tuple[int, str]:
     """Seconds before the time limit SLURM should signal the job, and how they were derived: a stop cuts a
-    generation, scoring or validation at once (``megarl.trainer.preemption``) but lets an update and its weight sync
+    generation, scoring or validation at once (``megarl.run.preemption``) but lets an update and its weight sync
     finish, then saves; ``trainer.stop_grace_s`` covers reaching the next poll and the ranks' agreement."""
     grace = cfg.trainer.stop_grace_s
     need = step.learn_s + step.sync_s + grace + save.seconds

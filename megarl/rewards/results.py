@@ -1,7 +1,7 @@
 """Scoring a batch with a reward function. Each sample's outcome is a finite score (plus extra numeric fields) or a
 ``Failure``; a failed sample scores 0 and is counted, and the run goes on.
 
-``score_batch`` calls the function in this process (the built-in rule rewards). ``megarl.rewards.pool`` calls a
+``score_batch`` calls the function in this process (the built-in rule rewards). ``megarl.rewards.worker_pool`` calls a
 user's function in worker processes and builds the same ``ScoreResult`` from the same outcomes (``outcome``,
 ``call``, ``assemble``). Nothing here prints: the caller reports ``first_error`` once."""
 

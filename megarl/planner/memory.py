@@ -9,7 +9,7 @@ multiple of 64 elements, a tied embedding gets a bucket of its own, and every bu
 lcm(DP, 128) and split evenly over the DP ranks. Gradients are reduced in fp32 (megarl's DDP setting).
 Adam's per-parameter ``step`` counters live on the host (torch Adam without ``capturable``) and are not counted.
 
-Accounted: activations, tensor by tensor as the model saves them for backward (``megarl.plan.activations``; within
+Accounted: activations, tensor by tensor as the model saves them for backward (``megarl.planner.activations``; within
 15% of what autograd really holds, counted on CPU in ``tests/test_plan_activations.py``). Estimates (labelled as such
 wherever they are printed): the logits' transient copies around the loss, the KV cache (``rollout.kv_cache_mb``) and a
 fixed per-GPU reserve for the CUDA context, NCCL and allocator slack.
@@ -26,7 +26,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
 from megarl.parallel.layout import ParallelLayout
-from megarl.plan.activations import Kernels, MicroBatchShape, Model, logits_transient_bytes, stage_activation_bytes
+from megarl.planner.activations import Kernels, MicroBatchShape, Model, logits_transient_bytes, stage_activation_bytes
 from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, vllm_layout
 
 GiB = 1024**3
@@ -191,7 +191,7 @@ def activation_bytes(
     cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int, *, critic: bool = False, cuda: bool = True
 ) -> int:
     """Bytes one pipeline stage saves for backward during the actor's (``critic``: the critic's) update, at its
-    largest micro-batch (``micro_batch_shape``), as ``megarl.plan.activations`` accounts them tensor by tensor: up to
+    largest micro-batch (``micro_batch_shape``), as ``megarl.planner.activations`` accounts them tensor by tensor: up to
     PP - stage micro-batches in flight (1F1B), ``model.recompute`` keeping one input per layer. ``cuda``: with the
     CUDA kernels' saved tensors (the plan is for GPUs); else the CPU's."""
     role = cfg.critic if critic else cfg.actor
@@ -224,7 +224,7 @@ def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout,
 
 
 def micro_batch_shape(role, seq_length: int) -> MicroBatchShape:
-    """The largest micro-batch ``role`` (the actor's or critic's config) can form (``megarl.training.batch``): its
+    """The largest micro-batch ``role`` (the actor's or critic's config) can form (``megarl.backend.batch``): its
     token budget filled, with sequences of up to ``seq_length`` (a sequence longer than the budget gets a
     micro-batch of its own), or ``micro_batch_size`` sequences of ``seq_length``."""
     budget = role.max_tokens_per_micro_batch
@@ -270,10 +270,10 @@ def rank_memory(
     models at its pool's layout (the actor's, else the critic's), and nothing sleeps or moves: every phase holds all
     of its own state. ``gpu_bytes``: one GPU's memory (``rollout.kv_cache_mb: auto`` sizes the KV cache from it).
     """
+    from megarl.backend.models import reward_model_spec
+    from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
     from megarl.config.device_defaults import kv_cache_bytes
     from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
-    from megarl.trainer.models import reward_model_spec
-    from megarl.training.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
 
     dtype, pools = cfg.model.dtype, pools_of(cfg)
     if not pools:  # colocated: one pool of every role at the actor's layout
@@ -358,7 +358,7 @@ def rank_memory(
                 m.phases[SYNC] = held + ["reshard buffers"]
                 m.phases[TRAINING] = held + [ACTIVATIONS, LOGITS]
             else:  # start-up: the engine is built (weights and KV cache) and first synced with the offloaded
-                # state already on the host (megarl.trainer.job.build_job)
+                # state already on the host (megarl.run.job.build_job)
                 m.phases[STARTUP] = resident + engine_state + ["reshard buffers", "reserve (estimate)"]
                 m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
                 m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]

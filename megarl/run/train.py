@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl import faults
 from megarl.algos import rollout_is_weights
+from megarl.backend.batch import Sequence
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import (
     ROLLOUT_BATCH,
@@ -35,26 +37,24 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.reshard.sync import SyncReport
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
+from megarl.rl.collect import Collected, collect, combine_rewards, combined_scores, sequences_of
+from megarl.rl.estimate import advantages, pad_rows, unpad_rows
+from megarl.rl.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
+from megarl.rl.roles import Roles
+from megarl.rl.state import TrainerState
+from megarl.rl.timer import PhaseTimer
 from megarl.rollout.protocol import rollout
 from megarl.rollout.stream import oldest_version
-from megarl.trainer import faults
-from megarl.trainer.advantage import advantages, pad_rows, unpad_rows
-from megarl.trainer.collect import Collected, collect, combine_rewards, combined_scores, sequences_of
-from megarl.trainer.job import Job, build_job, describe_checkpoint_root, lora_identity
-from megarl.trainer.metrics import rank_values, reduce_ranks, step_metrics, summary_lines, validation_metrics
-from megarl.trainer.preemption import StepAbandoned, StopRequests, launch_store
-from megarl.trainer.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE, validation_pending
-from megarl.trainer.roles import Roles
-from megarl.trainer.state import TrainerState
-from megarl.trainer.timer import PhaseTimer
-from megarl.training.batch import Sequence
+from megarl.run.job import Job, build_job, describe_checkpoint_root, lora_identity
+from megarl.run.preemption import StepAbandoned, StopRequests, launch_store
+from megarl.run.resume import SAMPLES_DIR, STOPPED_FILE, TIMELINE_FILE, validation_pending
 
 
 def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> Job:
     """Run RL steps up to ``trainer.total_steps`` (collective over the world), continuing a checkpoint when
     ``trainer.resume`` finds one; returns the job (its engine can serve another job of the same model and layout).
 
-    A SIGTERM/SIGUSR1 (``megarl.trainer.preemption``; ``stop``: handlers installed earlier, else here, before
+    A SIGTERM/SIGUSR1 (``megarl.run.preemption``; ``stop``: handlers installed earlier, else here, before
     anything is built) ends the run within ``trainer.stop_grace_s`` plus a save: a generation, scoring or validation
     in progress is cut, its rollout dropped and the state from before it saved (with the RNG states of then, so the
     resumed run repeats it bitwise); an update or weight sync in progress finishes and the step is saved. During
@@ -391,7 +391,7 @@ def step_batch(job: Job, step: int, pool_time: PhaseTimer) -> Collected:
 
 
 def announce(job: Job, op: str, step: int) -> None:
-    """Bounded: tell the rollout pool which rendezvous the learners enter next (``megarl.trainer.bounded``)."""
+    """Bounded: tell the rollout pool which rendezvous the learners enter next (``megarl.rl.bounded``)."""
     if job.requests is not None and job.learns:
         job.requests.post(op, step, job.place.leader)
 

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import kl_controller
+from megarl.backend.init_weights import ModelSource
+from megarl.backend.models import ALL_ROLES, RLModels, build_rl_models
+from megarl.backend.offload import Offloader
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.format import atomic_write
 from megarl.checkpoint.training import (
@@ -44,12 +47,13 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.pools import Placement
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
+from megarl.rl.collect import Collected
+from megarl.rl.phases import Phases
+from megarl.rl.roles import Roles, make_roles
+from megarl.rl.state import TrainerState
 from megarl.rollout import build_engine, write_engine_dir
-from megarl.trainer.collect import Collected
-from megarl.trainer.models import ALL_ROLES, RLModels, build_rl_models
-from megarl.trainer.phases import Phases
-from megarl.trainer.preemption import StopRequests
-from megarl.trainer.resume import (
+from megarl.run.preemption import StopRequests
+from megarl.run.resume import (
     METRICS_FILE,
     STOPPED_FILE,
     TIMELINE_FILE,
@@ -59,10 +63,6 @@ from megarl.trainer.resume import (
     plan_start,
     set_aside_previous_run,
 )
-from megarl.trainer.roles import Roles, make_roles
-from megarl.trainer.state import TrainerState
-from megarl.training.init_weights import ModelSource
-from megarl.training.offload import Offloader
 
 log = logging.getLogger("megarl.trainer")
 
@@ -116,9 +116,9 @@ class Job:
     generated: list[Collected] = dataclasses.field(default_factory=list)
     """The batches the rollout pool generated during the current step (their times: the step's timings, timeline)."""
     requests: object = None
-    """Bounded: the learners' announcements to the rollout pool (``megarl.trainer.bounded.Requests``)."""
+    """Bounded: the learners' announcements to the rollout pool (``megarl.rl.bounded.Requests``)."""
     server: object = None
-    """Bounded, on the rollout pool: its side of the run (``megarl.trainer.bounded.RolloutServer``)."""
+    """Bounded, on the rollout pool: its side of the run (``megarl.rl.bounded.RolloutServer``)."""
     stream: dict | None = None
     """Bounded: the rollout pool's stream (the resumed checkpoint's, then the one a save writes)."""
 
@@ -447,7 +447,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     )
     if cfg.async_training.bounded:
         from megarl.parallel.pools import launch_store
-        from megarl.trainer.bounded import Requests, RolloutServer
+        from megarl.rl.bounded import Requests, RolloutServer
 
         job.requests = Requests(launch_store(), f"megarl/{place.comm.name}/ops")
         if place.hosts("rollout"):

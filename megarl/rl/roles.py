@@ -14,14 +14,14 @@ from functools import partial
 
 import torch
 
+from megarl.backend.batch import Sequence
+from megarl.backend.logprobs import logprobs_from_logits
+from megarl.backend.losses import actor_loss, critic_loss, critic_values
+from megarl.backend.models import RLModels, reference_policy
+from megarl.backend.step import NonFiniteUpdate
+from megarl.backend.update import forward_fields, ppo_updates
 from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.parallel.pools import Placement
-from megarl.trainer.models import RLModels, reference_policy
-from megarl.training.batch import Sequence
-from megarl.training.logprobs import logprobs_from_logits
-from megarl.training.losses import actor_loss, critic_loss, critic_values
-from megarl.training.step import NonFiniteUpdate
-from megarl.training.update import forward_fields, ppo_updates
 
 
 @dataclass
@@ -207,7 +207,7 @@ class RewardModel(Role):
     name = "reward_model"
 
     def __init__(self, cfg, models: RLModels | None, place: Placement):
-        from megarl.trainer.models import reward_model_spec
+        from megarl.backend.models import reward_model_spec
 
         super().__init__(place)
         r = cfg.reward.model

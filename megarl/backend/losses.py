@@ -24,8 +24,8 @@ from megarl.algos import (
     vocab_parallel_entropy,
 )
 from megarl.algos.sampling import mask_below
+from megarl.backend.logprobs import tp_all_reduce, tp_logprobs, tp_truncation_cutoff
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
-from megarl.training.logprobs import tp_all_reduce, tp_logprobs, tp_truncation_cutoff
 
 
 @dataclass(frozen=True)

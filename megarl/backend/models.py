@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.backend.init_weights import ModelSource, load_initial_weights
+from megarl.backend.setup import make_scheduler, wrap_for_training
 from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.config.schema import MegarlConfig
 from megarl.models.builder import build_model_chunk
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.training.init_weights import ModelSource, load_initial_weights
-from megarl.training.setup import make_scheduler, wrap_for_training
 
 
 @dataclass
@@ -38,8 +38,8 @@ class RLModels:
 
 def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:
     """The reward model's source and spec (``reward.model.path``)."""
+    from megarl.backend.init_weights import model_source
     from megarl.models import spec_from_hf_config
-    from megarl.training.init_weights import model_source
 
     source = model_source(cfg.reward.model.path)
     return source, spec_from_hf_config(source.hf_config)

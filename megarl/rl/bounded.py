@@ -23,10 +23,10 @@ import time
 import torch.distributed as dist
 
 from megarl.rewards.parallel import GroupScores
-from megarl.rewards.score import CANCELLED, ScoreResult, merge
+from megarl.rewards.results import CANCELLED, ScoreResult, merge
+from megarl.rl.collect import Collected, _shaped
 from megarl.rollout.protocol import Sample
 from megarl.rollout.stream import StreamSession, admission_limit, batch_of, oldest_version, stream_seed
-from megarl.trainer.collect import Collected, _shaped
 
 POLL_IDLE_S = 0.002
 """How long an idle rollout pool sleeps between decisions (nothing to generate: it waits for the trainer)."""
@@ -294,7 +294,7 @@ class RolloutServer:
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def _save(self, step: int, state) -> None:
-        from megarl.trainer.loop import save
+        from megarl.run.train import save
 
         if self._pool_sum(self._stop_requested(fresh=True)):  # a stop: the scores wait at most stop_grace_s
             self._collect_scores_within(self.job.cfg.trainer.stop_grace_s)

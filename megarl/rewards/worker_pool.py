@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, wait
 
 import megarl
 from megarl.rewards.registry import RewardLoadError
-from megarl.rewards.score import CANCELLED, ERROR, TIMEOUT, Failure, Outcome, ScoreResult, assemble, check_inputs
+from megarl.rewards.results import CANCELLED, ERROR, TIMEOUT, Failure, Outcome, ScoreResult, assemble, check_inputs
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start and import the reward's module."""

@@ -5,7 +5,7 @@ generation, inside the reward's waits. A polling rank cuts its work short there 
 reward workers are replaced, unscored samples fail), so every collective that follows still happens in the same order
 on every rank; the ranks then agree at fixed points (after each generation round and after validation's scoring, in
 the group that ran them, and at the step boundary over the launch) and the loop abandons the rollout, or saves after
-the step, and exits with ``EXIT_PREEMPTED`` (``megarl.trainer.loop``). A rank installs the handlers first of all
+the step, and exits with ``EXIT_PREEMPTED`` (``megarl.run.train``). A rank installs the handlers first of all
 (before torch is imported), so a signal during start-up stops the run too (once its start-up is done: nothing is
 cut there)."""
 

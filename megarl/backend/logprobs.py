@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megarl.algos import vocab_parallel_logprobs
 from megarl.algos.sampling import truncates, truncation_cutoff
-from megarl.training.step import run_schedule
+from megarl.backend.step import run_schedule
 
 
 def tp_all_reduce(op):

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megarl import faults
 from megarl.config.schema import MegarlConfig
 from megarl.data import Prompt
 from megarl.rewards.parallel import GroupScores
 from megarl.rewards.shaping import overlong_penalty
 from megarl.rollout.protocol import Sample, rollout
-from megarl.trainer import faults
 
 
 @dataclass

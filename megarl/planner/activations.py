@@ -3,7 +3,7 @@
 Every count below is a tensor that autograd keeps from the forward to the backward of one micro-batch, with views of
 one storage counted once, as ``tests/test_plan_activations.py`` counts them (``torch.autograd.graph.
 saved_tensors_hooks`` over a real model, on CPU). A micro-batch is ``n`` sequences right-padded to ``s`` tokens
-(``megarl.training.batch``): most terms are per token (``n * s``), attention's scores are per sequence (``n * s * s``),
+(``megarl.backend.batch``): most terms are per token (``n * s``), attention's scores are per sequence (``n * s * s``),
 RoPE's cos/sin per position (``s``).
 
 Notation, per tensor-parallel rank: ``b`` the model dtype's bytes, ``h`` hidden, ``a``/``g`` query/KV heads of this

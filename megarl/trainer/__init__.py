@@ -1,1 +1,0 @@
-"""The RL loop (`megarl train`): job setup, rollout + rewards, the update, metrics, per-phase timers."""
