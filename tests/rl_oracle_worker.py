@@ -275,7 +275,7 @@ def run(hf_dir: str) -> dict:
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.run.train import seq_mask_accepted
+    from megarl.rl.step import seq_mask_accepted
 
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     layout = ParallelLayout()
@@ -376,9 +376,9 @@ def seq_mask_case(hf, hf_dir, spec, models, seqs, cur) -> dict:
     from megarl.config.loader import load_config
     from megarl.rl.collect import Collected
     from megarl.rl.roles import make_roles
+    from megarl.rl.step import learn
     from megarl.rl.timer import PhaseTimer
     from megarl.rollout.protocol import Sample
-    from megarl.run.train import learn
 
     cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "algorithm.adv_estimator=grpo",
                              "algorithm.rollout_is=seq_mask"])  # fmt: skip

@@ -24,9 +24,9 @@ from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
 from megarl.rl.collect import Collected
 from megarl.rl.roles import make_roles
+from megarl.rl.step import learn
 from megarl.rl.timer import PhaseTimer
 from megarl.rollout.protocol import Sample
-from megarl.run.train import learn
 from tests.metric_tolerance import token_share
 from tests.parity_worker import _gather_full
 

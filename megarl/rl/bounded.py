@@ -19,6 +19,7 @@ next ones, up to the bound).
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 
 import torch.distributed as dist
 
@@ -32,6 +33,21 @@ POLL_IDLE_S = 0.002
 """How long an idle rollout pool sleeps between decisions (nothing to generate: it waits for the trainer)."""
 
 
+class Op(StrEnum):
+    """What the learners ask of the rollout pool, in the order they enter the matching collective."""
+
+    BATCH = "batch"
+    """Hand over the next step's batch once its prompt groups are all scored."""
+    SYNC = "sync"
+    """Take the new weights."""
+    VALIDATE = "validate"
+    """Generate and score the validation prompts beside the training requests."""
+    SAVE = "save"
+    """Write the stream into the checkpoint the learners save."""
+    END = "end"
+    """The learners are done: the server returns."""
+
+
 class Requests:
     """The learners' announcements to the rollout pool, numbered, on the launch's store (``post`` on the actor's
     first rank; ``next`` on the rollout pool's first rank, without waiting)."""
@@ -39,19 +55,19 @@ class Requests:
     def __init__(self, store, prefix: str):
         self.store, self.prefix, self.count = store, prefix, 0
 
-    def post(self, op: str, step: int, leader: bool) -> None:
+    def post(self, op: Op, step: int, leader: bool) -> None:
         if leader:
-            self.store.set(f"{self.prefix}/{self.count}", f"{op} {step}")
+            self.store.set(f"{self.prefix}/{self.count}", f"{op.value} {step}")
         self.count += 1
 
-    def next(self) -> tuple[str, int] | None:
+    def next(self) -> tuple[Op, int] | None:
         """The next operation if it was posted (then it counts as read)."""
         key = f"{self.prefix}/{self.count}"
         if not self.store.check([key]):
             return None
         op, step = self.store.get(key).decode().split()
         self.count += 1
-        return op, int(step)
+        return Op(op), int(step)
 
 
 class RolloutServer:
@@ -85,7 +101,7 @@ class RolloutServer:
         """This rank's finished, scored groups not yet handed over."""
         self.next_step = 1
         """The step whose batch is handed over next."""
-        self.pending: tuple[str, int] | None = None
+        self.pending: tuple[Op, int] | None = None
         self.busy_s = self.reward_s = 0.0
         self.since = time.monotonic()
         self.val_done: list = []
@@ -96,17 +112,20 @@ class RolloutServer:
         """A resume's prompts to generate again (serial -> its next seed segment), admitted under the bound."""
         self.note: str | None = None
         """What a resume kept and dropped, said by the learners with the first batch."""
+        self.stream = restored
+        """The stream as the last save wrote it (first: the resumed checkpoint's), for the checkpoint."""
         if restored is not None:
             self._restore(restored)
 
     # --- the loop ------------------------------------------------------------------------------------------------
-    def serve(self, state) -> None:
-        """Generate and serve the learners' operations until they post ``end``."""
+    def serve(self, state, save) -> None:
+        """Generate and serve the learners' operations until they post ``Op.END``; ``save(state)``: the run's
+        collective save (``megarl.run.train.save``), which a ``Op.SAVE`` joins."""
         while True:
             if self.pending is None:
                 self.pending = self.decide()
-            if self.pending is not None and self._serve(self.pending, state):
-                if self.pending[0] == "end":
+            if self.pending is not None and self._serve(self.pending, state, save):
+                if self.pending[0] == Op.END:
                     return
                 self.pending = None
                 continue
@@ -124,7 +143,7 @@ class RolloutServer:
             else:
                 time.sleep(POLL_IDLE_S)
 
-    def decide(self) -> tuple[str, int] | None:
+    def decide(self) -> tuple[Op, int] | None:
         """Collective over the pool: the learners' next operation, if its first rank saw one posted."""
         seen = [self.requests.next() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(seen, src=0)
@@ -134,7 +153,7 @@ class RolloutServer:
 
     def _admit(self) -> None:
         """Admit prompts in data order while the staleness bound allows (not while a push waits for the engines)."""
-        if self.pending is not None and self.pending[0] == "sync" and self.a.partial_rollout == "none":
+        if self.pending is not None and self.pending[0] == Op.SYNC and self.a.partial_rollout == "none":
             return
         limit = min(admission_limit(self.a.max_staleness, self.version, self.batch), self.total)
         for serial in [s for s in self.readmit if s < limit]:  # a resume's prompts generated again, in order
@@ -181,24 +200,24 @@ class RolloutServer:
             del self.scored[serial]
 
     # --- the learners' operations ----------------------------------------------------------------------------------
-    def _serve(self, op: tuple[str, int], state) -> bool:
+    def _serve(self, op: tuple[Op, int], state, save) -> bool:
         """Serve ``op`` if it can be now (collective over the pool, then with the learners); whether it was."""
         name, step = op
-        if name == "batch":
+        if name == Op.BATCH:
             return self._hand_over(step)
-        if name == "sync":
+        if name == Op.SYNC:
             if self.a.partial_rollout == "none" and self._pool_sum(self.session.in_flight):
                 return False  # the push waits for the requests in flight; admission has stopped
             self.job.phases.rollout(step)  # recompute: the requests in flight re-prefill under the new weights
             self.version = step
             return True
-        if name == "validate":
+        if name == Op.VALIDATE:
             self._validate(step)
             return True
-        if name == "save":
-            self._save(step, state)
+        if name == Op.SAVE:
+            self._save(step, state, save)
             return True
-        return name == "end"
+        return name == Op.END
 
     def _pool_sum(self, value: int | list[int]) -> int | list[int]:
         """Collective over the pool: the sum of ``value`` (or of each of a list of values)."""
@@ -293,9 +312,7 @@ class RolloutServer:
         self.session.requests = {}
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
-    def _save(self, step: int, state) -> None:
-        from megarl.run.train import save
-
+    def _save(self, step: int, state, save) -> None:
         if self._pool_sum(self._stop_requested(fresh=True)):  # a stop: the scores wait at most stop_grace_s
             self._collect_scores_within(self.job.cfg.trainer.stop_grace_s)
         else:
@@ -303,7 +320,7 @@ class RolloutServer:
         parts = [None] * dist.get_world_size()
         mine = (self.session.snapshot() if self.lead else [], self.scored)
         dist.all_gather_object(parts, mine)
-        self.job.stream = {
+        self.stream = {
             "step": step,
             "cursor": self.cursor,
             "version": self.version,
@@ -313,7 +330,7 @@ class RolloutServer:
             "scored": {s: ([vars(x) for x in g], vars(r)) for _, part in parts for s, (g, r) in part.items()},
         }
         state.step = step
-        save(self.job, state)
+        save(state)
 
     def _oldest(self, serial: int) -> int:
         """The oldest version a token of prompt ``serial`` may come from."""

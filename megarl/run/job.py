@@ -44,10 +44,11 @@ from megarl.logging.jsonl import read_metrics, write_rows
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.parallel.pools import Placement
+from megarl.parallel.pools import Placement, launch_store
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rl.collect import Collected
+from megarl.rl.feeds import Bounded, OneStepOff, Synchronous, make_feed
 from megarl.rl.phases import Phases
 from megarl.rl.roles import Roles, make_roles
 from megarl.rl.state import TrainerState
@@ -110,17 +111,9 @@ class Job:
     learners: Placement | None = None
     """The ranks that learn and how they share the learning phases (the roles'): every rank (``place``), but with
     ``async_training.mode=one_step_off`` or ``bounded`` the pools but the rollout's (None on the rollout pool)."""
-    ahead: Collected | None = None
-    """The rollout pool's batch for the next step, generated during this one (one-step-off; or read from the
-    checkpoint a run resumes)."""
-    generated: list[Collected] = dataclasses.field(default_factory=list)
-    """The batches the rollout pool generated during the current step (their times: the step's timings, timeline)."""
-    requests: object = None
-    """Bounded: the learners' announcements to the rollout pool (``megarl.rl.bounded.Requests``)."""
-    server: object = None
-    """Bounded, on the rollout pool: its side of the run (``megarl.rl.bounded.RolloutServer``)."""
-    stream: dict | None = None
-    """Bounded: the rollout pool's stream (the resumed checkpoint's, then the one a save writes)."""
+    feed: Synchronous | OneStepOff | Bounded | None = None
+    """Where the step's batch comes from and how the weights go back, by ``async_training.mode``
+    (``megarl.rl.feeds``); it holds what is in flight between steps (one-step-off's batch ahead, bounded's stream)."""
 
     @property
     def learns(self) -> bool:
@@ -442,16 +435,9 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         phases=Phases(engine, offloader, models.actor if models is not None else None, shared=not place.pooled),
         lora_base=lora_base,
         learners=learners,
-        ahead=ahead,
-        stream=stream,
     )
-    if cfg.async_training.bounded:
-        from megarl.parallel.pools import launch_store
-        from megarl.rl.bounded import Requests, RolloutServer
-
-        job.requests = Requests(launch_store(), f"megarl/{place.comm.name}/ops")
-        if place.hosts("rollout"):
-            job.server = RolloutServer(job, job.requests, version=state.step, restored=stream)
+    store = launch_store() if cfg.async_training.bounded else None
+    job.feed = make_feed(job, cfg.async_training.mode, store, state.step, ahead=ahead, stream=stream)
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
     if place.pooled:
         record_placement(job)

@@ -23,14 +23,6 @@ _runs = {"count": 0}  # StopRequests connected in this process: the same count o
 _installed = {"count": 0}  # StopRequests whose handlers are installed in this process now
 
 
-class StepAbandoned(Exception):  # noqa: N818 -- a decision, not an error
-    """Raised on every rank at the same point once they agreed to stop mid-step: ``where`` names what was cut."""
-
-    def __init__(self, where: str):
-        super().__init__(where)
-        self.where = where
-
-
 class StopRequests:
     """Context manager installing the handlers (main thread only). ``requested()`` is local and cheap (polled inside
     waits); ``agreed()`` and ``agreed_here()`` are collective."""

@@ -27,14 +27,11 @@ from megarl.checkpoint.training import (
 from megarl.config.schema import MegarlConfig
 from megarl.logging.jsonl import read_metrics
 from megarl.models.spec import ModelSpec, spec_from_hf_config
+from megarl.rl.step import SAMPLES_DIR, TIMELINE_FILE
 
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"
 """Written by rank 0 when a signal stopped the run after saving (its content says the step and the signal)."""
-TIMELINE_FILE = "timeline.jsonl"
-"""With pools: per step, when each pool learned and generated (``time.monotonic`` spans; the leader writes it)."""
-SAMPLES_DIR = "samples"
-"""``trainer.save_samples``: one ``step_<N>.jsonl`` per step in it."""
 EXIT_PREEMPTED = 75
 """``megarl train``'s exit status after a SIGTERM/SIGUSR1 stop with a saved checkpoint (EX_TEMPFAIL): requeue."""
 
