@@ -3,197 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
 
 def _cmd_train(args) -> int:
-    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    if launched is not None:  # a rank under torchrun: first of all, die with the launcher
+    stop = None
+    if "WORLD_SIZE" in os.environ:  # a rank under torchrun: first of all, die with the launcher
         from megarl import lifetime
 
         lifetime.start_rank(int(os.environ.get("RANK", "0")))
-        stop = _stop_requests()  # then take SIGTERM/SIGUSR1 as a stop request (start-up included)
-    from megarl import faults
-    from megarl.config import ConfigError, validate
-    from megarl.config.loader import load_config_and_defaults
-    from megarl.config.validate import check_inputs
-    from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
+        from megarl.run.preemption import installed_stop_requests
 
-    try:
-        cfg, chosen = load_config_and_defaults(args.config, args.overrides)
-        spec = validate(cfg, world_size=launched)
-        if launched is None:  # once, before any process starts (not again on every launched rank)
-            check_inputs(cfg)
-            faults.planned()
-    except (ConfigError, ValueError) as e:
-        print(f"megarl: config error: {e}", file=sys.stderr)
-        return 2
-    if launched is None and not args.dry_run:
-        try:
-            plan_start(cfg, spec)  # resume target, same model, writable output_dir: before any process starts
-        except RunComplete as e:
-            print(f"[megarl] {e}", flush=True)
-            return 0
-        except ResumeError as e:
-            print(f"megarl: {e}", file=sys.stderr)
-            return 2
-    from megarl.config.validate import launch_world_size
+        stop = installed_stop_requests()  # then take SIGTERM/SIGUSR1 as a stop request (start-up included)
+    from megarl.run.cli import train_command
 
-    par = cfg.actor.parallel
-    world = launch_world_size(cfg)
-    if args.dry_run:
-        print(
-            f"[megarl] dry run: config, model ({spec.family} {spec.num_layers}x{spec.hidden_size}), data and reward "
-            f"are valid; {cfg.algorithm.adv_estimator} at TP={par.tp} PP={par.pp} DP={par.dp} (world {world}) would "
-            f"write to {cfg.trainer.output_dir}"
-        )
-        from megarl.planner import PlanError, verdict_line
-
-        try:
-            print(f"[megarl] {verdict_line(_plan_for(cfg, spec, sync=False))}")
-        except PlanError as e:
-            print(f"[megarl] memory plan: {e}")
-        return 0
-    stopped = os.path.join(cfg.trainer.output_dir, STOPPED_FILE)
-    if launched is None and world > 1:
-        from megarl.compat.host_memory import HUGE_PAGES_ENV
-        from megarl.config.device_defaults import on_cuda
-
-        cpu_ranks = cfg.trainer.keep_freed_memory and not on_cuda()
-        env = {**HUGE_PAGES_ENV, **os.environ} if cpu_ranks else None  # read by torch when a rank starts
-        rc = _relaunch_under_torchrun(world, ["train", args.config, *args.overrides], env=env)
-        return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
-    from megarl.backend.init_weights import model_source
-    from megarl.parallel.spawn import run_on_ranks
-    from megarl.run.train import train
-
-    source = model_source(cfg.model.path)
-    _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
-    if launched is not None:
-        return _rank(functools.partial(train, stop=stop), cfg, spec, source)  # a rank under torchrun: the
-        # relaunching parent reports a stop
-    from megarl import lifetime
-
-    lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
-    stop = _stop_requests()
-    from megarl.rewards import RewardFailure
-    from megarl.rl.collect import DynamicSamplingExhausted
-
-    try:
-        in_here = "RANK" not in os.environ  # run_on_ranks runs it in this process (else it spawns one)
-        run_on_ranks(functools.partial(train, stop=stop) if in_here else train, 1, cfg, spec, source)
-    except RunComplete as e:
-        print(f"[megarl] {e}", flush=True)
-        return 0
-    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:
-        print(f"megarl: {e}", file=sys.stderr, flush=True)
-        return 1
-    return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
-
-
-def _stop_requests():
-    """A rank's stop requests, installed before it builds anything (``megarl.run.preemption``)."""
-    from megarl import faults
-    from megarl.run.preemption import StopRequests
-
-    stop = StopRequests().__enter__()  # left by ``train`` (which enters it again) as the rank ends
-    faults.fire("sigusr1", 0)
-    return stop
-
-
-def _device_defaults(chosen: list[str], say: bool) -> None:
-    """The training process's device settings: TF32 on CUDA, and one line naming what 'auto' chose."""
-    from megarl.config.device_defaults import apply_tf32, on_cuda
-
-    chosen = chosen + apply_tf32(on_cuda())
-    if say and chosen:
-        print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
-
-
-def _rank(train, *args) -> int:
-    """One torchrun rank's run: 0 after a clean end (also a stop after a save); 1 with one line when a collective
-    timed out (a peer died or hangs), or with rank 0's account of a broken reward function (every rank stops on the
-    same gathered scores); any other error propagates (its traceback is the report)."""
-    from megarl import lifetime
-    from megarl.parallel.init import describe_collective_timeout
-    from megarl.rewards import RewardFailure
-    from megarl.rl.collect import DynamicSamplingExhausted
-    from megarl.run.resume import ResumeError, RunComplete
-
-    try:
-        train(*args)
-    except RunComplete as e:  # a requeued job whose run already ended: completed, not failed
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[megarl] {e}", flush=True)
-        lifetime.finish_rank()
-        return 0
-    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:  # decided on gathered data: all ranks alike
-        if os.environ.get("RANK", "0") == "0":
-            print(f"megarl: {e}", file=sys.stderr, flush=True)
-        lifetime.finish_rank()  # an agreed stop, not a death: the other ranks are not killed
-        return 1
-    except RuntimeError as e:
-        line = describe_collective_timeout(e)
-        if line is None:
-            raise
-        print(f"megarl: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
-        return 1
-    lifetime.finish_rank()
-    return 0
-
-
-def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> int:
-    """Start ``nproc`` local ranks of this same command (single node), in ``env`` (None: this process's).
-    Multi-node jobs use ``megarl launch``."""
-    from megarl.lifetime import supervise
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "megarl.cli",
-        *argv,
-    ]
-    print(f"[megarl] launching {nproc} local ranks: {' '.join(cmd[1:])}", flush=True)
-    return supervise(cmd, env=env)  # a SIGTERM/SIGUSR1 goes to the ranks: they stop after a save
-
-
-def _plan_for(cfg, spec, args=None, sync: bool = True):
-    from megarl.planner import default_hardware, make_plan
-
-    par = cfg.actor.parallel
-    hw = default_hardware(
-        par.tp * par.pp * par.dp,
-        getattr(args, "nodes", None),
-        getattr(args, "gpus_per_node", None),
-        gpu_mem_gb=getattr(args, "gpu_mem_gb", None),
-        ib_gbps=getattr(args, "ib_gbps", None),
-        nvlink_gbps=getattr(args, "nvlink_gbps", None),
-        peak_tflops=getattr(args, "peak_tflops", None),
-        hbm_gb_s=getattr(args, "hbm_gb_s", None),
-        fs_gb_s=getattr(args, "fs_gb_s", None),
-    )
-    return make_plan(cfg, spec, hw, sync=sync)
+    return train_command(args, stop)
 
 
 def _cmd_plan(args) -> int:
-    from megarl.config import ConfigError, load_config, validate
-    from megarl.planner import PlanError, format_plan
+    from megarl.planner.cli import plan_command
 
-    try:
-        cfg = load_config(args.config, args.overrides, cuda=True)  # planned for GPUs, from any machine
-        spec = validate(cfg)
-        job = _plan_for(cfg, spec, args)
-    except (ConfigError, PlanError, ValueError) as e:
-        print(f"megarl: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(job))
-    return 0 if job.fits else 1
+    return plan_command(args)
 
 
 def _cmd_tiny_model(args) -> int:

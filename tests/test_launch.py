@@ -16,9 +16,9 @@ import pytest
 
 from megarl.cli import main as megarl_main
 from megarl.config import load_config
+from megarl.config.topology import LaunchError
 from megarl.launch import torchrun as torchrun_launcher
 from megarl.launch.slurm import NetworkEnv, SlurmOptions, render
-from megarl.launch.topology import LaunchError
 from megarl.launch.torchrun import TorchrunOptions, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -387,7 +387,7 @@ def test_slurm_job_writes_one_log_per_node(preempted_job):
 
 def test_pools_size_the_launch_and_keep_each_pools_tp_groups_in_a_node(tiny_llama_dir):
     from megarl.config import load_config
-    from megarl.launch.topology import check_nodes
+    from megarl.config.topology import check_nodes
 
     pools = ["placement.pools.train.ranks=0-1", "placement.pools.train.roles=[actor]",
              "placement.pools.rollout.ranks=2-3", "placement.pools.rollout.roles=[rollout]"]  # fmt: skip

@@ -268,9 +268,9 @@ def _timeout_worker():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megarl.cli import _rank
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.run.cli import run_rank as _rank
 
     init_distributed(ParallelLayout(tp=2, pp=1, dp=1), timeout_s=3)  # Megatron's groups: whole minutes
     tp = dist.new_group([0, 1], timeout=__import__("datetime").timedelta(seconds=3), group_desc="TEST_TP_GROUP")

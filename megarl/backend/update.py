@@ -100,15 +100,8 @@ def ppo_updates(
             if not any(trained[i] for i in rows):
                 empty += 1
                 continue
-            mine = dp_rows(rows, dp_rank, dp)
-            batches, groups = micro_batches(
-                [seqs[i] for i in mine],
-                {name: [values[i] for i in mine] for name, values in fields.items()},
-                max_tokens=max_tokens,
-                micro_batch_size=micro_batch_size,
-            )
-            for batch, group in zip(batches, groups):
-                batch["loss_mask"] *= torch.tensor([float(trained[mine[j]]) for j in group]).unsqueeze(1)
+            batches = _trained_micro_batches(seqs, fields, dp_rows(rows, dp_rank, dp), trained, max_tokens,
+                                             micro_batch_size)  # fmt: skip
             norm = GlobalNorm(
                 tokens=sum(seqs[i].response_len for i in rows if trained[i]),
                 seqs=sum(trained[i] for i in rows),
@@ -129,3 +122,18 @@ def ppo_updates(
         for k in keys
     }
     return {**averaged, "empty_minibatches": float(empty)}
+
+
+def _trained_micro_batches(seqs: list[Sequence], fields: dict, mine: list[int], trained: list[bool], max_tokens: int,
+                           micro_batch_size: int) -> list[dict]:  # fmt: skip
+    """This rank's rows ``mine`` of a mini-batch as micro-batches, the sequences not ``trained`` out of the loss
+    mask."""
+    batches, groups = micro_batches(
+        [seqs[i] for i in mine],
+        {name: [values[i] for i in mine] for name, values in fields.items()},
+        max_tokens=max_tokens,
+        micro_batch_size=micro_batch_size,
+    )
+    for batch, group in zip(batches, groups):
+        batch["loss_mask"] *= torch.tensor([float(trained[mine[j]]) for j in group]).unsqueeze(1)
+    return batches

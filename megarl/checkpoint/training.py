@@ -207,8 +207,6 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
     Resource pools: every rank of the launch calls it; ``barrier`` spans the launch; the actor's pool ``finishes``
     (its rank 0 writes the trainer state, the manifest, the rename); another pool writes its models (``models``;
     None: nothing) into ``iter_N/critic``."""
-    from megatron.core import dist_checkpointing
-
     barrier = barrier or dist.barrier
     t0 = time.perf_counter()
     lead = finishes and dist.get_rank() == 0
@@ -220,18 +218,7 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
     barrier()
     aside = f"{tmp}-{CRITIC_DIR}"  # written beside, moved in below (Megatron warns about a non-empty target)
     if models is not None:
-        target = tmp if finishes else aside
-        if not finishes:
-            if dist.get_rank() == 0:
-                shutil.rmtree(aside, ignore_errors=True)
-                os.makedirs(aside)
-            dist.barrier()  # the directory exists before the pool's ranks write into it
-        with megatron_mode():
-            dist_checkpointing.save(
-                _sharded_state(models, loading=False, rng=rng or True),
-                target,
-                content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
-            )
+        _write_models(models, tmp if finishes else aside, fresh=not finishes, rng=rng)
     if lead:
         ckpt.atomic_write(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state))
         for name, obj in (extra or {}).items():
@@ -249,19 +236,43 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         t_hash = time.perf_counter() - t0 - t_write
         dist.barrier()
         if lead:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
-            if keep_last:
-                for _, old in complete_iterations(root)[0][keep_last:]:
-                    if os.path.abspath(old) != os.path.abspath(final):  # never the checkpoint just written
-                        shutil.rmtree(old, ignore_errors=True)
+            _publish(root, step, tmp, final, keep_last)
         dist.barrier()
         size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
         report = {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
     barrier()
     return report
+
+
+def _write_models(models, target: str, *, fresh: bool, rng: dict | None) -> None:
+    """Collective over the models' ranks: their sharded state (and RNG states) into ``target`` (``fresh``: created
+    empty first, by the pool's rank 0)."""
+    from megatron.core import dist_checkpointing
+
+    if fresh:
+        if dist.get_rank() == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            os.makedirs(target)
+        dist.barrier()  # the directory exists before the pool's ranks write into it
+    with megatron_mode():
+        dist_checkpointing.save(
+            _sharded_state(models, loading=False, rng=rng or True),
+            target,
+            content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
+        )
+
+
+def _publish(root: str, step: int, tmp: str, final: str, keep_last: int) -> None:
+    """The finished ``tmp`` becomes ``final`` and ``latest``; all but the newest ``keep_last`` complete checkpoints
+    are deleted (never the one just written)."""
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
+    if keep_last:
+        for _, old in complete_iterations(root)[0][keep_last:]:
+            if os.path.abspath(old) != os.path.abspath(final):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass

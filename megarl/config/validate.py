@@ -61,19 +61,63 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
         )
     rollout_pool = [p for p in pools if "rollout" in p.roles]
     errors += _rollout_errors(cfg, spec, rollout_pool[0].size if rollout_pool else layout.world_size)
-    from megarl.rewards.scorer import in_workers
-
-    most = cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
-    if in_workers(cfg.reward) and cfg.reward.step_timeout_s >= most and most < 2 * cfg.reward.timeout_s:
-        errors.append(  # the default budget must leave room for a call that times out, then its samples one by one
-            f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= 2 x reward.timeout_s + "
-            f"{REWARD_WAIT_MARGIN_S} = {2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S:g} (the other ranks wait in a "
-            "collective while a rank scores, re-scoring included); raise it, lower reward.timeout_s, or set "
-            "reward.step_timeout_s"
-        )
+    errors += _reward_wait_errors(cfg)
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
     return spec
+
+
+def _pool_rank_errors(pools) -> list[str]:
+    """Pools disjoint and contiguous from rank 0."""
+    errors, start = [], 0
+    for p in pools:
+        if p.ranks.start < start:
+            errors.append(f"placement.pools.{p.name}.ranks: {p.ranks.start}-{p.ranks.stop - 1} overlaps another pool")
+        elif p.ranks.start > start:
+            gap = f"rank {start}" if p.ranks.start == start + 1 else f"ranks {start}-{p.ranks.start - 1}"
+            errors.append(f"placement.pools.{p.name}.ranks: {gap} in no pool")
+        start = max(start, p.ranks.stop)
+    return errors
+
+
+def _pool_layout_fit_errors(cfg: MegarlConfig, p) -> list[str]:
+    """Pool ``p``'s size fits the layout of the models it hosts, and they share one layout."""
+    layout_of = pool_layout_role(p)
+    if layout_of is None:
+        if "reference" in p.roles:
+            return [f"placement.pools.{p.name}: the reference runs beside the actor or the critic (it takes their "
+                    "pool's layout); add it to one of their pools"]  # fmt: skip
+        return []
+    errors = []
+    par = layout_config(cfg, layout_of)
+    field_name = "reward.model" if layout_of == "reward_model" else layout_of
+    if p.size != par.tp * par.pp * par.dp:
+        errors.append(
+            f"placement.pools.{p.name}: {p.size} ranks, but {field_name}.parallel needs tp x pp x dp = "
+            f"{par.tp * par.pp * par.dp}; change the pool's ranks or {field_name}.parallel"
+        )
+    if "reward_model" in p.roles and cfg.reward.model is not None and reward_model_parallel(cfg) != par:
+        errors.append(
+            f"placement.pools.{p.name}: reward.model.parallel differs from the {layout_of}'s layout in the same "
+            "pool; a pool has one layout: give the reward model a pool of its own"
+        )
+    return errors
+
+
+def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
+    """A reward in worker processes: the other ranks wait in a collective while a rank scores, so the collective's
+    timeout must leave room for a call that times out, then its samples one by one."""
+    from megarl.rewards.scorer import in_workers
+
+    most = cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
+    if not (in_workers(cfg.reward) and cfg.reward.step_timeout_s >= most and most < 2 * cfg.reward.timeout_s):
+        return []
+    return [
+        f"trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} must be >= 2 x reward.timeout_s + "
+        f"{REWARD_WAIT_MARGIN_S} = {2 * cfg.reward.timeout_s + REWARD_WAIT_MARGIN_S:g} (the other ranks wait in a "
+        "collective while a rank scores, re-scoring included); raise it, lower reward.timeout_s, or set "
+        "reward.step_timeout_s"
+    ]
 
 
 def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:
@@ -459,15 +503,7 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
     pools = pools_of(cfg)
     if not pools:
         return []
-    errors = []
-    start = 0
-    for p in pools:
-        if p.ranks.start < start:
-            errors.append(f"placement.pools.{p.name}.ranks: {p.ranks.start}-{p.ranks.stop - 1} overlaps another pool")
-        elif p.ranks.start > start:
-            gap = f"rank {start}" if p.ranks.start == start + 1 else f"ranks {start}-{p.ranks.start - 1}"
-            errors.append(f"placement.pools.{p.name}.ranks: {gap} in no pool")
-        start = max(start, p.ranks.stop)
+    errors = _pool_rank_errors(pools)
     needed = {"actor", "rollout"} | ({"reward_model"} if cfg.reward.model is not None else set())
     if needs_reference(cfg):
         needed.add("reference")
@@ -482,25 +518,7 @@ def placement_errors(cfg: MegarlConfig) -> list[str]:
         if role not in needed and names:
             errors.append(f"placement.pools.{names[0]}.roles: this recipe builds no {role}; remove it")
     by_name = {p.name: p for p in pools}
-    for p in pools:
-        layout_of = pool_layout_role(p)
-        if layout_of is None:
-            if "reference" in p.roles:
-                errors.append(f"placement.pools.{p.name}: the reference runs beside the actor or the critic (it "
-                              "takes their pool's layout); add it to one of their pools")  # fmt: skip
-            continue
-        par = layout_config(cfg, layout_of)
-        field_name = "reward.model" if layout_of == "reward_model" else layout_of
-        if p.size != par.tp * par.pp * par.dp:
-            errors.append(
-                f"placement.pools.{p.name}: {p.size} ranks, but {field_name}.parallel needs tp x pp x dp = "
-                f"{par.tp * par.pp * par.dp}; change the pool's ranks or {field_name}.parallel"
-            )
-        if "reward_model" in p.roles and cfg.reward.model is not None and reward_model_parallel(cfg) != par:
-            errors.append(
-                f"placement.pools.{p.name}: reward.model.parallel differs from the {layout_of}'s layout in the same "
-                "pool; a pool has one layout: give the reward model a pool of its own"
-            )
+    errors += [e for p in pools for e in _pool_layout_fit_errors(cfg, p)]
     if hosts["actor"] and hosts["critic"] and hosts["actor"] == hosts["critic"]:
         if critic_parallel(cfg) != cfg.actor.parallel:
             errors.append(

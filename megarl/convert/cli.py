@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megarl.checkpoint.format import CheckpointError
+from megarl.checkpoint.format import CheckpointError, latest_iteration_dir, read_meta
 from megarl.config.validate import layout_errors
+from megarl.convert.hf_to_megatron import ConversionError, check_hf_source, check_output_dir, convert_hf_to_megatron
+from megarl.convert.megatron_to_hf import check_export_dir, convert_megatron_to_hf
+from megarl.convert.verify import verify_checkpoint
+from megarl.lora.export import checkpoint_lora, export_adapter, export_merged
+from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.spawn import run_on_ranks
 
@@ -22,8 +27,6 @@ def _fail(message: str) -> int:
 
 
 def hf_to_megatron_main(argv: list[str] | None = None) -> int:
-    from megarl.convert.hf_to_megatron import ConversionError, check_hf_source, check_output_dir
-
     p = argparse.ArgumentParser(
         prog="hf_to_megatron", description="HF checkpoint -> megarl/Megatron distributed checkpoint (any TP/PP later)"
     )
@@ -50,16 +53,10 @@ def hf_to_megatron_main(argv: list[str] | None = None) -> int:
 
 
 def _convert(hf_dir, out, layout, dtype, overwrite):
-    from megarl.convert.hf_to_megatron import convert_hf_to_megatron
-
     return convert_hf_to_megatron(hf_dir, out, layout, dtype=dtype, overwrite=overwrite)
 
 
 def megatron_to_hf_main(argv: list[str] | None = None) -> int:
-    from megarl.checkpoint.format import latest_iteration_dir, read_meta
-    from megarl.convert.hf_to_megatron import ConversionError
-    from megarl.convert.megatron_to_hf import check_export_dir
-
     p = argparse.ArgumentParser(prog="megatron_to_hf", description="megarl/Megatron checkpoint -> HF directory")
     p.add_argument("--ckpt", required=True, help="megarl checkpoint directory (loads what 'latest' names)")
     p.add_argument("--out", required=True, help="output HF directory")
@@ -69,8 +66,6 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
     kind.add_argument("--lora", action="store_true", help="a LoRA checkpoint's adapters as a PEFT adapter directory")
     kind.add_argument("--merge", action="store_true", help="a LoRA checkpoint merged into its base, as a HF model")
     args = p.parse_args(argv)
-    from megarl.lora.export import checkpoint_lora, export_adapter, export_merged
-
     try:
         meta = read_meta(args.ckpt)
         latest_iteration_dir(args.ckpt)
@@ -97,22 +92,15 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
 
 
 def _export(ckpt, out, overwrite, max_shard_bytes):
-    from megarl.convert.megatron_to_hf import convert_megatron_to_hf
-
     return convert_megatron_to_hf(ckpt, out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
 
 def verify_main(argv: list[str] | None = None) -> int:
-    from megarl.checkpoint.format import read_meta
-    from megarl.convert.verify import verify_checkpoint
-
     p = argparse.ArgumentParser(prog="verify", description="logit parity between a HF model and a megarl checkpoint")
     p.add_argument("--hf-dir", required=True, help="HF model directory (the reference)")
     p.add_argument("--ckpt", required=True, help="megarl checkpoint directory")
     _layout_args(p, "load the checkpoint")
     args = p.parse_args(argv)
-    from megarl.models.spec import spec_from_hf_config
-
     try:
         errors = layout_errors(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args.tp, args.pp, "--{}")
         if errors:

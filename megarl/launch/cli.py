@@ -101,7 +101,7 @@ LAUNCHERS = {"torchrun": _torchrun, "slurm": _slurm}
 def main(launcher: str, argv: list[str]) -> int:
     """Run one launcher; a config or launch error is one line on stderr and exit status 2."""
     from megarl.config import ConfigError
-    from megarl.launch.topology import LaunchError
+    from megarl.config.topology import LaunchError
 
     try:
         return LAUNCHERS[launcher](argv)

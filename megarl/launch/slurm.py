@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import launch as templates
 from megarl.config import MegarlConfig, load_config
+from megarl.config.topology import LaunchError, check_nodes, positive, train_args
 from megarl.config.validate import preflight
-from megarl.launch.topology import LaunchError, check_nodes, positive, train_args
 from megarl.run.resume import STOPPED_FILE
 
 DEFAULT_ENV = {

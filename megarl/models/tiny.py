@@ -30,6 +30,15 @@ def save_byte_tokenizer(out_dir: str):
     return fast
 
 
+def _randomize(model, seed: int, init_std: float) -> None:
+    """Every parameter from N(0, init_std), norms around 1 (reproducible from ``seed``)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * init_std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
 def make_tiny_hf_model(
     out_dir: str,
     family: str = "llama",
@@ -82,11 +91,7 @@ def make_tiny_hf_model(
         config.num_labels = num_labels
     classes = _HF_MODEL_CLASSES if num_labels is None else _HF_CLASSIFIER_CLASSES
     model = getattr(transformers, classes[family])(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * init_std
-            p.copy_(1.0 + noise if "norm" in name else noise)
+    _randomize(model, seed, init_std)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     save_byte_tokenizer(out_dir)

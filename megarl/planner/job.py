@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from megarl.config.schema import MegarlConfig
+from megarl.config.topology import LaunchError, check_nodes
 from megarl.config.validate import (
     adapter_slots,
     divisors,
@@ -16,7 +17,6 @@ from megarl.config.validate import (
     rollout_tp,
     vllm_tp_fits,
 )
-from megarl.launch.topology import LaunchError, check_nodes
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner.memory import (
@@ -262,6 +262,8 @@ def placement_lines(layout: ParallelLayout, cfg: MegarlConfig | None = None) -> 
 
 
 def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
+    """The report `megarl plan` prints: placement, memory per rank, verdict, host memory, weight sync, step time,
+    LoRA."""
     hw, layout, cfg = job.hw, job.layout, job.cfg
     lines = [
         f"megarl plan: {job.spec.family} {job.spec.num_layers}x{job.spec.hidden_size} ({cfg.model.dtype}), "
@@ -275,39 +277,10 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         f"## Memory per rank (GB; offload {'on' if job.ranks[0].offloaded else 'off'})",
     ]
     lines += _memory_table(job)
-    lines += ["", "## Verdict"]
-    m, phase, peak = job.worst()
-    if job.fits:
-        lines.append(
-            f"FITS: peak {_gb(peak)} GB of {hw.gpu_mem_gb:g} GB on rank {m.rank} during {phase} "
-            f"({_gb(job.capacity - peak)} GB to spare)"
-        )
-    else:
-        top = sorted(m.phases[phase], key=lambda c: -m.consumers[c])[:3]
-        lines.append(
-            f"DOES NOT FIT: rank {m.rank} needs {_gb(peak)} GB during {phase}, {_gb(peak - job.capacity)} GB over "
-            f"{hw.gpu_mem_gb:g} GB; largest: " + ", ".join(f"{c} {_gb(m.consumers[c])}" for c in top)
-        )
-        if with_suggestions:
-            for desc, overrides, new_peak, fits in suggestions(job):
-                lines.append(
-                    f"  {'would fit' if fits else 'still over'} with {desc} ({' '.join(overrides)}): peak "
-                    f"{_gb(new_peak)} GB"
-                )
+    lines += ["", "## Verdict", *_verdict_lines(job, with_suggestions)]
     lines += host_memory_lines(job)
-    s = job.sync
-    if s:
-        lines += ["", f"## Weight sync (resharding plan, actor {layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})"]
-        if "adapters" in s:
-            lines += ["the first sync (the base weights):"]
-        lines += _sync_lines(s, _gb, "GB")
-        if "adapters" in s:
-            lines += ["every later sync (the LoRA adapters into vLLM's LoRA slots, full factors on every engine rank):"]
-            lines += _sync_lines(s["adapters"], lambda n: f"{n / MiB:.1f}", "MiB")
-        lines += [
-            f"estimated times: NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per GPU, no latency or "
-            "verification"
-        ]
+    if job.sync:
+        lines += _weight_sync_lines(job)
     if job.step is not None:
         lines += ["", "## Step time (estimate)"]
         lines += step_time_lines(job.step, hw, one_step_off=any("rollout" in p.roles for p in pools_of(cfg)))
@@ -315,18 +288,8 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         lines += [save_time_line(job.save, hw)]
         if job.step is not None:
             lines += [f"SLURM signal lead: {signal_lead(cfg, job.step, job.save)[1]}"]
-    lora = cfg.actor.lora
-    if lora is not None:
-        trainable = sum(p.numel for p in lora_params(job.spec, layout, lora)[0])
-        lines += [
-            "",
-            f"## LoRA (rank {lora.rank}, alpha {lora.effective_alpha:g}, {', '.join(lora.target_modules)})",
-            f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
-            "the frozen base in the model dtype; the reference is the base (no second copy)",
-            f"adapter bytes per engine rank: {lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB ("
-            + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
-               "rollout.lora_merge: every sync sends the merged whole weights instead)"),
-        ]
+    if cfg.actor.lora is not None:
+        lines += _lora_lines(job)
     mb = micro_batch_shape(cfg.actor, cfg.actor.seq_length)
     lines += [
         "",
@@ -336,6 +299,60 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
         "configured KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
+
+
+def _verdict_lines(job: JobPlan, with_suggestions: bool) -> list[str]:
+    """FITS with the peak and what is spare, or DOES NOT FIT with the largest consumers and the settings that would
+    make it fit."""
+    hw = job.hw
+    m, phase, peak = job.worst()
+    if job.fits:
+        return [f"FITS: peak {_gb(peak)} GB of {hw.gpu_mem_gb:g} GB on rank {m.rank} during {phase} "
+                f"({_gb(job.capacity - peak)} GB to spare)"]  # fmt: skip
+    top = sorted(m.phases[phase], key=lambda c: -m.consumers[c])[:3]
+    lines = [
+        f"DOES NOT FIT: rank {m.rank} needs {_gb(peak)} GB during {phase}, {_gb(peak - job.capacity)} GB over "
+        f"{hw.gpu_mem_gb:g} GB; largest: " + ", ".join(f"{c} {_gb(m.consumers[c])}" for c in top)
+    ]
+    if with_suggestions:
+        for desc, overrides, new_peak, fits in suggestions(job):
+            lines.append(
+                f"  {'would fit' if fits else 'still over'} with {desc} ({' '.join(overrides)}): peak "
+                f"{_gb(new_peak)} GB"
+            )
+    return lines
+
+
+def _weight_sync_lines(job: JobPlan) -> list[str]:
+    """The resharding plan's bytes and estimated times (with LoRA: the first sync's and every later one's)."""
+    s, hw, cfg = job.sync, job.hw, job.cfg
+    lines = ["", f"## Weight sync (resharding plan, actor {job.layout} -> {cfg.rollout.backend} TP={rollout_tp(cfg)})"]
+    if "adapters" in s:
+        lines += ["the first sync (the base weights):"]
+    lines += _sync_lines(s, _gb, "GB")
+    if "adapters" in s:
+        lines += ["every later sync (the LoRA adapters into vLLM's LoRA slots, full factors on every engine rank):"]
+        lines += _sync_lines(s["adapters"], lambda n: f"{n / MiB:.1f}", "MiB")
+    lines += [
+        f"estimated times: NVLink {hw.nvlink_gbps / 8:g} GB/s, IB {hw.ib_gbps / 8:g} GB/s per GPU, no latency or "
+        "verification"
+    ]
+    return lines
+
+
+def _lora_lines(job: JobPlan) -> list[str]:
+    """The adapters: trainable parameters on rank 0 and the bytes a sync sends per engine rank."""
+    cfg, lora = job.cfg, job.cfg.actor.lora
+    trainable = sum(p.numel for p in lora_params(job.spec, job.layout, lora)[0])
+    return [
+        "",
+        f"## LoRA (rank {lora.rank}, alpha {lora.effective_alpha:g}, {', '.join(lora.target_modules)})",
+        f"trainable on rank 0: {trainable:,} adapter parameters (gradients and optimizer state on these only); "
+        "the frozen base in the model dtype; the reference is the base (no second copy)",
+        f"adapter bytes per engine rank: {lora_sync_bytes(job.spec, lora, cfg.model.dtype) / MiB:.1f} MiB ("
+        + ("synced alone after the first sync: the weight-sync section)" if adapter_slots(cfg) else
+           "rollout.lora_merge: every sync sends the merged whole weights instead)"),
+    ]
 
 
 def host_memory_per_node(job: JobPlan) -> list[dict[str, int]]:

@@ -21,11 +21,16 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from megarl.backend.models import reward_model_spec
+from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
+from megarl.config.device_defaults import kv_cache_bytes
 from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
 from megarl.config.schema import MegarlConfig
+from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
 from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.pools import Pool
 from megarl.planner.activations import Kernels, MicroBatchShape, Model, logits_transient_bytes, stage_activation_bytes
 from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, vllm_layout
 
@@ -270,101 +275,119 @@ def rank_memory(
     models at its pool's layout (the actor's, else the critic's), and nothing sleeps or moves: every phase holds all
     of its own state. ``gpu_bytes``: one GPU's memory (``rollout.kv_cache_mb: auto`` sizes the KV cache from it).
     """
-    from megarl.backend.models import reward_model_spec
-    from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
-    from megarl.config.device_defaults import kv_cache_bytes
-    from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
-
-    dtype, pools = cfg.model.dtype, pools_of(cfg)
+    pools = pools_of(cfg)
     if not pools:  # colocated: one pool of every role at the actor's layout
-        from megarl.parallel.pools import Pool
-
         pools = [Pool("all", range(layout.world_size), ("actor", "critic", "reference", "rollout", "reward_model"))]
-    layouts = {"actor": layout}
-    for role in ("critic", "reward_model"):
-        par = layout_config(cfg, role)
-        layouts[role] = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=gpus_per_node)
-    rm_spec = reward_model_spec(cfg)[1] if needs_reward_model(cfg) else None
-    params = {}  # (layout role, value head) -> per-rank parameters, computed once
+    job = _JobMemory(cfg, spec, layout, gpus_per_node, gpu_bytes, pools)
+    return [job.rank(pool, rank) for pool in pools for rank in pool.ranks]
 
-    def params_of(role: str, value_head: bool = False):
-        if (role, value_head) not in params:
-            params[(role, value_head)] = model_params(spec, layouts[role], value_head=value_head)
-        return params[(role, value_head)]
 
-    engines = next(p for p in pools if "rollout" in p.roles)
-    if cfg.rollout.backend == "vllm":
-        engine = vllm_layout(spec, rollout_tp(cfg), engines.size, gpus_per_node)
-    else:
-        engine = hf_layout(spec, list(range(engines.size)), gpus_per_node)
-    engine_key = "vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"
-    shared = len(pools) == 1
-    offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) and shared else []  # for GPUs
-    adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
-    out = []
-    for pool in pools:
+class _JobMemory:
+    """What ``rank_memory`` works out once for the whole job (layouts, the engines' shards, LoRA adapters, the
+    offloaded groups) and then per rank."""
+
+    def __init__(self, cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int,
+                 gpu_bytes: int, pools: list) -> None:  # fmt: skip
+
+        self.cfg, self.spec, self.gpu_bytes, self.dtype = cfg, spec, gpu_bytes, cfg.model.dtype
+        self.layouts = {"actor": layout}
+        for role in ("critic", "reward_model"):
+            par = layout_config(cfg, role)
+            self.layouts[role] = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=gpus_per_node)
+        self.rm_spec = reward_model_spec(cfg)[1] if needs_reward_model(cfg) else None
+        self.params = {}
+        """(layout role, value head) -> per-rank parameters, computed once."""
+        self.engines = next(p for p in pools if "rollout" in p.roles)
+        if cfg.rollout.backend == "vllm":
+            self.engine = vllm_layout(spec, rollout_tp(cfg), self.engines.size, gpus_per_node)
+        else:
+            self.engine = hf_layout(spec, list(range(self.engines.size)), gpus_per_node)
+        self.engine_key = "vLLM weights" if cfg.rollout.backend == "vllm" else "HF engine weights"
+        self.shared = len(pools) == 1
+        self.offloaded = flagged_groups(cfg.offload) if cfg.offload.active(on_gpu=True) and self.shared else []  # GPUs
+        self.adapters = lora_params(spec, layout, cfg.actor.lora) if cfg.actor.lora is not None else None
+
+    def params_of(self, role: str, value_head: bool = False):
+        if (role, value_head) not in self.params:
+            self.params[(role, value_head)] = model_params(self.spec, self.layouts[role], value_head=value_head)
+        return self.params[(role, value_head)]
+
+    def rank(self, pool, rank: int) -> RankMemory:
         layout_of = pool_layout_role(pool)
-        lay = layouts[layout_of] if layout_of else None
-        for rank in pool.ranks:
-            m = RankMemory(rank, pool=pool.name if not shared else "")
-            local = pool.local(rank)
-            c = lay.coords(local) if lay else None
-            actor = ModelBytes(0)
-            if "actor" in pool.roles and adapters is not None:  # LoRA: the frozen base has no gradients or optimizer;
-                # the adapters are fp32 in every model dtype (their optimizer steps them, no main copy)
-                actor = trained_model_bytes(adapters[local], "float32", cfg.actor.optim, c.dp, lay.dp)
-                actor.params += sum(p.numel for p in params_of("actor")[local]) * DTYPE_BYTES[dtype]
-            elif "actor" in pool.roles:
-                actor = trained_model_bytes(params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp)
-            m.consumers["actor params"] = actor.params
-            m.consumers[ACTOR_GRADS] = actor.grads
-            m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
-            if needs_critic(cfg):
-                critic = ModelBytes(0)
-                if "critic" in pool.roles:
-                    critic_params = params_of(layout_of, value_head=True)[local]
-                    critic = trained_model_bytes(critic_params, dtype, cfg.critic.optim, c.dp, lay.dp)
-                m.consumers[CRITIC] = critic.total
-            if needs_reference(cfg) and adapters is None:  # with LoRA the reference is the base: no second copy
-                held = sum(p.numel for p in params_of(layout_of)[local]) if "reference" in pool.roles else 0
-                m.consumers[REFERENCE] = held * DTYPE_BYTES[dtype]
-            if rm_spec is not None:  # frozen, at its pool's layout, with its score head
-                held = sum(p.numel for p in model_params(rm_spec, lay)[local]) if "reward_model" in pool.roles else 0
-                m.consumers[REWARD_MODEL] = held * DTYPE_BYTES[dtype]
-            generates = "rollout" in pool.roles
-            e = rank - engines.ranks.start
-            engine_numel = sum(math.prod(s.shape) for s in engine.ranks[e]) if generates else 0
-            m.consumers[engine_key] = engine_numel * DTYPE_BYTES[dtype]
-            kv = kv_cache_bytes(cfg.rollout, cuda=True) if cfg.rollout.backend == "vllm" and generates else 0
-            if kv is None:  # 'auto': what vLLM leaves of its share of the GPU once its weights are in
-                kv = int(cfg.rollout.gpu_memory_utilization * gpu_bytes) - m.consumers[engine_key]
-            m.consumers["KV cache (configured)"] = kv
-            staged = _largest_layer_bytes(engine, e, dtype) if generates else 0  # the engine's side stages one layer
-            sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers
-            m.consumers["reshard buffers"] = (2 * cfg.rollout.bucket_mb * MiB if sends else 0) + staged
-            trains = "actor" if "actor" in pool.roles else "critic" if "critic" in pool.roles else None
-            saved = activation_bytes(cfg, spec, lay, c.pp, critic=trains == "critic") if lay and trains else 0
-            m.consumers[ACTIVATIONS] = saved
-            m.consumers[LOGITS] = logits_bytes(cfg, spec, lay, c.pp) if lay and trains == "actor" else 0
-            m.consumers["reserve (estimate)"] = RESERVE_BYTES
-            training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference", "reward model"))]
-            m.offloaded = {k: m.consumers[k] for k in offloaded if k in m.consumers}
-            resident = [k for k in training_state if k not in m.offloaded]
-            engine_state = [engine_key, "KV cache (configured)"]
-            if not shared:  # dedicated pools: every phase holds all of its own state
-                held = training_state + engine_state + ["reserve (estimate)"]
-                m.phases[STARTUP] = held + ["reshard buffers"]  # the engine starts, then the first sync
-                m.phases[GENERATION] = held
-                m.phases[SYNC] = held + ["reshard buffers"]
-                m.phases[TRAINING] = held + [ACTIVATIONS, LOGITS]
-            else:  # start-up: the engine is built (weights and KV cache) and first synced with the offloaded
-                # state already on the host (megarl.run.job.build_job)
-                m.phases[STARTUP] = resident + engine_state + ["reshard buffers", "reserve (estimate)"]
-                m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
-                m.phases[SYNC] = resident + [engine_key, "reshard buffers", "reserve (estimate)"]
-                m.phases[TRAINING] = training_state + [ACTIVATIONS, LOGITS, "reserve (estimate)"]
-            out.append(m)
-    return out
+        lay = self.layouts[layout_of] if layout_of else None
+        m = RankMemory(rank, pool=pool.name if not self.shared else "")
+        self._models(m, pool, layout_of, lay)
+        self._engine(m, pool, rank)
+        trains = "actor" if "actor" in pool.roles else "critic" if "critic" in pool.roles else None
+        c = lay.coords(pool.local(rank)) if lay else None
+        saved = activation_bytes(self.cfg, self.spec, lay, c.pp, critic=trains == "critic") if lay and trains else 0
+        m.consumers[ACTIVATIONS] = saved
+        m.consumers[LOGITS] = logits_bytes(self.cfg, self.spec, lay, c.pp) if lay and trains == "actor" else 0
+        m.consumers["reserve (estimate)"] = RESERVE_BYTES
+        self._phases(m)
+        return m
+
+    def _models(self, m: RankMemory, pool, layout_of: str | None, lay: ParallelLayout | None) -> None:
+        """The Megatron models' parameters, gradients and optimizer states this rank holds."""
+        cfg, dtype = self.cfg, self.dtype
+        local = pool.local(m.rank)
+        c = lay.coords(local) if lay else None
+        actor = ModelBytes(0)
+        if "actor" in pool.roles and self.adapters is not None:  # LoRA: the frozen base has no gradients or
+            # optimizer; the adapters are fp32 in every model dtype (their optimizer steps them, no main copy)
+            actor = trained_model_bytes(self.adapters[local], "float32", cfg.actor.optim, c.dp, lay.dp)
+            actor.params += sum(p.numel for p in self.params_of("actor")[local]) * DTYPE_BYTES[dtype]
+        elif "actor" in pool.roles:
+            actor = trained_model_bytes(self.params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp)
+        m.consumers["actor params"] = actor.params
+        m.consumers[ACTOR_GRADS] = actor.grads
+        m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
+        if needs_critic(cfg):
+            critic = ModelBytes(0)
+            if "critic" in pool.roles:
+                critic_params = self.params_of(layout_of, value_head=True)[local]
+                critic = trained_model_bytes(critic_params, dtype, cfg.critic.optim, c.dp, lay.dp)
+            m.consumers[CRITIC] = critic.total
+        if needs_reference(cfg) and self.adapters is None:  # with LoRA the reference is the base: no second copy
+            held = sum(p.numel for p in self.params_of(layout_of)[local]) if "reference" in pool.roles else 0
+            m.consumers[REFERENCE] = held * DTYPE_BYTES[dtype]
+        if self.rm_spec is not None:  # frozen, at its pool's layout, with its score head
+            held = sum(p.numel for p in model_params(self.rm_spec, lay)[local]) if "reward_model" in pool.roles else 0
+            m.consumers[REWARD_MODEL] = held * DTYPE_BYTES[dtype]
+
+    def _engine(self, m: RankMemory, pool, rank: int) -> None:
+        """The rollout engine's weights and KV cache on this rank, and the weight sync's buffers."""
+        cfg, engine_key = self.cfg, self.engine_key
+        generates = "rollout" in pool.roles
+        e = rank - self.engines.ranks.start
+        engine_numel = sum(math.prod(s.shape) for s in self.engine.ranks[e]) if generates else 0
+        m.consumers[engine_key] = engine_numel * DTYPE_BYTES[self.dtype]
+        kv = kv_cache_bytes(cfg.rollout, cuda=True) if cfg.rollout.backend == "vllm" and generates else 0
+        if kv is None:  # 'auto': what vLLM leaves of its share of the GPU once its weights are in
+            kv = int(cfg.rollout.gpu_memory_utilization * self.gpu_bytes) - m.consumers[engine_key]
+        m.consumers["KV cache (configured)"] = kv
+        staged = _largest_layer_bytes(self.engine, e, self.dtype) if generates else 0  # the engine stages one layer
+        sends = "actor" in pool.roles or generates  # a critic pool takes no part in the weight sync's transfers
+        m.consumers["reshard buffers"] = (2 * cfg.rollout.bucket_mb * MiB if sends else 0) + staged
+
+    def _phases(self, m: RankMemory) -> None:
+        """Which consumers each phase holds on this rank (and what offload moves to the host)."""
+        training_state = [k for k in m.consumers if k.startswith(("actor", "critic", "reference", "reward model"))]
+        m.offloaded = {k: m.consumers[k] for k in self.offloaded if k in m.consumers}
+        resident = [k for k in training_state if k not in m.offloaded]
+        engine_state = [self.engine_key, "KV cache (configured)"]
+        if not self.shared:  # dedicated pools: every phase holds all of its own state
+            held = training_state + engine_state + ["reserve (estimate)"]
+            m.phases[STARTUP] = held + ["reshard buffers"]  # the engine starts, then the first sync
+            m.phases[GENERATION] = held
+            m.phases[SYNC] = held + ["reshard buffers"]
+            m.phases[TRAINING] = held + [ACTIVATIONS, LOGITS]
+        else:  # start-up: the engine is built (weights and KV cache) and first synced with the offloaded
+            # state already on the host (megarl.run.job.build_job)
+            m.phases[STARTUP] = resident + engine_state + ["reshard buffers", "reserve (estimate)"]
+            m.phases[GENERATION] = resident + engine_state + ["reserve (estimate)"]
+            m.phases[SYNC] = resident + [self.engine_key, "reshard buffers", "reserve (estimate)"]
+            m.phases[TRAINING] = training_state + [ACTIVATIONS, LOGITS, "reserve (estimate)"]
 
 
 def _largest_layer_bytes(engine, rank: int, dtype: str) -> int:

@@ -150,79 +150,91 @@ def execute(
     ``comm`` (``megarl.reshard.comm``): the group the plan's rank ids refer to; default the default process group.
     """
     comm = comm or WorldComm()
-    rank = comm.rank
     if dtype is None:
         dtype = next(iter(dst_tensors.values())).dtype if dst_tensors else torch.float32
-    device = comm_device()
-    esize = torch.empty((), dtype=dtype).element_size()
-    stats = SyncStats()
-    expected: dict[tuple[int, str], int] = defaultdict(int)  # hashes of pieces this rank produced, per dst shard
-
-    def source_view(t: Transfer) -> torch.Tensor:
-        return _region((dst_tensors if t.from_dst else src_tensors)[t.src_shard], t.src_rows, t.src_cols)
-
-    copies: list[tuple[Transfer, torch.Tensor]] = []  # compare_full: what this rank produced, as produced
-
-    def record(t: Transfer, values: torch.Tensor) -> None:
-        if compare_full:
-            copies.append((t, values.detach().cpu().clone()))
-        if verify:
-            key = (t.dst_rank, t.dst_shard)
-            expected[key] = (expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
-
+    run = _Execution(comm, src_tensors, dst_tensors, dtype, verify, compare_full, on_send)
     for r, shard, rows, cols in plan.padding:
-        if r == rank:
+        if r == comm.rank:
             _region(dst_tensors[shard], rows, cols).zero_()
+    for bucket in buckets(plan, bucket_bytes, run.esize):
+        run.bucket(bucket)
+    if verify:
+        _verify(plan, comm, dst_tensors, run.expected, run.device)
+    if compare_full:
+        _compare_full(comm, dst_tensors, run.copies)
+    return run.stats
 
-    for bucket in buckets(plan, bucket_bytes, esize):
+
+class _Execution:
+    """One rank's side of ``execute``: its buckets' copies, sends and receives, and what it produced (hashes per
+    destination shard for the verification; whole copies with ``compare_full``)."""
+
+    def __init__(self, comm, src_tensors, dst_tensors, dtype: torch.dtype, verify: bool, compare_full: bool, on_send):
+        self.comm, self.rank = comm, comm.rank
+        self.src_tensors, self.dst_tensors, self.dtype = src_tensors, dst_tensors, dtype
+        self.verify, self.compare_full, self.on_send = verify, compare_full, on_send
+        self.device = comm_device()
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.stats = SyncStats()
+        self.expected: dict[tuple[int, str], int] = defaultdict(int)
+        """Hashes of the pieces this rank produced, per destination shard."""
+        self.copies: list[tuple[Transfer, torch.Tensor]] = []
+        """``compare_full``: what this rank produced, as produced."""
+
+    def source_view(self, t: Transfer) -> torch.Tensor:
+        return _region((self.dst_tensors if t.from_dst else self.src_tensors)[t.src_shard], t.src_rows, t.src_cols)
+
+    def record(self, t: Transfer, values: torch.Tensor) -> None:
+        if self.compare_full:
+            self.copies.append((t, values.detach().cpu().clone()))
+        if self.verify:
+            key = (t.dst_rank, t.dst_shard)
+            self.expected[key] = (self.expected[key] + position_hash(values, t.dst_rows, t.dst_cols)) & _MASK64
+
+    def bucket(self, bucket: list[Transfer]) -> None:
+        """Collective: the bucket's local copies, then one exchange of packed buffers with the peers, unpacked."""
+        stats, esize = self.stats, self.esize
         stats.buckets += 1
         sends: dict[int, list[Transfer]] = defaultdict(list)
         recvs: dict[int, list[Transfer]] = defaultdict(list)
         for t in bucket:
-            if t.src_rank == rank and t.dst_rank == rank:
-                src = source_view(t)
-                _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols).copy_(src)
-                record(t, src.to(dtype))
+            if t.src_rank == self.rank and t.dst_rank == self.rank:
+                src = self.source_view(t)
+                _region(self.dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols).copy_(src)
+                self.record(t, src.to(self.dtype))
                 stats.bytes_local += t.numel * esize
-            elif t.src_rank == rank:
+            elif t.src_rank == self.rank:
                 sends[t.dst_rank].append(t)
-            elif t.dst_rank == rank:
+            elif t.dst_rank == self.rank:
                 recvs[t.src_rank].append(t)
-        buffers, outgoing = [], []
-        for peer, items in sorted(sends.items()):
-            buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
-            offset = 0
-            for t in items:
-                piece = buf[offset : offset + t.numel]
-                piece.view(source_view(t).shape).copy_(source_view(t))
-                record(t, piece)
-                if on_send is not None:
-                    on_send(t, piece)
-                offset += t.numel
-            buffers.append(buf)
-            outgoing.append((peer, buf))
-            stats.bytes_sent += buf.numel() * esize
-        incoming = []
-        for peer, items in sorted(recvs.items()):
-            buf = torch.empty(sum(t.numel for t in items), dtype=dtype, device=device)
-            buffers.append(buf)
-            incoming.append((peer, buf, items))
-            stats.bytes_received += buf.numel() * esize
-        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sum(b.numel() * esize for b in buffers))
-        comm.exchange(outgoing, [(peer, buf) for peer, buf, _ in incoming])  # one exchange per bucket
+        outgoing = [(peer, self.pack(items)) for peer, items in sorted(sends.items())]
+        incoming = [(peer, self.buffer(items), items) for peer, items in sorted(recvs.items())]
+        stats.bytes_sent += sum(buf.numel() for _, buf in outgoing) * esize
+        stats.bytes_received += sum(buf.numel() for _, buf, _ in incoming) * esize
+        held = sum(buf.numel() for _, buf in outgoing) + sum(buf.numel() for _, buf, _ in incoming)
+        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, held * esize)
+        self.comm.exchange(outgoing, [(peer, buf) for peer, buf, _ in incoming])  # one exchange per bucket
         for _, buf, items in incoming:
             offset = 0
             for t in items:
-                target = _region(dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
+                target = _region(self.dst_tensors[t.dst_shard], t.dst_rows, t.dst_cols)
                 target.copy_(buf[offset : offset + t.numel].view(target.shape))
                 offset += t.numel
-        del buffers, incoming, outgoing
 
-    if verify:
-        _verify(plan, comm, dst_tensors, expected, device)
-    if compare_full:
-        _compare_full(comm, dst_tensors, copies)
-    return stats
+    def buffer(self, items: list[Transfer]) -> torch.Tensor:
+        return torch.empty(sum(t.numel for t in items), dtype=self.dtype, device=self.device)
+
+    def pack(self, items: list[Transfer]) -> torch.Tensor:
+        """The pieces for one peer, in order, in one buffer (each recorded, then shown to ``on_send``)."""
+        buf, offset = self.buffer(items), 0
+        for t in items:
+            piece = buf[offset : offset + t.numel]
+            piece.view(self.source_view(t).shape).copy_(self.source_view(t))
+            self.record(t, piece)
+            if self.on_send is not None:
+                self.on_send(t, piece)
+            offset += t.numel
+        return buf
 
 
 def _compare_full(comm, dst_tensors, copies) -> None:

@@ -82,12 +82,7 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
     if src.gpus_per_node != dst.gpus_per_node:
         raise ValueError("source and destination must agree on gpus_per_node")
     gpn = src.gpus_per_node
-    holders: dict[str, list[tuple[int, str, Block]]] = defaultdict(list)
-    for rank, shards in src.ranks.items():
-        for shard in shards:
-            for b in shard.blocks:
-                if b.hf is not None:
-                    holders[b.hf].append((rank, shard.name, b))
+    holders = _holders(src)
     rank_load: dict[int, int] = defaultdict(int)  # bytes a rank sends (any link) or receives across nodes
     node_load: dict[int, int] = defaultdict(int)  # bytes a node sends across nodes
     transfers, forwards, padding = [], [], []
@@ -114,21 +109,14 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
                 if db.hf is None:
                     padding.append((dst_rank, shard.name, *_place(db, db.rows, db.cols)))
                     continue
-                cands_all = [h for h in holders[db.hf] if _overlaps(h[2], db)]
-                if not cands_all:
-                    raise ValueError(f"no source holds {db.hf} rows {db.rows} cols {db.cols}")
-                row_cuts = _cuts(*db.rows, [e for h in cands_all for e in h[2].rows])
-                col_cuts = [None] if db.cols is None else _cuts(*db.cols, [e for h in cands_all for e in h[2].cols])
-                for rows in row_cuts:
-                    for cols in col_cuts:
-                        cands = [h for h in cands_all if _contains(h[2], rows, cols)]
-                        local = [h for h in cands if h[0] == dst_rank]
-                        near = [h for h in cands if h[0] // gpn == dst_node]
-                        if local or near:
-                            source = (local or sorted(near, key=lambda h: (rank_load[h[0]], h[0])))[0]
-                            emit(source, dst_rank, shard.name, db, rows, cols, 0, False)
-                        else:
-                            remote[(dst_node, db.hf, rows, cols)].append((dst_rank, shard.name, db, cands))
+                for rows, cols, cands in _pieces(db, holders[db.hf]):
+                    local = [h for h in cands if h[0] == dst_rank]
+                    near = [h for h in cands if h[0] // gpn == dst_node]
+                    if local or near:
+                        source = (local or sorted(near, key=lambda h: (rank_load[h[0]], h[0])))[0]
+                        emit(source, dst_rank, shard.name, db, rows, cols, 0, False)
+                    else:
+                        remote[(dst_node, db.hf, rows, cols)].append((dst_rank, shard.name, db, cands))
     # pass 2: each remote slice crosses the network once per node, to the least loaded of the ranks that need it,
     # from the least loaded source node / rank; the receiver forwards it to the node's other ranks (phase 1)
     for (_, _, rows, cols), needs in remote.items():
@@ -146,6 +134,30 @@ def plan(src: SideLayout, dst: SideLayout) -> Plan:
         src_shapes={r: {s.name: s.shape for s in shards} for r, shards in src.ranks.items()},
         gpus_per_node=gpn,
     )
+
+
+def _holders(src: SideLayout) -> dict[str, list[tuple[int, str, Block]]]:
+    """HF tensor name -> every (rank, shard, block) of ``src`` that holds a part of it."""
+    holders: dict[str, list[tuple[int, str, Block]]] = defaultdict(list)
+    for rank, shards in src.ranks.items():
+        for shard in shards:
+            for b in shard.blocks:
+                if b.hf is not None:
+                    holders[b.hf].append((rank, shard.name, b))
+    return holders
+
+
+def _pieces(db: Block, holders: list[tuple[int, str, Block]]):
+    """Destination block ``db`` cut where the source blocks' edges fall: (rows, cols, the holders containing the
+    piece whole), row-major."""
+    cands_all = [h for h in holders if _overlaps(h[2], db)]
+    if not cands_all:
+        raise ValueError(f"no source holds {db.hf} rows {db.rows} cols {db.cols}")
+    row_cuts = _cuts(*db.rows, [e for h in cands_all for e in h[2].rows])
+    col_cuts = [None] if db.cols is None else _cuts(*db.cols, [e for h in cands_all for e in h[2].cols])
+    for rows in row_cuts:
+        for cols in col_cuts:
+            yield rows, cols, [h for h in cands_all if _contains(h[2], rows, cols)]
 
 
 def _overlaps(b: Block, db: Block) -> bool:

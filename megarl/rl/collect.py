@@ -139,15 +139,8 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         by_index = {next_index + i: p for i, p in enumerate(prompts)}
         scoring = GroupScores(rewards, by_index, tokenizer, engine.tp)  # scored while the engine generates
         with timer("generate"):
-            samples, stats = rollout(
-                engine,
-                [p.prompt_ids for p in prompts],
-                step=step,
-                sampling=cfg.rollout.sampling,
-                seed=cfg.trainer.seed,
-                first_index=next_index,
-                on_group=scoring.add,
-            )
+            samples, stats = rollout(engine, [p.prompt_ids for p in prompts], step=step, sampling=cfg.rollout.sampling,
+                                     seed=cfg.trainer.seed, first_index=next_index, on_group=scoring.add)  # fmt: skip
         next_index += len(prompts)
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
@@ -163,19 +156,7 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         out.errors += result.errors
         out.timeouts += result.timeouts
         out.first_error = out.first_error or result.first_error
-        metric = _filter_metric(dynamic, result, shaped)
-        for idx, prompt in by_index.items():
-            rows = [i for i, s in enumerate(samples) if s.prompt_index == idx]
-            group = _Group(
-                idx,
-                prompt,
-                [samples[i] for i in rows],
-                [result.scores[i] for i in rows],
-                [shaped[i] for i in rows],
-                [result.failed[i] for i in rows],
-                {k: [v[i] for i in rows] for k, v in result.extra.items()},
-                [metric[i] for i in rows],
-            )
+        for group in _groups(by_index, samples, result, shaped, _filter_metric(dynamic, result, shaped)):
             informative = not dynamic.enable or len(set(group.metric)) > 1
             (kept if informative else spare).append(group)
         if len(kept) >= want:
@@ -197,3 +178,21 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         for k, v in g.extra.items():
             out.extra.setdefault(k, []).extend(v)
     return out
+
+
+def _groups(by_index: dict, samples: list, result, shaped: list[float], metric: list[float]) -> list[_Group]:
+    """One round's samples and scores, by prompt group (in ``by_index``'s order)."""
+    groups = []
+    for idx, prompt in by_index.items():
+        rows = [i for i, s in enumerate(samples) if s.prompt_index == idx]
+        groups.append(_Group(
+            idx,
+            prompt,
+            [samples[i] for i in rows],
+            [result.scores[i] for i in rows],
+            [shaped[i] for i in rows],
+            [result.failed[i] for i in rows],
+            {k: [v[i] for i in rows] for k, v in result.extra.items()},
+            [metric[i] for i in rows],
+        ))  # fmt: skip
+    return groups

@@ -143,7 +143,7 @@ class VLLMEngine:
         if (lora is None) != (adapter_layout is None):
             raise ValueError("VLLMEngine: lora and adapter_layout go together")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
+        from vllm import LLM  # imported before vllm_shm patches the shared memory
         from vllm.platforms import current_platform
 
         lifetime.join_run()  # the engine's shared memory belongs to this process's run: named after it, removed with it
@@ -165,24 +165,7 @@ class VLLMEngine:
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
         self.base_loaded = False
         """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
-        with preserved_process_state():
-            self.llm = LLM(
-                model=engine_dir,
-                tokenizer=engine_dir,
-                load_format="dummy",
-                tensor_parallel_size=tp,
-                distributed_executor_backend="external_launcher",
-                dtype=dtype,
-                seed=seed,
-                enforce_eager=enforce_eager(cfg, torch.cuda.is_available()),
-                max_model_len=self.max_model_len,
-                logprobs_mode="processed_logprobs",
-                enable_sleep_mode=self.sleep_mode,
-                distributed_timeout_seconds=collective_timeout_s,
-                cpu_distributed_timeout_seconds=collective_timeout_s,
-                **_memory_args(cfg),
-                **_lora_args(lora),
-            )
+        self.llm = self._start(LLM, engine_dir, dtype, seed, collective_timeout_s)
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
         self.adapters: AdapterSlots | None = None
@@ -192,6 +175,28 @@ class VLLMEngine:
         self.plans = SyncPlans(
             spec, src_layout, tp=tp, world=self.world, offset=offset, lora=lora, adapter_src=adapter_layout
         )
+
+    def _start(self, llm_class, engine_dir: str, dtype: str, seed: int, collective_timeout_s: int):
+        """Collective over the engine's ranks: vLLM's ``LLM`` on this process group (the external launcher), with
+        dummy weights (the first sync brings the real ones)."""
+        with preserved_process_state():
+            return llm_class(
+                model=engine_dir,
+                tokenizer=engine_dir,
+                load_format="dummy",
+                tensor_parallel_size=self.tp,
+                distributed_executor_backend="external_launcher",
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=enforce_eager(self.cfg, torch.cuda.is_available()),
+                max_model_len=self.max_model_len,
+                logprobs_mode="processed_logprobs",
+                enable_sleep_mode=self.sleep_mode,
+                distributed_timeout_seconds=collective_timeout_s,
+                cpu_distributed_timeout_seconds=collective_timeout_s,
+                **_memory_args(self.cfg),
+                **_lora_args(self.lora),
+            )
 
     @property
     def adapter_slots(self) -> bool:

@@ -266,8 +266,55 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     """Collective over the world (every rank calls it with the same config): a fresh start, or the continuation of
     the checkpoint ``trainer.resume`` names (``resume.plan_start``). ``engine``: reuse a running rollout engine of
     the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
-    from transformers import AutoTokenizer
+    place, layout, here, builds_models = join_groups(cfg)
+    start = plan_start(cfg, spec)
+    notes = tidy_output_dir(cfg, place, start)
+    models = None
+    if builds_models:
+        roles = place.pool.roles if place.pooled else ALL_ROLES
+        models = build_rl_models(cfg, spec, here, source, dist.get_rank(), load_weights=start is None, roles=roles)
+    lora_base = lora_fingerprint(cfg, models)
+    state, rng = TrainerState(seed=cfg.trainer.seed), None
+    if start is not None:
+        state, rng = restore(cfg, start, models, here, lora_base, place.leader, notes)
+    trim_timeline(cfg, place, state)
+    ahead, stream = read_in_flight(cfg, place, start, state)
+    tokenizer, sampler, val_prompts, train = prompts(cfg, source, state)
+    kc = cfg.algorithm.kl_ctrl
+    kl_ctrl = kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+    if state.kl_ctrl:
+        kl_ctrl.load_state_dict(state.kl_ctrl)
+    offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
+    engine = start_and_sync(cfg, spec, source, layout, place, offloader, models, state.step, engine)
+    if rng is not None:
+        set_rng_states(rng)  # last: starting vLLM reseeds the global generators
+    tracker = open_tracker(cfg, place, state)
+    rewards = None
+    if place.hosts("rollout"):  # scored where the samples are generated; last
+        rewards = open_rewards(cfg.reward, budget_s=cfg.reward.step_timeout_s)
+    learners = place
+    if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
+        learners = None if place.hosts("rollout") else place.without("rollout")
+    actor = models.actor if models is not None else None
+    job = Job(cfg=cfg, source=source, spec=spec, layout=layout, place=place, rank=place.rank, tokenizer=tokenizer,
+              sampler=sampler, val_prompts=val_prompts, rewards=rewards, models=models, engine=engine, tracker=tracker,
+              kl_ctrl=kl_ctrl, skip_old_logprob=skips_old_logprob(cfg), offloader=offloader,
+              roles=make_roles(cfg, spec, models, learners or place),
+              phases=Phases(engine, offloader, actor, shared=not place.pooled), lora_base=lora_base,
+              learners=learners)  # fmt: skip
+    store = launch_store() if cfg.async_training.bounded else None
+    job.feed = make_feed(job, cfg.async_training.mode, store, state.step, ahead=ahead, stream=stream)
+    reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
+    if place.pooled:
+        record_placement(job)
+    describe_job(job, train, reward_text, notes)
+    return job, state
 
+
+def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelLayout, bool]:
+    """Collective: this rank's placement (joining its pool's group with pools), the actor's layout, the layout this
+    rank's models take (a critic's or reward model's pool has its own) and whether this rank builds Megatron models
+    (Megatron's groups are initialised, inside the pool when pooled)."""
     par = cfg.actor.parallel
     layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
     timeout_s = cfg.trainer.collective_timeout_s
@@ -276,18 +323,21 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         place = Placement.join(pools_of(cfg), default_backend(), timeout_s, cfg.placement.wait_timeout_s)
     layout_of = "actor" if place is None else pool_layout_role(place.pool)  # whose layout this rank's models take
     here = layout
-    if layout_of not in (None, "actor"):  # a critic's or reward model's pool
+    if layout_of not in (None, "actor"):
         par = layout_config(cfg, layout_of)
         here = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
-    if layout_of is not None:  # Megatron's groups, inside this rank's pool when pooled
+    if layout_of is not None:
         init_distributed(here, seed=cfg.trainer.seed, timeout_s=timeout_s)
     if cfg.trainer.keep_freed_memory and cpu_compat.is_installed():
         keep_freed_memory()
-    place = place or Placement.colocated()
-    rank = place.rank
-    out_dir = cfg.trainer.output_dir
+    return place or Placement.colocated(), layout, here, layout_of is not None
 
-    start = plan_start(cfg, spec)
+
+def tidy_output_dir(cfg: MegarlConfig, place: Placement, start) -> list[str]:
+    """Collective: before anything is written, the leader removes interrupted saves and the STOPPED mark, moves a
+    rolled-back run's later checkpoints aside, and clears (``trainer.overwrite``) or sets aside a previous run that
+    never completed a step. The notes to say."""
+    out_dir = cfg.trainer.output_dir
     root = checkpoints_root(out_dir)
     interrupted = sorted(glob.glob(os.path.join(root, "iter_*.tmp*")))  # a critic pool's part too (iter_N.tmp-critic)
     explicit = cfg.trainer.resume not in ("auto", "never")  # auto takes the newest: nothing comes after it
@@ -310,81 +360,105 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         if os.path.exists(os.path.join(out_dir, STOPPED_FILE)):
             os.remove(os.path.join(out_dir, STOPPED_FILE))
     place.barrier()
-
-    models = None
-    if layout_of is not None:
-        roles = place.pool.roles if place.pooled else ALL_ROLES
-        models = build_rl_models(cfg, spec, here, source, dist.get_rank(), load_weights=start is None, roles=roles)
-    trains_actor = models is not None and models.actor is not None
-    state, rng = TrainerState(seed=cfg.trainer.seed), None
     notes = [f"removed an interrupted save: {d}" for d in interrupted]
     if abandoned:
         notes.append(
             f"rolled back to step {start.step}: moved the {len(abandoned)} later checkpoint(s) of the abandoned branch "
             f"to {os.path.dirname(abandoned[0])} ({', '.join(os.path.basename(p) for p in abandoned)})"
         )
-    lora_base = None
-    if cfg.actor.lora is not None and trains_actor:
-        from megarl.lora.checkpoint import base_fingerprint
+    return notes
 
-        lora_base = base_fingerprint(models.actor.module)
-    if start is not None and models is None:  # the rollout's pool: where the prompts stopped
-        state = TrainerState.from_dict(read_trainer_state(start.path)["state"])
-    elif start is not None:
-        saved = read_trainer_state(start.path)
-        if trains_actor:
-            _check_lora(start.path, saved, cfg.actor.lora, lora_base)
-        same_layout = saved.get("layout" if trains_actor else "critic_layout") == dataclasses.asdict(here)
-        loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
-        rng = loaded.rng
-        state = TrainerState.from_dict(saved["state"])
-        notes += [f"skipped {s}" for s in start.skipped]
+
+def lora_fingerprint(cfg: MegarlConfig, models: RLModels | None) -> dict | None:
+    """LoRA, where the actor is trained: its frozen base's fingerprint (saved in checkpoints, checked on resume)."""
+    if cfg.actor.lora is None or models is None or models.actor is None:
+        return None
+    from megarl.lora.checkpoint import base_fingerprint
+
+    return base_fingerprint(models.actor.module)
+
+
+def restore(cfg: MegarlConfig, start, models: RLModels | None, here: ParallelLayout, lora_base: dict | None,
+            leader: bool, notes: list[str]) -> tuple[TrainerState, dict | None]:  # fmt: skip
+    """The trainer state of checkpoint ``start`` and, where this rank holds models, their weights, optimizer states
+    and schedulers (RNG states: returned, set last, when the layout is the checkpoint's); what happened in ``notes``.
+    The leader continues metrics.jsonl from it."""
+    saved = read_trainer_state(start.path)
+    state = TrainerState.from_dict(saved["state"])
+    if models is None:  # the rollout's pool: where the prompts stopped
+        return state, None
+    trains_actor = models.actor is not None
+    if trains_actor:
+        _check_lora(start.path, saved, cfg.actor.lora, lora_base)
+    same_layout = saved.get("layout" if trains_actor else "critic_layout") == dataclasses.asdict(here)
+    loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
+    notes += [f"skipped {s}" for s in start.skipped]
+    notes.append(
+        f"resuming from {start.path} (step {state.step}; verified in {loaded.verify_seconds:.2f}s, loaded in "
+        f"{loaded.seconds:.2f}s)"
+    )
+    if not same_layout:
         notes.append(
-            f"resuming from {start.path} (step {state.step}; verified in {loaded.verify_seconds:.2f}s, loaded in "
-            f"{loaded.seconds:.2f}s)"
+            f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
+            "schedulers reshard exactly; the RNG states are per rank and do not carry to another layout (reseeded "
+            "from trainer.seed); floating-point results differ from an uninterrupted run in the last bits "
+            "(another reduction order)"
         )
-        if not same_layout:
-            notes.append(
-                f"the checkpoint was written at {ParallelLayout(**saved['layout'])}: weights, optimizer states and "
-                "schedulers reshard exactly; the RNG states are per rank and do not carry to another layout (reseeded "
-                "from trainer.seed); floating-point results differ from an uninterrupted run in the last bits "
-                "(another reduction order)"
-            )
-        if place.leader:
-            write_rows(os.path.join(out_dir, METRICS_FILE), state.history)  # continued, never duplicated
-    timeline = os.path.join(out_dir, TIMELINE_FILE)
-    if place.leader and os.path.isfile(timeline):  # the steps after the checkpoint run again
+    if leader:
+        write_rows(os.path.join(cfg.trainer.output_dir, METRICS_FILE), state.history)  # continued, never duplicated
+    return state, loaded.rng
+
+
+def trim_timeline(cfg: MegarlConfig, place: Placement, state: TrainerState) -> None:
+    """The leader: the timeline's steps after the checkpoint are dropped (they run again)."""
+    timeline = os.path.join(cfg.trainer.output_dir, TIMELINE_FILE)
+    if place.leader and os.path.isfile(timeline):
         write_rows(timeline, [r for r in read_metrics(timeline) if r["step"] <= state.step])
 
+
+def read_in_flight(cfg: MegarlConfig, place: Placement, start, state: TrainerState):
+    """Collective: on the rollout pool, the batch ahead (one-step-off) or the stream (bounded) checkpoint ``start``
+    holds, (None, None) elsewhere; a checkpoint of another mode stops every pool."""
     ahead = stream = None
-    if start is not None:  # the rollout pool's batch or stream in flight; a bad one stops every pool
+    if start is None:
+        return ahead, stream
 
-        def read():
-            nonlocal ahead, stream
-            ahead = read_ahead(start.path, state.step)
-            stream = read_stream(start.path, state.step)
-            mode = cfg.async_training.mode
-            if stream is not None and mode != "bounded":  # the prompts in flight would be lost or skipped
-                raise ResumeError(f"{start.path} holds a bounded run's rollout stream and this run's async_training."
-                                  f"mode is {mode}: prompts in flight do not carry across modes; resume with "
-                                  "mode=bounded or start elsewhere")  # fmt: skip
-            if stream is None and mode == "bounded":
-                raise ResumeError(f"{start.path} was saved by a run not in async_training.mode=bounded (it holds no "
-                                  "rollout stream): a bounded run resumes only its own checkpoints; resume with the "
-                                  "checkpoint's mode or start elsewhere")  # fmt: skip
+    def read():
+        nonlocal ahead, stream
+        ahead = read_ahead(start.path, state.step)
+        stream = read_stream(start.path, state.step)
+        mode = cfg.async_training.mode
+        if stream is not None and mode != "bounded":  # the prompts in flight would be lost or skipped
+            raise ResumeError(f"{start.path} holds a bounded run's rollout stream and this run's async_training."
+                              f"mode is {mode}: prompts in flight do not carry across modes; resume with "
+                              "mode=bounded or start elsewhere")  # fmt: skip
+        if stream is None and mode == "bounded":
+            raise ResumeError(f"{start.path} was saved by a run not in async_training.mode=bounded (it holds no "
+                              "rollout stream): a bounded run resumes only its own checkpoints; resume with the "
+                              "checkpoint's mode or start elsewhere")  # fmt: skip
 
-        place.compute_on("rollout", read)
+    place.compute_on("rollout", read)
+    return ahead, stream
+
+
+def prompts(cfg: MegarlConfig, source: ModelSource, state: TrainerState):
+    """The tokenizer, the training prompts' sampler (at the state's position), the validation prompts and the
+    training dataset."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     train, val = _datasets(cfg, tokenizer)
     sampler = PromptSampler(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     sampler.load_state_dict(state.data)
     val_prompts = [] if val is None else [val[i] for i in range(min(cfg.data.val_batch_size or len(val), len(val)))]
-    kc = cfg.algorithm.kl_ctrl
-    kl_ctrl = kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-    if state.kl_ctrl:
-        kl_ctrl.load_state_dict(state.kl_ctrl)
+    return tokenizer, sampler, val_prompts, train
 
-    offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
+
+def start_and_sync(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout,
+                   place: Placement, offloader: Offloader, models: RLModels | None, version: int,
+                   engine=None):  # fmt: skip
+    """Collective: the rollout engine (started, or the one passed in checked), holding the actor's weights of
+    ``version`` (the first sync)."""
     if not place.pooled:  # start-up: the engine starts, and takes the first sync, with the training state the
         offloader.offload()  # offload.* flags name on the host (megarl plan's start-up phase)
     if engine is None:
@@ -392,67 +466,34 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     elif engine.adapter_slots != adapter_slots(cfg) or (adapter_slots(cfg) and engine.lora != cfg.actor.lora):
         raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
     actor = models.actor if models is not None else None
-    push_actor(engine, actor, state.step, resend_base=True)  # a reused engine may hold another job's base
-    if rng is not None:
-        set_rng_states(rng)  # last: starting vLLM reseeds the global generators
+    push_actor(engine, actor, version, resend_base=True)  # a reused engine may hold another job's base
+    return engine
 
-    tracker = Tracker(
-        cfg.logging,
-        out_dir,
-        run_config=dataclasses.asdict(cfg),
-        total_steps=cfg.trainer.total_steps,
-        enabled=place.leader,
-        run_id=state.wandb_run_id,
-        start_step=state.step,
-        log_every=cfg.trainer.log_every,
-    )
+
+def open_tracker(cfg: MegarlConfig, place: Placement, state: TrainerState) -> Tracker:
+    """The metrics tracker (the leader writes; W&B continues the state's run id) with the run's config.yaml."""
+    tracker = Tracker(cfg.logging, cfg.trainer.output_dir, run_config=dataclasses.asdict(cfg),
+                      total_steps=cfg.trainer.total_steps, enabled=place.leader, run_id=state.wandb_run_id,
+                      start_step=state.step, log_every=cfg.trainer.log_every)  # fmt: skip
     tracker.write_text("config.yaml", to_yaml(cfg))
     state.wandb_run_id = tracker.run_id
-    rewards = None
-    if place.hosts("rollout"):  # scored where the samples are generated; last
-        rewards = open_rewards(cfg.reward, budget_s=cfg.reward.step_timeout_s)
-    learners = place
-    if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
-        learners = None if place.hosts("rollout") else place.without("rollout")
-    job = Job(
-        cfg=cfg,
-        source=source,
-        spec=spec,
-        layout=layout,
-        place=place,
-        rank=rank,
-        tokenizer=tokenizer,
-        sampler=sampler,
-        val_prompts=val_prompts,
-        rewards=rewards,
-        models=models,
-        engine=engine,
-        tracker=tracker,
-        kl_ctrl=kl_ctrl,
-        skip_old_logprob=skips_old_logprob(cfg),
-        offloader=offloader,
-        roles=make_roles(cfg, spec, models, learners or place),
-        phases=Phases(engine, offloader, models.actor if models is not None else None, shared=not place.pooled),
-        lora_base=lora_base,
-        learners=learners,
-    )
-    store = launch_store() if cfg.async_training.bounded else None
-    job.feed = make_feed(job, cfg.async_training.mode, store, state.step, ahead=ahead, stream=stream)
-    reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
-    if place.pooled:
-        record_placement(job)
+    return tracker
+
+
+def describe_job(job: Job, train, reward_text: str, notes: list[str]) -> None:
+    """The leader: one line for the run (algorithm, model, layout, models built, rollout, prompts, reward), the
+    start-up notes, and why old log-probs are computed or skipped."""
+    cfg, spec, models = job.cfg, job.spec, job.models
     built = ["actor" + (" (LoRA)" if cfg.actor.lora else "")]
     built += [n for n in ("critic", "reference") if models is not None and getattr(models, n) is not None]
     built += ["reference = the actor with its adapters off"] if models is not None and models.reference_is_base else []
+    limit = cfg.data.max_prompt_length
+    dropped = f" ({train.dropped} longer than data.max_prompt_length={limit} dropped)" if train.dropped else ""
     job.say(
-        f"{cfg.algorithm.adv_estimator} on {spec.family} {spec.num_layers}x{spec.hidden_size}, {layout}; models: "
-        f"{', '.join(built)}; rollout: {cfg.rollout.backend} (tp {engine.tp}); {len(train)} train prompts"
-        + (
-            f" ({train.dropped} longer than data.max_prompt_length={cfg.data.max_prompt_length} dropped)"
-            if train.dropped
-            else ""
-        )
-        + (f", {len(val_prompts)} validation prompts" if val_prompts else "")
+        f"{cfg.algorithm.adv_estimator} on {spec.family} {spec.num_layers}x{spec.hidden_size}, {job.layout}; "
+        f"models: {', '.join(built)}; rollout: {cfg.rollout.backend} (tp {job.engine.tp}); {len(train)} train prompts"
+        + dropped
+        + (f", {len(job.val_prompts)} validation prompts" if job.val_prompts else "")
         + f"; reward: {reward_text}"
     )
     for note in notes:
@@ -464,4 +505,3 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
         if cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
             why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
         job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")
-    return job, state

@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 
+from megarl import faults
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STORE_POLL_S = 0.5
 """How often a rank that got no signal looks at the store (one round trip to the launch's store)."""
@@ -169,3 +171,10 @@ def launch_store():
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
+
+
+def installed_stop_requests() -> StopRequests:
+    """A rank's stop requests, installed before it builds anything (the start-up fault drill fires here)."""
+    stop = StopRequests().__enter__()  # left by ``train`` (which enters it again) as the rank ends
+    faults.fire("sigusr1", 0)
+    return stop
