@@ -1,4 +1,4 @@
-"""HF checkpoint -> megarl (Megatron distributed) checkpoint. See README, "Checkpoint conversion"."""
+"""HF checkpoint -> megarl (Megatron distributed) checkpoint. See docs/conversion.md."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""megarl (Megatron distributed) checkpoint -> HF directory. See README, "Checkpoint conversion"."""
+"""megarl (Megatron distributed) checkpoint -> HF directory. See docs/conversion.md."""
 
 import sys
 

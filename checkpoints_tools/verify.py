@@ -1,4 +1,4 @@
-"""Logit parity between a HF model and a megarl checkpoint (PASS/FAIL). See README, "Checkpoint conversion"."""
+"""Logit parity between a HF model and a megarl checkpoint (PASS/FAIL). See docs/conversion.md."""
 
 import sys
 

@@ -107,7 +107,7 @@ def test_merge_mode_syncs_whole_merged_weights(group):
 
 
 def _train_lora(out, *overrides, timeout=600) -> list[dict]:
-    """`megarl train configs/tiny_grpo_lora.yaml` with LoRA slots (on CPU the default merges: README "LoRA")."""
+    """`megarl train configs/tiny_grpo_lora.yaml` with LoRA slots (on CPU the default merges: docs/lora.md)."""
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_grpo_lora.yaml", f"trainer.output_dir={out}",
            "rollout.lora_merge=false", "logging.wandb.mode=disabled", "logging.progress_bar=false", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -695,7 +695,7 @@ class RolloutConfig:
     """With actor.lora: 'false' serves the adapters from vLLM's LoRA slots (every sync after the first moves only
     the adapters); 'true' merges them into the weights on the trainer side and syncs whole weights into an engine
     without LoRA kernels; 'auto' (default): 'true' while the engine is colocated with the trainer (on CPU vLLM's LoRA
-    kernels generate 3x slower; on CUDA the engine would have to keep its base through every sleep: README "LoRA")."""
+    kernels generate 3x slower; on CUDA the engine would have to keep its base through every sleep: docs/lora.md)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     val_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=1, temperature=1.0))
