@@ -1,4 +1,5 @@
-"""The `megarl` command: train, plan, launch, plot, convert and tiny-model."""
+"""The `megarl` command: train, plan, launch, plot, convert, fetch-model and tiny-model. It parses the command line
+and loads only the module of the command it runs (``megarl --help`` starts without torch)."""
 
 from __future__ import annotations
 

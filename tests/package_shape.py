@@ -78,11 +78,18 @@ def _walk(shape: Shape, module: str, node: ast.AST, in_function: bool) -> None:
             _walk(shape, module, child, in_function=True)
             continue
         targets = [t for t in _imported(child, shape.modules, module) if t and t != module]
+        targets += [p for t in targets for p in _parents(t, shape.modules) if not module.startswith(p + ".")]
         if targets and in_function:
             shape.inner.append((module, child.lineno, targets))
         elif targets:
             shape.imports[module].update(targets)
         _walk(shape, module, child, in_function)
+
+
+def _parents(module: str, modules: dict[str, str]) -> list[str]:
+    """The packages whose ``__init__`` importing ``module`` runs first (the root's aside: it runs for every one)."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(2, len(parts))) if p in modules]
 
 
 def _resolve(name: str, modules: dict[str, str]) -> str | None:

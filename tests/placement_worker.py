@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.backend.init_weights import model_source
 from megarl.backend.models import build_rl_models
 from megarl.backend.offload import grad_buffers
 from megarl.config.loader import load_config
 from megarl.models import read_hf_config, spec_from_hf_config
+from megarl.models.source import model_source
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
 

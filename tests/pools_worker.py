@@ -19,9 +19,9 @@ def run_pools(hf_dir: str, out_dir: str, prompt: list[int], new_tokens: int) -> 
     """The engine starts with random weights; the actor's reach it through the resharding planner across the pools
     (two emulated nodes: the train pool on node 0, the rollout pool on node 1)."""
     from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.parallel.comm import GroupComm
     from megarl.parallel.layout import ParallelLayout
     from megarl.parallel.pools import launch_store
-    from megarl.reshard.comm import GroupComm
     from megarl.reshard.executor import ReshardVerificationError
     from megarl.reshard.layout import megatron_layout, vllm_layout
     from megarl.reshard.plan import plan, theoretical_minimum

@@ -12,8 +12,8 @@ import sys
 
 import psutil
 
-from megarl.backend.init_weights import model_source
 from megarl.config import load_config, validate
+from megarl.models.source import model_source
 from megarl.run.train import train
 
 

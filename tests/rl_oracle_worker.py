@@ -267,12 +267,12 @@ def run(hf_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarl.backend.batch import Sequence
-    from megarl.backend.init_weights import model_source
     from megarl.backend.losses import actor_loss
     from megarl.backend.models import build_rl_models
     from megarl.backend.update import ppo_updates
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.models.source import model_source
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rl.step import seq_mask_accepted
@@ -337,11 +337,11 @@ def _tensors(tree) -> list[torch.Tensor]:
 def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:
     """Adam with weight decay and LR warmup, mini-batches of 3: an update whose first mini-batch has every sequence
     rejected against an update on the second mini-batch alone, each on a fresh copy of the initial weights."""
-    from megarl.backend.init_weights import model_source
     from megarl.backend.losses import actor_loss
     from megarl.backend.models import build_rl_models
     from megarl.backend.update import ppo_updates
     from megarl.config.loader import load_config
+    from megarl.models.source import model_source
 
     cfg = load_config(None, [f"model.path={hf_dir}", *BASE, "actor.optim.optimizer=adam", "actor.optim.lr=0.001",
                              "actor.optim.weight_decay=0.1", "actor.optim.lr_warmup_steps=4",

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from megarl.algos import kl_controller
 from megarl.backend import update
-from megarl.backend.init_weights import model_source
 from megarl.backend.models import build_rl_models
 from megarl.config.loader import load_config
 from megarl.models import read_hf_config, spec_from_hf_config
+from megarl.models.source import model_source
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
 from megarl.rl.collect import Collected

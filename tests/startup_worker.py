@@ -46,9 +46,9 @@ class RecordingEngine:
 
 
 def run_startup(overrides: list[str]) -> dict:
-    from megarl.backend.init_weights import model_source
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
+    from megarl.models.source import model_source
     from megarl.run import job as job_module
 
     cfg = load_config(None, overrides)

@@ -166,7 +166,7 @@ def test_cross_pool_exchange_on_cuda_is_one_coalesced_nccl_call():
     registered group), then waited on. A recording stand-in for the NCCL process group (no GPU here)."""
     import torch
 
-    from megarl.reshard.comm import coalesced_exchange
+    from megarl.parallel.comm import coalesced_exchange
 
     calls = []
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.backend.init_weights import ModelSource, load_initial_weights
+from megarl.backend.init_weights import load_initial_weights
 from megarl.backend.setup import make_scheduler, wrap_for_training
-from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model, reward_model_spec
 from megarl.config.schema import MegarlConfig
+from megarl.lora import adapters_off, apply_lora, read_peft_adapter
 from megarl.models.builder import build_model_chunk
+from megarl.models.source import ModelSource
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 
@@ -34,15 +36,6 @@ class RLModels:
     """LoRA: the reference is the actor with its adapters off (no second copy of the weights)."""
     reward_model: torch.nn.Module | None = None
     """A frozen reward model with a scalar score head (``reward.model``)."""
-
-
-def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:
-    """The reward model's source and spec (``reward.model.path``)."""
-    from megarl.backend.init_weights import model_source
-    from megarl.models import spec_from_hf_config
-
-    source = model_source(cfg.reward.model.path)
-    return source, spec_from_hf_config(source.hf_config)
 
 
 ALL_ROLES = ("actor", "critic", "reference", "reward_model")
@@ -106,8 +99,6 @@ def add_adapters(chunk, cfg: MegarlConfig, spec: ModelSpec) -> int:
     """``actor.lora``: freeze ``chunk`` and hook its adapters (from ``init_from`` or fresh); their parameter count."""
     from megatron.core import parallel_state as ps
 
-    from megarl.lora import apply_lora, read_peft_adapter
-
     lora = cfg.actor.lora
     full = read_peft_adapter(lora.init_from, lora, spec) if lora.init_from else None
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -121,8 +112,6 @@ def reference_policy(models: RLModels):
     if models.reference is not None:
         yield models.reference
     elif models.reference_is_base:
-        from megarl.lora import adapters_off
-
         with adapters_off(models.actor):
             yield models.actor
     else:

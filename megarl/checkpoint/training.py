@@ -165,7 +165,7 @@ def _rng_object(data):
 
 
 def _has_lora(model) -> bool:
-    from megarl.lora import has_lora
+    from megarl.lora import has_lora  # here (and below): lora imports checkpoint (its export reads checkpoints)
 
     return has_lora(model.module)
 

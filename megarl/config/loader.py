@@ -12,6 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megarl.config import device_defaults
 from megarl.config.schema import POLICY_DEFAULTED, ConfigFieldError, MegarlConfig
 
 
@@ -32,8 +33,6 @@ def load_config_and_defaults(
     yaml_path: str | None = None, overrides: list[str] = (), *, cuda: bool | None = None
 ) -> tuple[MegarlConfig, list[str]]:
     """``load_config``, and one line per setting the device chose (``model.dtype=bfloat16``): what was left 'auto'."""
-    from megarl.config import device_defaults
-
     cfg = _build(MegarlConfig, _merge_raw(yaml_path, overrides), "")
     return cfg, device_defaults.resolve(cfg, device_defaults.on_cuda() if cuda is None else cuda)
 

@@ -4,6 +4,8 @@ runs. Below everything that builds or plans a run (the trainer, the planner, the
 from __future__ import annotations
 
 from megarl.config.schema import MegarlConfig
+from megarl.models.source import ModelSource, model_source
+from megarl.models.spec import ModelSpec, spec_from_hf_config
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
@@ -30,3 +32,9 @@ def skips_old_logprob(cfg: MegarlConfig) -> bool:
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
     needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped
     return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
+
+
+def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:
+    """The reward model's source and spec (``reward.model.path``)."""
+    source = model_source(cfg.reward.model.path)
+    return source, spec_from_hf_config(source.hf_config)

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from megarl.algos.kl import K1_LOSS_REFUSED, KL_LOSSES
 from megarl.algos.losses import ROLLOUT_IS_LEVELS
+from megarl.data.dataset import parse_check
 from megarl.models.builder import DTYPES
+from megarl.parallel.pools import parse_ranks
 
 
 class ConfigFieldError(ValueError):
@@ -434,8 +436,6 @@ class DataConfig:
     exist; batch sizes are then not checked against the record counts)."""
 
     def __post_init__(self):
-        from megarl.data.dataset import parse_check
-
         try:
             parse_check(self.check)
         except ValueError as e:
@@ -764,8 +764,6 @@ class PoolConfig:
     """Roles hosted here: actor, reference, critic, rollout, reward_model."""
 
     def __post_init__(self):
-        from megarl.parallel.pools import parse_ranks
-
         try:
             parse_ranks(self.ranks)
         except ValueError as e:

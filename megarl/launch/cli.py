@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megarl.config import ConfigError
+from megarl.config.topology import LaunchError
 from megarl.launch import slurm, torchrun
 
 
@@ -100,9 +102,6 @@ LAUNCHERS = {"torchrun": _torchrun, "slurm": _slurm}
 
 def main(launcher: str, argv: list[str]) -> int:
     """Run one launcher; a config or launch error is one line on stderr and exit status 2."""
-    from megarl.config import ConfigError
-    from megarl.config.topology import LaunchError
-
     try:
         return LAUNCHERS[launcher](argv)
     except ConfigError as e:

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 import launch as templates
 from megarl.config import MegarlConfig, load_config
 from megarl.config.topology import LaunchError, check_nodes, positive, train_args
-from megarl.config.validate import preflight
+from megarl.config.validate import validate
+from megarl.planner import Hardware, PlanError, make_plan
+from megarl.planner.step_time import MIN_SIGNAL_LEAD_S
+from megarl.planner.step_time import signal_lead as planned_lead
+from megarl.run.preflight import preflight
 from megarl.run.resume import STOPPED_FILE
 
 DEFAULT_ENV = {
@@ -289,11 +293,6 @@ def submit(script: str, path: str, passed: dict[str, str]) -> str:
 def signal_lead(opts: SlurmOptions, cfg: MegarlConfig) -> tuple[int, str]:
     """The SIGUSR1 lead from the plan on these nodes (``megarl.planner.step_time.signal_lead``) and how it was derived;
     the minimum when the job cannot be planned here (its model's config.json unreadable on this host)."""
-    from megarl.config.validate import validate
-    from megarl.planner import Hardware, PlanError, make_plan
-    from megarl.planner.step_time import MIN_SIGNAL_LEAD_S
-    from megarl.planner.step_time import signal_lead as planned_lead
-
     try:
         plan = make_plan(cfg, validate(cfg), Hardware(opts.nodes, opts.gpus_per_node, fs_gb_s=opts.fs_gb_s))
     except (PlanError, ValueError, OSError) as e:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from megarl import lifetime
 from megarl.config import MegarlConfig, load_config
 from megarl.config.topology import LaunchError, check_nodes, positive, train_args
-from megarl.config.validate import launch_world_size, preflight
+from megarl.config.validate import launch_world_size
+from megarl.run.preflight import preflight
 from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE
 
 

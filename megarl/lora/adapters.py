@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from megarl.config.schema import LoraConfig
+from megarl.models.adapter import local_spec_names
 from megarl.models.spec import ModelSpec
 
 COLUMN, ROW = "column", "row"
@@ -313,8 +314,6 @@ class MergedWeights(Mapping):
 
 def merged_weights(chunk) -> MergedWeights:
     """``MergedWeights`` of a LoRA chunk (its named parameters, adapted linears merged on read)."""
-    from megarl.models.adapter import local_spec_names
-
     named = local_spec_names((n, p.detach()) for n, p in chunk.named_parameters())
     adapted = {}
     for name, module in chunk.named_modules():

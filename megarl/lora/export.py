@@ -49,7 +49,7 @@ def export_merged(root: str, out: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from megarl.convert.hf_io import copy_tokenizer_files
+    from megarl.convert.hf_io import copy_tokenizer_files  # here: convert imports lora (its export command)
 
     meta = read_meta(root)
     base = meta.get("source", "")

@@ -9,7 +9,7 @@ import os
 import torch
 
 from megarl.config.schema import LoraConfig
-from megarl.lora.adapters import local_factors, merge_tp, peft_key
+from megarl.lora.adapters import hf_shape, local_factors, merge_tp, peft_key
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
 
@@ -23,8 +23,6 @@ def read_peft_adapter(path: str, lora: LoraConfig, spec: ModelSpec) -> dict[str,
     """The PEFT-named full factors of the adapter directory ``path``; one-line errors when it does not match
     ``actor.lora`` (rank, alpha, targets) or the model (layers, shapes)."""
     from safetensors.torch import load_file
-
-    from megarl.lora.adapters import hf_shape
 
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not os.path.isfile(os.path.join(path, name)):

@@ -16,6 +16,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from megarl.compat import cpu as cpu_compat
 from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import batch_major_logits, rope_without_empty_cat
@@ -94,7 +95,7 @@ def layer_spec(transformer_impl: str, attention: str = "sdpa"):
     has its own fused attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megarl.models.attention import ATTENTION, SdpaAttention
+    from megarl.models.attention import ATTENTION, SdpaAttention  # with Megatron's layer specs: when a model is built
 
     if attention not in ATTENTION:
         raise ValueError(f"model.attention must be one of {ATTENTION}, got {attention!r}")
@@ -198,6 +199,4 @@ def rank_device() -> torch.device:
     CUDA the CPU shim's device (the CPU, or the placement guard's fake device)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    from megarl.compat import cpu as cpu_compat
-
     return cpu_compat.device()

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.comm import GroupComm, WorldComm
+
 _launch = {"store": None, "joins": 0}  # torchrun's store, once this process joined its pool; not a cache
 
 
@@ -107,7 +109,7 @@ class Placement:
 
     Colocated (no pools): every role on every rank; ``share`` hands a value through unchanged, ``barrier`` and
     ``any`` are the default group's. With pools: this rank hosts its pool's roles; ``comm`` spans every rank of the
-    launch (``megarl.reshard.comm.GroupComm``) and carries what one pool computed to the others."""
+    launch (``megarl.parallel.comm.GroupComm``) and carries what one pool computed to the others."""
 
     rank: int
     """This process's rank in the launch."""
@@ -122,8 +124,6 @@ class Placement:
 
     @classmethod
     def colocated(cls) -> Placement:
-        from megarl.reshard.comm import WorldComm
-
         return cls(dist.get_rank(), dist.get_world_size(), [], WorldComm())
 
     @classmethod
@@ -131,8 +131,6 @@ class Placement:
         """Collective over the launch: join this rank's pool (``init_pool_group``; once per process; its collectives
         time out after ``timeout_s``) and the group across pools, whose calls may wait a whole phase of another pool
         (generation, an update, a save): ``wait_s``."""
-        from megarl.reshard.comm import GroupComm
-
         if _launch["store"] is None:
             init_pool_group(pools, backend, timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -144,8 +142,6 @@ class Placement:
         """The same pools, with ``comm`` over every rank but those of ``role``'s pool (collective over them; once per
         job): the training pools share the learning phases among themselves while the rollout pool generates ahead
         (``async_training.mode=one_step_off``)."""
-        from megarl.reshard.comm import GroupComm
-
         members = tuple(r for r in range(self.world) if r not in self.ranks(role))
         comm = GroupComm(f"{self.comm.name}-without-{role}", launch_store(), members.index(self.rank), len(members),
                          self.comm.timeout_s)  # fmt: skip

@@ -38,6 +38,9 @@ from megarl.planner.step_time import (
     step_time,
     step_time_lines,
 )
+from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, peft_adapter_layout, vllm_layout
+from megarl.reshard.plan import flows_of_plan, summarize
+from megarl.reshard.plan import plan as reshard_plan
 
 
 class PlanError(ValueError):
@@ -111,15 +114,6 @@ class JobPlan:
 def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = True) -> JobPlan:
     """Collective-free and GPU-free: everything is computed from shapes. ``sync=False`` skips the weight-sync
     plan (memory only)."""
-    from megarl.reshard.layout import (
-        hf_layout,
-        megatron_adapter_layout,
-        megatron_layout,
-        peft_adapter_layout,
-        vllm_layout,
-    )
-    from megarl.reshard.plan import flows_of_plan, plan, summarize
-
     try:  # the launchers' own check: the job is planned on the nodes it will be launched on
         check_nodes(cfg, hw.nodes, hw.gpus_per_node, "--nodes", "--gpus-per-node")
     except LaunchError as e:
@@ -143,12 +137,12 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
             written = max(sum(math.prod(shape) for shape in shapes.values()) for shapes in p.dst_shapes.values())
             return {**summarize(flows_of_plan(p), bpe, *links), "written": written * bpe}
 
-        stats = stats_of(plan(src, dst))
+        stats = stats_of(reshard_plan(src, dst))
         if adapter_slots(cfg):  # every sync after the first: full adapter factors on every engine rank
             lora, ranks = cfg.actor.lora, list(range(len(engines_at)))
             src = megatron_adapter_layout(spec, lora, layout, gpn).shifted(actor_at.start)
             dst = peft_adapter_layout(spec, lora, ranks, gpn).shifted(engines_at.start)
-            stats["adapters"] = stats_of(plan(src, dst))
+            stats["adapters"] = stats_of(reshard_plan(src, dst))
     step = step_time(cfg, spec, hw, stats["est_s"]) if stats else None
     ranks = rank_memory(cfg, spec, layout, gpn, gpu_bytes=int(hw.gpu_mem_gb * 1e9))
     return JobPlan(cfg, spec, layout, hw, ranks, stats, step, save_time(cfg, spec, hw))

@@ -21,12 +21,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from megarl.backend.models import reward_model_spec
 from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
 from megarl.config.device_defaults import kv_cache_bytes
-from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model, reward_model_spec
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
+from megarl.lora.adapters import hf_shape
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
 from megarl.parallel.layout import ParallelLayout
@@ -106,8 +106,6 @@ def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list
 def lora_sync_bytes(spec: ModelSpec, lora, dtype: str) -> int:
     """Bytes of all adapters in the model dtype: what an adapter-only weight sync would move into one engine (the
     sync today sends the merged weights)."""
-    from megarl.lora.adapters import hf_shape
-
     per_layer = sum(lora.rank * sum(hf_shape(spec, t)) for t in lora.target_modules)
     return spec.num_layers * per_layer * DTYPE_BYTES[dtype]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megarl.reshard.comm import WorldComm
+from megarl.parallel.comm import WorldComm
 from megarl.reshard.plan import Plan, Transfer
 
 _MASK64 = (1 << 64) - 1
@@ -43,7 +43,7 @@ def comm_device() -> torch.device:
     """Where transfer buffers live and hashes run: this rank's device (``rank_device``: its GPU, or the CPU shim's
     stand-in) when the default group moves CUDA tensors, the CPU under gloo alone."""
     if dist.is_initialized() and moves_cuda_tensors(str(dist.get_backend())):
-        from megarl.models.builder import rank_device
+        from megarl.models.builder import rank_device  # here: Megatron's model code only for CUDA tensors
 
         return rank_device()
     return torch.device("cpu")
@@ -147,7 +147,7 @@ def execute(
     path (object all-gather, not the bucketed point-to-point one) and receivers compare their assembled regions
     element by element. Memory-heavy: every rank sees every piece of the plan at once.
     ``on_send`` is a test hook called on each packed piece after it was hashed (e.g. to corrupt it in transit).
-    ``comm`` (``megarl.reshard.comm``): the group the plan's rank ids refer to; default the default process group.
+    ``comm`` (``megarl.parallel.comm``): the group the plan's rank ids refer to; default the default process group.
     """
     comm = comm or WorldComm()
     if dtype is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.lora.adapters import COLUMN, MODULES, TPSlice, hf_shape, peft_key
 from megarl.models.adapter import COPY, GATE_UP, QKV, VOCAB, tensor_maps
 from megarl.models.spec import ModelSpec
 from megarl.parallel import megatron_shards as ms
@@ -271,8 +272,6 @@ def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_
     rank, in the order the model registers them (per linear its A factors, then its B factors): column-parallel
     linears hold A whole and their rows of B, row-parallel ones their columns of A and B whole
     (``megarl.lora.adapters.TPSlice``)."""
-    from megarl.lora.adapters import COLUMN, MODULES, TPSlice, hf_shape, peft_key
-
     ranks = {}
     for rank in range(layout.world_size):
         c = layout.coords(rank)
@@ -304,8 +303,6 @@ def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_
 def peft_adapter_layout(spec: ModelSpec, lora, ranks: list[int], gpus_per_node: int) -> SideLayout:
     """Every full adapter factor under its PEFT name on each of ``ranks`` (what vLLM's LoRA loader reads: it slices
     the factors for its own TP rank itself)."""
-    from megarl.lora.adapters import MODULES, hf_shape, peft_key
-
     shards = []
     for layer in range(spec.num_layers):
         for _, targets, _ in MODULES.values():

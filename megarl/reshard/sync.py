@@ -15,7 +15,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megarl.reshard.comm import WorldComm
+from megarl.lora import has_lora
+from megarl.lora.adapters import merged_weights
+from megarl.models.adapter import local_spec_names
+from megarl.parallel.comm import WorldComm
 from megarl.reshard.executor import comm_device, execute
 from megarl.reshard.layout import SideLayout
 from megarl.reshard.plan import CROSS_NODE, Plan, Transfer, plan
@@ -214,14 +217,8 @@ def actor_tensors(model, *, merge_lora: bool = True) -> Mapping[str, torch.Tenso
         if model.ddp_config.use_distributed_optimizer and model.ddp_config.overlap_param_gather:
             model.start_param_sync(force_sync=True)
         model = model.module
-    from megarl.lora import has_lora
-
     if merge_lora and has_lora(model):  # W + scaling * B A, merged on read (megarl.lora.adapters.MergedWeights)
-        from megarl.lora.adapters import merged_weights
-
         return merged_weights(model)
-    from megarl.models.adapter import local_spec_names
-
     return local_spec_names((name, p.detach()) for name, p in model.named_parameters())
 
 

@@ -13,8 +13,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from megarl.lora.peft_io import WEIGHTS_FILE, write_peft_adapter
 from megarl.models.spec import ModelSpec
-from megarl.reshard.executor import ReshardVerificationError
+from megarl.reshard.executor import ReshardVerificationError, comm_device
 from megarl.reshard.layout import SideLayout, hf_layout, peft_adapter_layout, vllm_layout
 
 
@@ -177,8 +178,6 @@ class AdapterSlots:
         old adapter removed, and no directory is left behind."""
         import torch.distributed as dist
 
-        from megarl.reshard.executor import comm_device
-
         tensors = {name: t.cpu() for layer in layers for name, t in layer.items()}
         self.remove()
         self._ids += 1  # the same on every rank: every rank gets here, whatever happens below
@@ -198,8 +197,6 @@ class AdapterSlots:
     def _add(self, path: str, tensors: dict[str, torch.Tensor]):
         from safetensors.torch import load_file
         from vllm.lora.request import LoRARequest
-
-        from megarl.lora.peft_io import WEIGHTS_FILE, write_peft_adapter
 
         write_peft_adapter(path, tensors, self.lora)
         written = load_file(os.path.join(path, WEIGHTS_FILE))

@@ -23,7 +23,8 @@ from enum import StrEnum
 
 import torch.distributed as dist
 
-from megarl.rewards.parallel import GroupScores
+from megarl.data import Prompt
+from megarl.rewards.parallel import GroupScores, score_on_ranks
 from megarl.rewards.results import CANCELLED, ScoreResult, merge
 from megarl.rl.collect import Collected, _shaped
 from megarl.rollout.protocol import Sample
@@ -279,8 +280,6 @@ class RolloutServer:
     def _validate(self, step: int) -> None:
         """The validation prompts through the engines beside the training requests (which go on), scored; the
         samples and scores on every rank (``validate``'s ``compute_on``)."""
-        from megarl.rewards.parallel import score_on_ranks
-
         prompts = self.job.val_prompts
         self.val_done = []
         val_seed = self.job.cfg.trainer.seed
@@ -339,8 +338,6 @@ class RolloutServer:
     def _restore(self, saved: dict) -> None:
         """Continue a checkpoint's stream (resumed at version ``self.version`` = its step): groups and partial samples
         with a token older than their batch may hold are dropped and their prompts generated again."""
-        from megarl.data import Prompt
-
         self.job.sampler.load_state_dict(saved["sampler"])
         self.cursor, self.next_step = saved["cursor"], saved["step"] + 1
         self.prompts.update({int(s): Prompt(**p) for s, p in saved["prompts"].items()})  # the dict scoring reads

@@ -20,8 +20,9 @@ from megarl.backend.losses import actor_loss, critic_loss, critic_values
 from megarl.backend.models import RLModels, reference_policy
 from megarl.backend.step import NonFiniteUpdate
 from megarl.backend.update import forward_fields, ppo_updates
-from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model
+from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model, reward_model_spec
 from megarl.parallel.pools import Placement
+from megarl.rewards.model import reward_model_scores
 
 
 @dataclass
@@ -207,8 +208,6 @@ class RewardModel(Role):
     name = "reward_model"
 
     def __init__(self, cfg, models: RLModels | None, place: Placement):
-        from megarl.backend.models import reward_model_spec
-
         super().__init__(place)
         r = cfg.reward.model
         self.models = models
@@ -217,8 +216,6 @@ class RewardModel(Role):
 
     def scores(self, sequences: list[list[int]]) -> list[float]:
         """Prompt + response token ids -> their scores."""
-        from megarl.rewards.model import reward_model_scores
-
         b = self.batching
         return self._on_host(
             lambda: reward_model_scores(

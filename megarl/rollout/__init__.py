@@ -37,7 +37,10 @@ def build_engine(
 ):
     """The configured engine (collective: every rank of the rollout's pool builds its part), fed by the actor at
     ``layout``. Call ``config.validate`` first. ``place``: resource pools; a rank outside the rollout pool gets a
-    ``RemoteEngine`` (it sends the weights the engines receive)."""
+    ``RemoteEngine`` (it sends the weights the engines receive).
+
+    The engines are imported here, when one is built: vLLM only on the rollout's ranks, and this package's protocol
+    and stream (imported from the resharding engine below it) stay free of what the engines import."""
     from megarl.config.validate import adapter_slots, rollout_tp
 
     place = place or Placement.colocated()

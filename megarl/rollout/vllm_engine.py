@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megarl import lifetime
 from megarl.compat import vllm_shm
-from megarl.config.device_defaults import enforce_eager
+from megarl.config.device_defaults import enforce_eager, kv_cache_bytes
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
@@ -76,8 +76,6 @@ def _memory_args(cfg) -> dict:
     """How vLLM sizes its memory. ``rollout.kv_cache_mb`` set (and always on CPU): that KV cache, explicitly; on CUDA
     vLLM still refuses to start unless free memory >= gpu_memory_utilization x total (v1/worker/utils.py), so it asks
     for what is free. 'auto' on CUDA: ``rollout.gpu_memory_utilization`` of the GPU, vLLM sizing the cache in it."""
-    from megarl.config.device_defaults import kv_cache_bytes
-
     cuda = torch.cuda.is_available()
     kv = kv_cache_bytes(cfg, cuda)
     if kv is None:

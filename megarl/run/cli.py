@@ -9,13 +9,13 @@ import os
 import sys
 
 from megarl import faults, lifetime
-from megarl.backend.init_weights import model_source
 from megarl.compat.host_memory import HUGE_PAGES_ENV
 from megarl.config import ConfigError, validate
 from megarl.config.device_defaults import apply_tf32, on_cuda
 from megarl.config.loader import load_config_and_defaults
-from megarl.config.validate import check_inputs, launch_world_size
+from megarl.config.validate import launch_world_size
 from megarl.lifetime import supervise
+from megarl.models.source import model_source
 from megarl.parallel.init import describe_collective_timeout
 from megarl.parallel.spawn import run_on_ranks
 from megarl.planner import PlanError, verdict_line
@@ -23,6 +23,7 @@ from megarl.planner.cli import plan_for
 from megarl.rewards import RewardFailure
 from megarl.rl.collect import DynamicSamplingExhausted
 from megarl.run.preemption import installed_stop_requests
+from megarl.run.preflight import check_inputs
 from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
 
 

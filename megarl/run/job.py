@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import kl_controller
-from megarl.backend.init_weights import ModelSource
 from megarl.backend.models import ALL_ROLES, RLModels, build_rl_models
 from megarl.backend.offload import Offloader
 from megarl.checkpoint import format as ckpt
@@ -41,6 +40,8 @@ from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
 from megarl.logging.jsonl import read_metrics, write_rows
+from megarl.lora.checkpoint import base_fingerprint, same_base
+from megarl.models.source import ModelSource
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
@@ -182,7 +183,7 @@ def record_placement(job: Job) -> None:
     import socket
     import sys
 
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm_engine import VLLMEngine  # here: vLLM is imported only on the rollout's ranks
 
     mine = {
         "rank": job.place.rank,
@@ -215,8 +216,6 @@ def lora_identity(lora) -> dict | None:
 def _check_lora(path: str, saved_state: dict, lora, current: dict | None) -> None:
     """Adapters resume only with the same actor.lora and onto the base they were trained on (the same decision on
     every rank)."""
-    from megarl.lora.checkpoint import same_base
-
     saved, was = saved_state.get("lora_base"), saved_state.get("lora")
     if saved is None and current is None:
         return
@@ -373,8 +372,6 @@ def lora_fingerprint(cfg: MegarlConfig, models: RLModels | None) -> dict | None:
     """LoRA, where the actor is trained: its frozen base's fingerprint (saved in checkpoints, checked on resume)."""
     if cfg.actor.lora is None or models is None or models.actor is None:
         return None
-    from megarl.lora.checkpoint import base_fingerprint
-
     return base_fingerprint(models.actor.module)
 
 
