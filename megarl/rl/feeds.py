@@ -31,14 +31,22 @@ class Synchronous:
     server = None
     """The rollout pool's own loop, where the feed has one (bounded)."""
 
-    def __init__(self, job):
+    def __init__(self, job, ahead: Collected | None = None):
         self.job = job
         self.generated: list[Collected] = []
         """The batches the rollout pool generated during the current step (their times: the step's timings)."""
+        self.ahead = ahead
+        """The rollout pool's batch for the next step: one-step-off's, generated during the step before, or the one
+        a one-step-off checkpoint held when this run resumed from it (trained on first in any mode)."""
 
     def batch(self, step: int, pool_time: PhaseTimer) -> Collected:
-        """Collective: step ``step``'s batch, on every rank."""
-        return self.job.place.compute_on("rollout", lambda: self.generate(step, pool_time))
+        """Collective: step ``step``'s batch, on every rank (the one ahead if there is one, else generated now)."""
+
+        def handed_over():
+            batch, self.ahead = self.ahead, None
+            return batch if batch is not None else self.generate(step, pool_time)
+
+        return self.job.place.compute_on("rollout", handed_over)
 
     def overlap(self, step: int, pool_time: PhaseTimer) -> None:
         """What the rollout pool does while the others learn from step ``step``'s batch: nothing here."""
@@ -105,17 +113,8 @@ class OneStepOff(Synchronous):
     the weights of the update before: one update old) while the other pools learn."""
 
     def __init__(self, job, ahead: Collected | None = None):
-        super().__init__(job)
-        self.ahead = ahead
-        """The rollout pool's batch for the next step (or the one read from the checkpoint a run resumes)."""
+        super().__init__(job, ahead)
         self.ahead_failed: Exception | None = None
-
-    def batch(self, step: int, pool_time: PhaseTimer) -> Collected:
-        def handed_over():
-            batch, self.ahead = self.ahead, None
-            return batch if batch is not None else self.generate(step, pool_time)
-
-        return self.job.place.compute_on("rollout", handed_over)
 
     def overlap(self, step: int, pool_time: PhaseTimer) -> None:
         """On the rollout pool: the next step's batch, with the weights the engine holds (one update old). A failure
@@ -251,4 +250,4 @@ def make_feed(job, mode: str, store=None, state_step: int = 0, ahead: Collected 
         return Bounded(job, store, state_step, stream)
     if mode == "one_step_off":
         return OneStepOff(job, ahead)
-    return Synchronous(job)
+    return Synchronous(job, ahead)
