@@ -30,8 +30,18 @@ def skips_old_logprob(cfg: MegarlConfig) -> bool:
     the update's counts are formed), nor one-step-off (the engine's log-probs are one update old: pi_old is the
     trainer's, and the mismatch by lag is logged)."""
     one_minibatch = cfg.data.train_batch_size * cfg.rollout.sampling.n == cfg.actor.global_batch_size
-    needed = cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped
-    return cfg.actor.ppo_epochs == 1 and one_minibatch and not needed
+    return cfg.actor.ppo_epochs == 1 and one_minibatch and old_logprobs_needed_by(cfg) is None
+
+
+def old_logprobs_needed_by(cfg: MegarlConfig) -> str | None:
+    """What needs the trainer's own old log-probs whatever the mini-batches (the start-up log names it), or None."""
+    if cfg.algorithm.kl_in_reward:
+        return "the KL in the reward"
+    if cfg.algorithm.rollout_is == "seq_mask":
+        return "rollout_is=seq_mask"
+    if cfg.async_training.overlapped:
+        return f"async_training.mode={cfg.async_training.mode} (the engine's weights are older than the actor's)"
+    return None
 
 
 def reward_model_spec(cfg: MegarlConfig) -> tuple[ModelSource, ModelSpec]:

@@ -162,6 +162,10 @@ class Placement:
         """The launch ranks of ``role``'s pool (colocated: all)."""
         return next((p.ranks for p in self.pools if role in p.roles), range(self.world))
 
+    def pool_name(self, role: str) -> str:
+        """The name of ``role``'s pool ('' colocated)."""
+        return next((p.name for p in self.pools if role in p.roles), "")
+
     @property
     def leader(self) -> bool:
         """The rank that prints, tracks and writes the run's files: the actor's pool's first rank."""

@@ -49,7 +49,6 @@ def _params(spec: ModelSpec, *, value_head: bool = False) -> int:
 
 def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime:
     """The estimate for ``cfg`` on ``hw`` (``megarl.planner.job.Hardware``); ``sync_s``: the resharding plan's."""
-
     flops_s = hw.peak_tflops * 1e12 * hw.mfu
     seqs = cfg.data.train_batch_size * cfg.rollout.sampling.n
     prompt, new = cfg.data.max_prompt_length, cfg.rollout.sampling.max_new_tokens
@@ -114,7 +113,6 @@ def save_time(cfg: MegarlConfig, spec: ModelSpec, hw) -> SaveTime:
     """The estimate for ``cfg`` on ``hw``: the actor's trained parameters (its adapters with LoRA) and the critic's,
     each with its weights, fp32 main parameters (bf16/fp16 runs) and optimizer state; the frozen reference and reward
     model are not saved."""
-
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     main = 4 if dtype_bytes < 4 else 0
     lora = cfg.actor.lora

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megarl import faults
 from megarl.checkpoint.training import ROLLOUT_BATCH, ROLLOUT_STREAM
+from megarl.parallel.pools import launch_store
 from megarl.reshard.sync import SyncReport
 from megarl.rl.bounded import Op, Requests, RolloutServer
 from megarl.rl.collect import Collected, collect
@@ -78,12 +79,7 @@ class Synchronous:
         data, generations = place.share(mine, "rollout")
         if not place.hosts("rollout"):
             sampler.load_state_dict(data)
-        for g in generations:
-            for phase in ("generate", "reward"):
-                timer.seconds[phase] += g.get(phase, 0.0)
-        name = rollout_pool_name(self.job.place)
-        return [{"pool": name, "phase": "generate", "batch": g["step"], "start": g["start"], "end": g["end"]}
-                for g in generations]  # fmt: skip
+        return generation_spans(place, generations, timer)
 
     def skipped(self, learned) -> list[str]:
         """The updates the step skipped, on every rank."""
@@ -159,9 +155,9 @@ class Bounded:
     runs there instead of the steps). Batches arrive once their prompt groups are all scored; a push every
     ``async_training.sync_every`` updates."""
 
-    def __init__(self, job, store, state_step: int, stream: dict | None = None):
+    def __init__(self, job, state_step: int, stream: dict | None = None):
         self.job = job
-        self.requests = Requests(store, f"megarl/{job.place.comm.name}/ops")
+        self.requests = Requests(launch_store(), f"megarl/{job.place.comm.name}/ops")
         """The learners' announcements to the rollout pool."""
         self.server = None
         if job.place.hosts("rollout"):
@@ -202,11 +198,7 @@ class Bounded:
     def rollout_spans(self, batch: Collected, timer: PhaseTimer) -> list[dict]:
         """The rollout pool's ``generate``/``reward`` time since the previous batch (the step's timings) and its span
         (the timeline)."""
-        g = batch.generation
-        for phase in ("generate", "reward"):
-            timer.seconds[phase] += g[phase]
-        name = rollout_pool_name(self.job.place)
-        return [{"pool": name, "phase": "generate", "batch": g["step"], "start": g["start"], "end": g["end"]}]
+        return generation_spans(self.job.place, [batch.generation], timer)
 
     def skipped(self, learned) -> list[str]:
         return learned.skipped
@@ -216,7 +208,7 @@ class Bounded:
 
     def pool_metrics(self, batch: Collected, maxes: dict) -> None:
         """The rollout pool's time, as it handed the batch over."""
-        name, g = rollout_pool_name(self.job.place), batch.generation
+        name, g = self.job.place.pool_name("rollout"), batch.generation
         maxes.update({f"pool/{name}/busy_s": g["generate"] + g["reward"], f"pool/{name}/wait_s": g["idle"]})
 
     def in_flight(self, step: int) -> dict:
@@ -238,16 +230,21 @@ class Bounded:
         self.announce(Op.END, step)
 
 
-def rollout_pool_name(place) -> str:
-    """The name of the pool that hosts the rollout ('' colocated)."""
-    return next((p.name for p in place.pools if "rollout" in p.roles), "")
+def generation_spans(place, generations: list[dict], timer: PhaseTimer) -> list[dict]:
+    """The rollout pool's generations (``Collected.generation``) into the step's ``generate``/``reward`` timings, and
+    as spans of the timeline."""
+    for g in generations:
+        for phase in ("generate", "reward"):
+            timer.seconds[phase] += g.get(phase, 0.0)
+    name = place.pool_name("rollout")
+    return [{"pool": name, "phase": "generate", "batch": g["step"], "start": g["start"], "end": g["end"]}
+            for g in generations]  # fmt: skip
 
 
-def make_feed(job, mode: str, store=None, state_step: int = 0, ahead: Collected | None = None,
-              stream: dict | None = None):  # fmt: skip
-    """The feed for ``async_training.mode`` (``store``: the launch's, for bounded's requests)."""
+def make_feed(job, mode: str, state_step: int = 0, ahead: Collected | None = None, stream: dict | None = None):
+    """The feed for ``async_training.mode``."""
     if mode == "bounded":
-        return Bounded(job, store, state_step, stream)
+        return Bounded(job, state_step, stream)
     if mode == "one_step_off":
         return OneStepOff(job, ahead)
     return Synchronous(job, ahead)

@@ -33,7 +33,7 @@ from megarl.checkpoint.training import (
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.host_memory import keep_freed_memory
 from megarl.config.loader import to_yaml
-from megarl.config.recipe import skips_old_logprob
+from megarl.config.recipe import old_logprobs_needed_by, skips_old_logprob
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
@@ -45,7 +45,7 @@ from megarl.models.source import ModelSource
 from megarl.models.spec import ModelSpec
 from megarl.parallel.init import default_backend, init_distributed
 from megarl.parallel.layout import ParallelLayout
-from megarl.parallel.pools import Placement, launch_store
+from megarl.parallel.pools import Placement
 from megarl.reshard.sync import push_actor
 from megarl.rewards.scorer import open_rewards
 from megarl.rl.collect import Collected
@@ -284,7 +284,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     if state.kl_ctrl:
         kl_ctrl.load_state_dict(state.kl_ctrl)
     offloader = Offloader(models, cfg.offload, on_gpu=torch.cuda.is_available() and not place.pooled)
-    engine = start_and_sync(cfg, spec, source, layout, place, offloader, models, state.step, engine)
+    actor = models.actor if models is not None else None
+    engine = start_and_sync(cfg, spec, source, layout, place, offloader, actor, state.step, engine)
     if rng is not None:
         set_rng_states(rng)  # last: starting vLLM reseeds the global generators
     tracker = open_tracker(cfg, place, state)
@@ -294,15 +295,13 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     learners = place
     if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
         learners = None if place.hosts("rollout") else place.without("rollout")
-    actor = models.actor if models is not None else None
     job = Job(cfg=cfg, source=source, spec=spec, layout=layout, place=place, rank=place.rank, tokenizer=tokenizer,
               sampler=sampler, val_prompts=val_prompts, rewards=rewards, models=models, engine=engine, tracker=tracker,
               kl_ctrl=kl_ctrl, skip_old_logprob=skips_old_logprob(cfg), offloader=offloader,
               roles=make_roles(cfg, spec, models, learners or place),
               phases=Phases(engine, offloader, actor, shared=not place.pooled), lora_base=lora_base,
               learners=learners)  # fmt: skip
-    store = launch_store() if cfg.async_training.bounded else None
-    job.feed = make_feed(job, cfg.async_training.mode, store, state.step, ahead=ahead, stream=stream)
+    job.feed = make_feed(job, cfg.async_training.mode, state.step, ahead=ahead, stream=stream)
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
     if place.pooled:
         record_placement(job)
@@ -452,17 +451,15 @@ def prompts(cfg: MegarlConfig, source: ModelSource, state: TrainerState):
 
 
 def start_and_sync(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, layout: ParallelLayout,
-                   place: Placement, offloader: Offloader, models: RLModels | None, version: int,
-                   engine=None):  # fmt: skip
-    """Collective: the rollout engine (started, or the one passed in checked), holding the actor's weights of
-    ``version`` (the first sync)."""
+                   place: Placement, offloader: Offloader, actor, version: int, engine=None):  # fmt: skip
+    """Collective: the rollout engine (started, or the one passed in checked), holding the weights of ``actor`` (None
+    outside its pool) as ``version`` (the first sync)."""
     if not place.pooled:  # start-up: the engine starts, and takes the first sync, with the training state the
         offloader.offload()  # offload.* flags name on the host (megarl plan's start-up phase)
     if engine is None:
         engine = start_engine(cfg, spec, source, layout, place)
     elif engine.adapter_slots != adapter_slots(cfg) or (adapter_slots(cfg) and engine.lora != cfg.actor.lora):
         raise ValueError("build_job: the engine passed in was built for another actor.lora / rollout.lora_merge")
-    actor = models.actor if models is not None else None
     push_actor(engine, actor, version, resend_base=True)  # a reused engine may hold another job's base
     return engine
 
@@ -497,8 +494,5 @@ def describe_job(job: Job, train, reward_text: str, notes: list[str]) -> None:
         job.say(note)
     if job.skip_old_logprob:
         job.say("old log-probs: skipped (one mini-batch, one epoch: the policy before the update is the current one)")
-    elif cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask" or cfg.async_training.overlapped:
-        why = f"async_training.mode={cfg.async_training.mode} (the engine's weights are older than the actor's)"
-        if cfg.algorithm.kl_in_reward or cfg.algorithm.rollout_is == "seq_mask":
-            why = "the KL in the reward" if cfg.algorithm.kl_in_reward else "rollout_is=seq_mask"
+    elif (why := old_logprobs_needed_by(cfg)) is not None:
         job.say(f"old log-probs: computed by the trainer before the update ({why} needs them, not the engine's)")
