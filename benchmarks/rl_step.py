@@ -67,8 +67,8 @@ def _overrides(hf_dir: str, out_dir: str, args) -> list[str]:
 
 
 def _megarl_worker(config: str, hf_dir: str, out_dir: str, overrides: list[str]) -> None:
-    from megarl.backend.init_weights import model_source
     from megarl.config import load_config, validate
+    from megarl.models.source import model_source
     from megarl.run.train import train
 
     cfg = load_config(config, overrides)

@@ -123,13 +123,14 @@ def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length:
     one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``; the first
     ``prompt`` tokens of each a prompt the loss does not score) and returning its gradient norm; and the parameter
     count. ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
-    from megarl.backend.init_weights import load_initial_weights, model_source
+    from megarl.backend.init_weights import load_initial_weights
     from megarl.backend.losses import GlobalNorm, actor_loss
     from megarl.backend.setup import wrap_for_training
     from megarl.backend.step import SUM, train_step
     from megarl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
+    from megarl.models.source import model_source
     from megarl.parallel.layout import ParallelLayout
 
     spec = spec_from_hf_config(read_hf_config(hf_dir))

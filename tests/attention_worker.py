@@ -14,6 +14,7 @@ from megarl.backend.setup import wrap_for_training
 from megarl.backend.step import run_schedule
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
+from megarl.models.swiglu import SwiGLU
 from megarl.parallel import megatron_shards as shards
 from megarl.parallel.init import init_distributed
 from tests.activation_worker import Case, actor_loss
@@ -35,25 +36,39 @@ def _padded_batches(spec, n: int = 4) -> list[dict]:
     return batches
 
 
+def _megatron_glu(model) -> bool:
+    """Stands in for ``batch_major_logits`` (the output layer left as Megatron's) and switches the MLPs to
+    Megatron's own GLU (``silu(gate) * (up + 0)``) instead of ``megarl.models.swiglu``."""
+    model.config.use_te_activation_func = False
+    return False
+
+
 @contextlib.contextmanager
 def megatron_speed_off():
-    """Megatron's own RoPE and output layer, as before ``megarl.compat.megatron_speed``."""
+    """Megatron's own RoPE, output layer, SwiGLU and weight-gradient accumulation, as without
+    ``megarl.compat.megatron_speed`` and ``megarl.models.swiglu``."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
     patched, batch_major = rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits
-    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched.original, lambda model: False
+    into_main_grad = setup.weight_gradients_into_main_grad
+    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched.original, _megatron_glu
+    setup.weight_gradients_into_main_grad = lambda model: 0
     try:
         yield
     finally:
         rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched, batch_major
+        setup.weight_gradients_into_main_grad = into_main_grad
 
 
-def _run(spec, layout, attention: str, dtype: str, views: list | None = None, firsts: list | None = None):
+def _run(spec, layout, attention: str, dtype: str, views: list | None = None, firsts: list | None = None,
+         fused: list | None = None):
     """This rank's logits at the scored positions (per micro-batch, on the last stage) and gradients of one
     forward/backward; ``views`` collects whether each micro-batch's logits reached the loss as a view (not a copy)
-    of the output layer's, ``firsts`` the first position the output layer computed."""
+    of the output layer's, ``firsts`` the first position the output layer computed, ``fused`` how many weights
+    got their gradient accumulated into ``main_grad`` by the GEMM and how many MLPs ran megarl's SwiGLU."""
     c = layout.coords(dist.get_rank())
     chunk = build_model_chunk(spec, layout, attention=attention, dtype=dtype)
     local = shards.local_state_dict(
@@ -74,6 +89,10 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
 
     run_schedule(model, batches, recording_loss)
     grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
+    if fused is not None:
+        swiglu = [m for m in chunk.modules() if type(m).__name__ == "MLP" and isinstance(m.activation_func, SwiGLU)]
+        fused.append((sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in chunk.parameters()),
+                      len(swiglu) if chunk.config.use_te_activation_func else 0))  # fmt: skip
     return logits, grads
 
 
@@ -128,17 +147,17 @@ def compare_speedups(spec, layout, dtype: str = "float32") -> dict:
     the output layer's logits as views with it and as copies without it, and the first position it computed (on
     every rank of the last stage)."""
     init_distributed(layout, seed=1)
-    views, views_off, firsts, firsts_off = [], [], [], []
-    new, lm = _run(spec, layout, "sdpa", dtype, views, firsts), _lm_losses(spec, layout, dtype)
+    views, views_off, firsts, firsts_off, fused, fused_off = [], [], [], [], [], []
+    new, lm = _run(spec, layout, "sdpa", dtype, views, firsts, fused), _lm_losses(spec, layout, dtype)
     with megatron_speed_off():
-        reference = _run(spec, layout, "sdpa", dtype, views_off, firsts_off)
+        reference = _run(spec, layout, "sdpa", dtype, views_off, firsts_off, fused_off)
         lm_off = _lm_losses(spec, layout, dtype)
     lm_diff = None if lm is None else _relative(lm, lm_off)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (views, views_off, lm_diff, firsts, firsts_off))
+    dist.all_gather_object(everyone, (views, views_off, lm_diff, firsts, firsts_off, fused, fused_off))
     lm_diffs = [e[2] for e in everyone if e[2] is not None]
-    gathered = {key: [x for e in everyone for x in e[i]] for i, key in ((0, "views"), (1, "views_off"),
-                                                                         (3, "firsts"), (4, "firsts_off"))}  # fmt: skip
+    keys = ((0, "views"), (1, "views_off"), (3, "firsts"), (4, "firsts_off"), (5, "fused"), (6, "fused_off"))
+    gathered = {key: [x for e in everyone for x in e[i]] for i, key in keys}
     return {**_differences(new, reference), "lm_loss": max(lm_diffs) if lm_diffs else None, **gathered}
 
 

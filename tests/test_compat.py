@@ -139,3 +139,28 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
     pages = 4 * 40 * 2**20 // 4096
     assert returned > pages // 2, (returned, kept)  # glibc's default: fresh pages every time
     assert kept < pages // 100, (returned, kept)  # reused
+
+
+def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_fallbacks():
+    """``in_place_grad_clipping``: Megatron's clipping (``clip_grad_by_total_norm_fp32``) multiplies every gradient
+    in place, to the same values as its local fallback's ``dst.copy_(src * scale)``, and the norm equals its
+    local ``multi_tensor_l2_norm``."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from megarl.compat.cpu import CudaToCpuMode
+    from megarl.compat.megatron_speed import in_place_grad_clipping
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) for shape in ((64, 32), (7,), (3, 5, 2))]
+    reference = [g.clone() for g in grads]
+    assert in_place_grad_clipping() and in_place_grad_clipping()  # idempotent
+    pointers = [g.data_ptr() for g in grads]
+    clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.3)
+    utils.local_multi_tensor_scale(0, None, [reference, reference], 0.3)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference)) and [g.data_ptr() for g in grads] == pointers
+    norm, _ = clip_grads.l2_norm_impl(0, None, [grads], False)
+    with CudaToCpuMode():  # the fallback puts its result on device='cuda'
+        expected, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    assert torch.allclose(norm, expected.to(norm.device), rtol=1e-6), (norm, expected)

@@ -104,3 +104,39 @@ def test_value_and_score_heads_compute_in_fp32_in_a_bf16_model(bias):
     assert (values.double() - exact).abs().max() < 1e-5
     rounded = torch.nn.functional.linear(h, head.weight, head.bias)  # what a bf16 head would give
     assert (rounded.double() - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_megatrons_glu_bit_for_bit_and_keeps_only_fc1s_output(dtype):
+    """``megarl.models.swiglu`` against Megatron's local GLU (``silu(gate) * (up + 0)`` of fc1's [gate | up]):
+    equal output and gradient, bit for bit; autograd keeps fc1's output only (Megatron's also keeps silu(gate)
+    and up + 0); the local layer spec uses it, Transformer Engine's does not."""
+    import torch.nn.functional as F
+
+    from megarl.models.swiglu import SwiGLU, swiglu
+
+    fused = torch.randn(5, 3, 2 * 48, generator=torch.Generator().manual_seed(0)).to(dtype)
+    grad = torch.randn(5, 3, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def megatrons(x):
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * (up + 0.0)
+
+    def run(fn):
+        x, saved = fused.clone().requires_grad_(), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(x)
+        out.backward(grad)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        return out.detach(), x.grad, sum(storages.values())
+
+    results = [run(swiglu), run(megatrons)]
+    (out, dx, kept), (out_m, dx_m, kept_m) = results
+    assert out.dtype == dx.dtype == dtype
+    assert torch.equal(out, out_m) and torch.equal(dx, dx_m)
+    element = fused.element_size()
+    assert kept == fused.numel() * element and kept_m == 2 * fused.numel() * element, (kept, kept_m)
+    assert layer_spec("local").submodules.mlp.submodules.activation_func is SwiGLU
+    spec = spec_from_hf_config({**BASE, "model_type": "llama"})
+    assert transformer_config(spec, ParallelLayout()).use_te_activation_func  # Megatron's "the spec gives it"
+    assert not transformer_config(spec, ParallelLayout(), transformer_impl="transformer_engine").use_te_activation_func

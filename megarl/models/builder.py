@@ -21,6 +21,7 @@ from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import batch_major_logits, rope_without_empty_cat
 from megarl.models.spec import ModelSpec
+from megarl.models.swiglu import SwiGLU
 from megarl.models.value_head import ValueHead
 from megarl.parallel.layout import ParallelLayout
 
@@ -69,6 +70,9 @@ def transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        # the local spec's MLP takes its activation module from the spec (megarl.models.swiglu); the flag is
+        # Megatron's name for "the spec gives the activation", no Transformer Engine involved
+        use_te_activation_func=transformer_impl == "local",
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=layout.tp,
@@ -90,9 +94,9 @@ def transformer_config(
 def layer_spec(transformer_impl: str, attention: str = "sdpa"):
     """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable.
 
-    The local spec's core attention is ``attention``: ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's
-    fused kernels) or ``unfused`` (Megatron's ``DotProductAttention``, which materialises the scores). TE's spec
-    has its own fused attention."""
+    The local spec's MLP activation is ``megarl.models.swiglu.SwiGLU``; its core attention is ``attention``:
+    ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's fused kernels) or ``unfused`` (Megatron's
+    ``DotProductAttention``, which materialises the scores). TE's spec has its own fused attention and activation."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megarl.models.attention import ATTENTION, SdpaAttention  # with Megatron's layer specs: when a model is built
@@ -108,6 +112,7 @@ def layer_spec(transformer_impl: str, attention: str = "sdpa"):
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.mlp.submodules.activation_func = SwiGLU
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec

@@ -24,8 +24,10 @@ attention: unfused    q rotated and K/V repeated to the query heads (GQA;  ``b (
                       without GQA: q, k and v's view as sdpa), the         ``b ((a + g) d + (a + 2g) d + a d)``,
                       context (linear_proj's input), softmax probabilities ``+ 4 a s`` ``(+ b a s`` if ``b < 4)``
                       in fp32 and, below fp32, their cast for the matmul
-MLP (SwiGLU)          fc1's input and output, silu(gate), up + 0 (Megatron ``b (h + 2f + f + f + f)``
-                      adds its GLU offset), fc2's input
+MLP (SwiGLU)          local spec: fc1's input and output (all              ``b (h + 2f + f)``
+                      ``megarl.models.swiglu`` keeps), fc2's input
+                      TE spec (Megatron's GLU): also silu(gate) and        ``b (h + 2f + f + f + f)``
+                      up + 0 (it adds its GLU offset)
 ====================  ===================================================  ====================================
 
 Per micro-batch and layer: RoPE's cos and sin for q and k, ``4 b s d``; the unfused causal mask, ``s * s`` bools.
@@ -78,6 +80,9 @@ class Kernels:
     """'sdpa' (fused, no scores kept) or 'unfused' (Megatron's DotProductAttention)."""
     fused_norm: bool = True
     """torch's fused RMSNorm (CUDA) saves its input and 1/rms; the CPU composite saves an fp32 input and output."""
+    megatron_glu: bool = False
+    """Megatron's own SwiGLU (the Transformer Engine spec) keeps silu(gate) and up + 0 beside fc1's output;
+    ``megarl.models.swiglu`` (the local spec) keeps fc1's output only."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,8 @@ class Model:
             kept = 3 * a * d if g < a else q_k + qkv
             probs = FP32 * a * mb.length + (b * a * mb.length if b < FP32 else 0)
             total += T * (b * (kept + out) + probs) + mb.length * mb.length  # + the causal mask
-        total += T * b * (h + 5 * f)  # fc1 in, fc1 out (2f), silu(gate), up + 0, fc2 in
+        total += T * b * (h + 3 * f)  # fc1 in, fc1 out (2f: all megarl's SwiGLU keeps), fc2 in
+        total += T * b * 2 * f if self.kernels.megatron_glu else 0  # silu(gate), up + 0
         return total
 
     def recomputed_layer_bytes(self, mb: MicroBatchShape) -> int:

@@ -222,8 +222,9 @@ def logits_bytes(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_
 
 def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, cuda: bool = True) -> Model:
     """The model as the activation accounting sees it: dtype, TP, and which kernels save what."""
-    attention = cfg.model.attention if cfg.model.transformer_impl == "local" else "sdpa"  # TE: fused attention
-    return Model(spec, DTYPE_BYTES[cfg.model.dtype], layout.tp, Kernels(attention, fused_norm=cuda))
+    local = cfg.model.transformer_impl == "local"
+    kernels = Kernels(cfg.model.attention if local else "sdpa", fused_norm=cuda, megatron_glu=not local)
+    return Model(spec, DTYPE_BYTES[cfg.model.dtype], layout.tp, kernels)
 
 
 def micro_batch_shape(role, seq_length: int) -> MicroBatchShape:
