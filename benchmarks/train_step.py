@@ -17,7 +17,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
 
     python benchmarks/train_step.py            # CPU: a 34M-parameter Llama, 8 x 256 tokens (~3 minutes here)
     python benchmarks/train_step.py --json     # the same rows as a JSON list
-    python benchmarks/train_step.py --without-compat   # also megarl-sdpa without megarl.compat.megatron_speed
+    python benchmarks/train_step.py --without-compat   # also megarl-sdpa without megarl's Megatron speed-ups
     python benchmarks/train_step.py --prompt 48 --length 64 --sequences 32 --micro 32   # a prompt the loss skips
     python benchmarks/train_step.py --model .cache/smollm2-135m-instruct ...   # a real model's weights and shape
     python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
@@ -26,6 +26,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -92,27 +93,46 @@ class Variant:
         self.times.append(time.perf_counter() - t0)
 
 
-def without_compat(build):
-    """``build``'s megarl step as megatron-core computes it without ``megarl.compat.megatron_speed`` (Megatron's own
-    output layer and RoPE): the same function, two more copies."""
-    from megatron.core.models.common.embeddings import rope_utils
+def _megatron_glu(model) -> bool:
+    """Stands in for ``batch_major_logits`` (Megatron's own output layer) and puts the MLPs back on Megatron's own
+    GLU (``silu(gate) * (up + 0)``) instead of ``megarl.models.swiglu``."""
+    model.config.use_te_activation_func = False
+    return False
 
+
+@contextlib.contextmanager
+def megatron_speed_off():
+    """Within the block, models are built and stepped as megatron-core does without ``megarl.compat.megatron_speed``
+    and ``megarl.models.swiglu``: its own RoPE, output layer, GLU, weight-gradient accumulation and gradient
+    clipping. (A model built here keeps its GLU and its unfused gradients after the block.)"""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import clip_grads
+
+    import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
-    keep = builder.batch_major_logits
-    builder.batch_major_logits = lambda model: False
+    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, setup.weight_gradients_into_main_grad,
+            setup.in_place_grad_clipping, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
+    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = kept[0].original, _megatron_glu
+    setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
+    clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
     try:
-        inner, params = build()
+        yield
     finally:
-        builder.batch_major_logits = keep
-    patched = rope_utils._apply_rotary_pos_emb_bshd
+        (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, setup.weight_gradients_into_main_grad,
+         setup.in_place_grad_clipping, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl) = kept  # fmt: skip
+
+
+def without_compat(build):
+    """``build``'s megarl step as megatron-core computes it without megarl's speed-ups (``megatron_speed_off``)."""
+    with megatron_speed_off():
+        inner, params = build()
 
     def step() -> float:
-        rope_utils._apply_rotary_pos_emb_bshd = patched.original
-        try:
+        with megatron_speed_off():
             return inner()
-        finally:
-            rope_utils._apply_rotary_pos_emb_bshd = patched
 
     return step, params
 
@@ -273,7 +293,7 @@ def main(argv=None) -> int:
                         help="tokens of each sequence that are prompt (not scored): adds megarl-sdpa-all-logits")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--without-compat", action="store_true",
-                        help="also megarl-sdpa without megarl.compat.megatron_speed")  # fmt: skip
+                        help="also megarl-sdpa without megarl.compat.megatron_speed, megarl.models.swiglu")  # fmt: skip
     parser.add_argument("--model", help="an HF folder (e.g. .cache/smollm2-135m-instruct) instead of the random one")
     args = parser.parse_args(argv)
     args.shape = _shape(args.model) if args.model else CUDA_MODEL if cuda else CPU_MODEL

@@ -4,11 +4,10 @@ logits (at the positions that score a response token) and gradients of the actor
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
+from benchmarks.train_step import megatron_speed_off
 from megarl.backend.batch import Sequence, micro_batches
 from megarl.backend.setup import wrap_for_training
 from megarl.backend.step import run_schedule
@@ -34,33 +33,6 @@ def _padded_batches(spec, n: int = 4) -> list[dict]:
         mb["advantages"] = torch.linspace(-1, 1, len(mb["tokens"]))[:, None].expand_as(mb["loss_mask"]).contiguous()
         mb["rollout_logp"] = torch.zeros_like(mb["loss_mask"])
     return batches
-
-
-def _megatron_glu(model) -> bool:
-    """Stands in for ``batch_major_logits`` (the output layer left as Megatron's) and switches the MLPs to
-    Megatron's own GLU (``silu(gate) * (up + 0)``) instead of ``megarl.models.swiglu``."""
-    model.config.use_te_activation_func = False
-    return False
-
-
-@contextlib.contextmanager
-def megatron_speed_off():
-    """Megatron's own RoPE, output layer, SwiGLU and weight-gradient accumulation, as without
-    ``megarl.compat.megatron_speed`` and ``megarl.models.swiglu``."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    import megarl.backend.setup as setup
-    import megarl.models.builder as builder
-
-    patched, batch_major = rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits
-    into_main_grad = setup.weight_gradients_into_main_grad
-    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched.original, _megatron_glu
-    setup.weight_gradients_into_main_grad = lambda model: 0
-    try:
-        yield
-    finally:
-        rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = patched, batch_major
-        setup.weight_gradients_into_main_grad = into_main_grad
 
 
 def _run(spec, layout, attention: str, dtype: str, views: list | None = None, firsts: list | None = None,

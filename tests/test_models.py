@@ -137,6 +137,7 @@ def test_swiglu_equals_megatrons_glu_bit_for_bit_and_keeps_only_fc1s_output(dtyp
     element = fused.element_size()
     assert kept == fused.numel() * element and kept_m == 2 * fused.numel() * element, (kept, kept_m)
     assert layer_spec("local").submodules.mlp.submodules.activation_func is SwiGLU
+    assert SwiGLU().sharded_state_dict("decoder.layers.0.mlp.activation_func.") == {}  # checkpoints hold nothing
     spec = spec_from_hf_config({**BASE, "model_type": "llama"})
     assert transformer_config(spec, ParallelLayout()).use_te_activation_func  # Megatron's "the spec gives it"
     assert not transformer_config(spec, ParallelLayout(), transformer_impl="transformer_engine").use_te_activation_func

@@ -49,3 +49,7 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, fused: torch.Tensor) -> torch.Tensor:
         return swiglu(fused)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Nothing to checkpoint (Megatron's MLP asks each of its modules for its sharded state)."""
+        return {}
