@@ -33,8 +33,9 @@ def test_imports_inside_functions_do_not_grow():
 
 
 def test_scripts_outside_the_package_import_names_it_has():
-    """``benchmarks/``, ``launch/`` and ``checkpoints_tools/`` are not imported by the suite: every name they import
-    from megarl exists (a module moved by the recut left two benchmarks importing it from its old home)."""
+    """``benchmarks/``, ``launch/`` and ``checkpoints_tools/`` are scripts the suite mostly does not import: every
+    name they import from megarl exists (a module moved by the recut left two benchmarks importing it from its old
+    home)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent

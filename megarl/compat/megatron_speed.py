@@ -25,7 +25,10 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   weight-sized temporary). Megatron's ``gradient_accumulation_fusion`` accumulates it in the GEMM instead, through
   apex's CUDA extension ``fused_weight_gradient_mlp_cuda``; without apex the option is refused. The extension's
   two functions are stood in by ``torch.addmm_`` into ``main_grad`` (``_WeightGradientAccumulation``), and the
-  option is turned on for the linear layers whose weight has a ``main_grad`` (a model wrapped for training).
+  option is turned on for the linear layers whose weight has a ``main_grad`` (a model wrapped for training). One
+  GEMM only where the weight and ``main_grad`` share a dtype (fp32 training, the CPU's); bf16 weights with an fp32
+  ``main_grad`` still take the GEMM and an add (no temporary kept past the add, no hook), as apex's kernel is not
+  there to accumulate bf16 products in fp32.
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).

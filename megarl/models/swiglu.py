@@ -4,10 +4,10 @@ Megatron's local MLP computes it from autograd's pieces: ``chunk``, ``silu(gate)
 adds an offset of 0 (a copy of ``up``), keeps ``silu(gate)`` and that copy for backward beside fc1's output (which
 ``gate`` and ``up`` are views of), and joins the two halves' gradients with a ``cat``. ``swiglu`` keeps only fc1's
 output, recomputes ``silu(gate)`` in backward and writes both halves' gradients into one tensor: the same values
-bit for bit (the same elementwise operations in the same order), 2 x ffn_hidden elements fewer saved per token and
-layer, and two copies fewer per layer. Megatron takes it through its layer spec
-(``MLPSubmodules.activation_func``, used when ``TransformerConfig.use_te_activation_func`` is set; the name is
-Megatron's, no Transformer Engine is involved): ``megarl.models.builder``.
+(the same elementwise operations in the same order; only the sign of a zero can differ, as ``up + 0`` turns -0.0
+into +0.0), 2 x ffn_hidden elements fewer saved per token and layer, and two copies fewer per layer. Megatron takes
+it through its layer spec (``MLPSubmodules.activation_func``, used when ``TransformerConfig.use_te_activation_func``
+is set; the name is Megatron's, no Transformer Engine is involved): ``megarl.models.builder``.
 """
 
 from __future__ import annotations
