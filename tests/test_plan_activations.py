@@ -98,10 +98,11 @@ def test_the_plan_of_the_1_2b_model_matches_the_h100_measurement(tokens):
                  "rollout.kv_cache_mb=auto"]  # fmt: skip
     cfg = load_config("configs/quickstart.yaml", overrides, cuda=True)
     job = make_plan(cfg, validate(cfg), Hardware(1, 1), sync=False)
-    assert micro_batch_shape(cfg.actor, 2048) == MicroBatchShape(tokens, 2048)  # sequences of 2048, not one long
+    shape = micro_batch_shape(cfg.actor, 2048)
+    assert shape == MicroBatchShape(tokens, 2048)  # sequences of 2048, not one long
     saved, logits = job.ranks[0].consumers[ACTIVATIONS] / 1e9, job.ranks[0].consumers[LOGITS] / 1e9
-    model, shape = activation_model(cfg, job.spec, L()), micro_batch_shape(cfg.actor, 2048)
-    as_measured = Model(model.spec, model.dtype_bytes, kernels=replace(model.kernels, megatron_glu=True))
+    model = activation_model(cfg, job.spec, L())
+    as_measured = replace(model, kernels=replace(model.kernels, megatron_glu=True))
     glu = model.spec.num_layers * (as_measured.layer_bytes(shape) - model.layer_bytes(shape)) / 1e9
     assert abs(glu - 16 * tokens * 2 * 5632 * 2 / 1e9) < 1e-9  # 16 layers, 2 x 5632 bf16 values per token
     saved += glu

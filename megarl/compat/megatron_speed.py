@@ -157,13 +157,13 @@ def in_place_grad_clipping() -> bool:
 
 def _scale_in_place(chunk_size, noop_flag, tensor_lists, scale):
     """``local_multi_tensor_scale`` (``dst = src * scale``) without a temporary where ``dst`` is ``src``."""
+    from megatron.core.utils import local_multi_tensor_scale
+
     sources, targets = tensor_lists
-    if all(s is t for s, t in zip(sources, targets, strict=True)):
-        if targets:
-            torch._foreach_mul_(targets, scale)
-        return
-    for src, dst in zip(sources, targets, strict=True):
-        dst.copy_(src * scale)
+    if not all(s is t for s, t in zip(sources, targets, strict=True)):
+        return local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
+    if targets:
+        torch._foreach_mul_(targets, scale)
 
 
 def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
