@@ -142,30 +142,99 @@ def measure_training_peak(hf_dir: str) -> dict:
 def _training_peak_at_1_2b(path) -> tuple[str, bool]:
     from megarl.parallel.spawn import run_on_ranks
 
-    got = run_on_ranks(measure_training_peak, 1, path("1.2b"))  # the model of _step_at_1_2b
+    got = run_on_ranks(measure_training_peak, 1, path("1.2b"))  # the model of _make_1_2b
     planned = sum(got["planned"].values())
     print(f"gpu_smoke: 1.2B actor update peak {got['measured'] / 1e9:.2f} GB measured, {planned / 1e9:.2f} GB planned ("
           + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in got["planned"].items()) + ")")  # fmt: skip
     return "megarl plan's training peak of the 1.2B actor update within 20%", abs(got["measured"] / planned - 1) <= 0.2
 
 
-def _step_at_1_2b(path) -> tuple[str, bool]:
-    """One GRPO step of a 1.2B Llama with the HF engine (16 prompts x 8, 64 new tokens); prints its phases."""
+def _make_1_2b(path) -> str:
+    """The 1.2B Llama of ``configs/models/llama-1.2b`` with random weights, built here once for H and I."""
     from megarl.models.tiny import make_tiny_hf_model
 
-    model = make_tiny_hf_model(path("1.2b"), "llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
-                               ffn_hidden_size=5632, vocab_size=32000, max_position_embeddings=2048)  # fmt: skip
-    (row,) = _train("configs/quickstart.yaml", model, path("1.2b-run"), "trainer.total_steps=1", "trainer.save_every=0",
-                    "model.dtype=bfloat16", "data.train_batch_size=16", "rollout.sampling.n=8",
+    return make_tiny_hf_model(path("1.2b"), "llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
+                              ffn_hidden_size=5632, vocab_size=32000, max_position_embeddings=2048)  # fmt: skip
+
+
+def _step_at_1_2b(path) -> list[tuple[str, bool]]:
+    """H. One GRPO step of the 1.2B Llama with the HF engine (16 prompts x 8, 64 new tokens); prints its phases."""
+    (row,) = _train("configs/quickstart.yaml", path("1.2b"), path("1.2b-run"), "trainer.total_steps=1",
+                    "trainer.save_every=0", "model.dtype=bfloat16", "data.train_batch_size=16", "rollout.sampling.n=8",
                     "actor.global_batch_size=128", "rollout.sampling.max_new_tokens=64", "actor.seq_length=128",
                     "rollout.max_model_len=128", "actor.max_tokens_per_micro_batch=4096")  # fmt: skip
     phases = {k.removeprefix("timing/"): v for k, v in row.items() if k.startswith("timing/")}
     print("gpu_smoke: 1.2B GRPO step (HF engine, 16x8 samples, 64 new tokens): "
           + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))  # fmt: skip
-    return "a 1.2B step with the HF engine: rewards finite", _finite([row], "reward/mean")
+    return [("a 1.2B step with the HF engine: rewards finite", _finite([row], "reward/mean"))]
+
+
+def _grpo_offload_resume(path, model, dtype) -> list[tuple[str, bool]]:
+    """A, B, C."""
+    grpo = "configs/quickstart.yaml"
+    a = _train(grpo, model, path("a"), "trainer.total_steps=4", "offload.enable=true", f"model.dtype={dtype}")
+    b, c = _resumed(grpo, model, path("b"), 4, f"model.dtype={dtype}")
+    return [(f"4 GRPO steps on NCCL (world 1, {dtype}), rewards finite", _finite(b, "reward/mean")),
+            ("offload to pinned host memory and back: metrics equal", _algorithmic(a) == _algorithmic(b)),
+            (f"resume from step 2 ({dtype} checkpoint, CUDA RNG): steps 3-4 equal",
+             _algorithmic(c)[2:] == _algorithmic(b)[2:])]  # fmt: skip
+
+
+def _ppo(path, model, dtype) -> list[tuple[str, bool]]:
+    """D."""
+    whole, cut = _resumed("configs/tiny_ppo.yaml", model, path("ppo"), 3, f"model.dtype={dtype}")
+    return [("PPO with critic and reference: values, KL finite; resumed step 3 equal",
+             _finite(whole, "critic/values_mean", "critic/vf_loss", "actor/kl_loss")
+             and _algorithmic(cut)[2:] == _algorithmic(whole)[2:])]  # fmt: skip
+
+
+def _lora(path, dtype) -> list[tuple[str, bool]]:
+    """E."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    model = make_tiny_hf_model(path("tiny-lora"), "llama", init_std=0.08)
+    whole, cut = _resumed("configs/quickstart.yaml", model, path("lora"), 3, f"model.dtype={dtype}",
+                          "actor.lora.rank=8", "actor.optim.lr=0.001")  # fmt: skip
+    return [("LoRA (merged into the engine): adapters train; resumed step 3 equal",
+             all(r["actor/grad_norm"] > 0 for r in whole) and _algorithmic(cut)[2:] == _algorithmic(whole)[2:])]
+
+
+def _reward_model(path, model, dtype) -> list[tuple[str, bool]]:
+    """F."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    rm = make_tiny_hf_model(path("rm"), "llama", seed=7, init_std=0.08, num_labels=1)
+    rows = _train("configs/quickstart.yaml", model, path("rm-run"), "trainer.total_steps=2", f"model.dtype={dtype}",
+                  f"reward.model.path={rm}")  # fmt: skip
+    return [("a reward model scores beside the function: rewards finite", _finite(rows, "reward/mean"))]
+
+
+def _exact_parts(path, dtype) -> list[tuple[str, bool]]:
+    """G."""
+    import torch
+
+    from megarl.models.tiny import make_tiny_hf_model
+    from megarl.parallel.spawn import run_on_ranks
+
+    big = make_tiny_hf_model(path("big"), "llama", hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
+                             ffn_hidden_size=2816, vocab_size=8192)  # fmt: skip
+    parts = run_on_ranks(measure_exact_parts, 1, os.path.join(REPO, "configs/quickstart.yaml"),
+                         [f"model.path={big}", f"model.dtype={dtype}", *COMMON])  # fmt: skip
+    print(f"gpu_smoke: weight sync under the {parts['sync']['backend']} default group moves buffers on "
+          f"{parts['sync']['device']}")  # fmt: skip
+    checks = [("the weight sync's buffers and hashes are on the GPU", parts["sync"]["device"].startswith("cuda"))]
+    for part, planned in parts["planned"].items():
+        measured = parts["measured"][part]
+        print(f"gpu_smoke: {torch.cuda.get_device_name()}: {part}: planned {planned / 1e6:.2f} MB, allocated "
+              f"{measured / 1e6:.2f} MB (ratio {measured / planned:.4f})")  # fmt: skip
+        checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
+                       abs(measured / planned - 1) <= 0.01))  # fmt: skip
+    return checks
 
 
 def main() -> int:
+    import time
+
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -175,52 +244,25 @@ def main() -> int:
         print("gpu_smoke: no CUDA GPU here: not run")
         return 2
     from megarl.models.tiny import make_tiny_hf_model
-    from megarl.parallel.spawn import run_on_ranks
 
-    dtype = f"model.dtype={args.dtype}"
-    grpo, ppo = "configs/quickstart.yaml", "configs/tiny_ppo.yaml"
     checks = []
     with tempfile.TemporaryDirectory() as tmp:
         path = lambda name: os.path.join(tmp, name)  # noqa: E731
         model = make_tiny_hf_model(path("tiny"), "llama")
-        a = _train(grpo, model, path("a"), "trainer.total_steps=4", "offload.enable=true", dtype)
-        b, c = _resumed(grpo, model, path("b"), 4, dtype)
-        checks.append((f"4 GRPO steps on NCCL (world 1, {args.dtype}), rewards finite", _finite(b, "reward/mean")))
-        checks.append(("offload to pinned host memory and back: metrics equal", _algorithmic(a) == _algorithmic(b)))
-        checks.append((f"resume from step 2 ({args.dtype} checkpoint, CUDA RNG): steps 3-4 equal",
-                       _algorithmic(c)[2:] == _algorithmic(b)[2:]))  # fmt: skip
-
-        whole, cut = _resumed(ppo, model, path("ppo"), 3, dtype)
-        checks.append(("PPO with critic and reference: values, KL finite; resumed step 3 equal",
-                       _finite(whole, "critic/values_mean", "critic/vf_loss", "actor/kl_loss")
-                       and _algorithmic(cut)[2:] == _algorithmic(whole)[2:]))  # fmt: skip
-
-        lora_model = make_tiny_hf_model(path("tiny-lora"), "llama", init_std=0.08)
-        whole, cut = _resumed(grpo, lora_model, path("lora"), 3, dtype, "actor.lora.rank=8", "actor.optim.lr=0.001")
-        checks.append(("LoRA (merged into the engine): adapters train; resumed step 3 equal",
-                       all(r["actor/grad_norm"] > 0 for r in whole)
-                       and _algorithmic(cut)[2:] == _algorithmic(whole)[2:]))  # fmt: skip
-
-        rm = make_tiny_hf_model(path("rm"), "llama", seed=7, init_std=0.08, num_labels=1)
-        rows = _train(grpo, model, path("rm-run"), "trainer.total_steps=2", dtype, f"reward.model.path={rm}")
-        checks.append(("a reward model scores beside the function: rewards finite", _finite(rows, "reward/mean")))
-
-        big = make_tiny_hf_model(path("big"), "llama", hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
-                                 ffn_hidden_size=2816, vocab_size=8192)  # fmt: skip
-        parts = run_on_ranks(measure_exact_parts, 1, os.path.join(REPO, grpo),
-                             [f"model.path={big}", dtype, *COMMON])  # fmt: skip
-        print(f"gpu_smoke: weight sync under the {parts['sync']['backend']} default group moves buffers on "
-              f"{parts['sync']['device']}")  # fmt: skip
-        on_gpu = parts["sync"]["device"].startswith("cuda")
-        checks.append(("the weight sync's buffers and hashes are on the GPU", on_gpu))
-        for part, planned in parts["planned"].items():
-            measured = parts["measured"][part]
-            print(f"gpu_smoke: {torch.cuda.get_device_name()}: {part}: planned {planned / 1e6:.2f} MB, allocated "
-                  f"{measured / 1e6:.2f} MB (ratio {measured / planned:.4f})")  # fmt: skip
-            checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
-                           abs(measured / planned - 1) <= 0.01))  # fmt: skip
-        checks.append(_step_at_1_2b(path))
-        checks.append(_training_peak_at_1_2b(path))
+        _make_1_2b(path)
+        groups = [("I", lambda: [_training_peak_at_1_2b(path)]), ("H", lambda: _step_at_1_2b(path)),
+                  ("G", lambda: _exact_parts(path, args.dtype)),
+                  ("A-C", lambda: _grpo_offload_resume(path, model, args.dtype)),
+                  ("D", lambda: _ppo(path, model, args.dtype)), ("E", lambda: _lora(path, args.dtype)),
+                  ("F", lambda: _reward_model(path, model, args.dtype))]  # fmt: skip
+        for name, group in groups:  # the 1.2B checks first; a broken check costs its own group only
+            start = time.perf_counter()
+            try:
+                checks += group()
+            except (Exception, SystemExit) as err:
+                print(f"gpu_smoke: {name} broke: {err}")
+                checks.append((f"{name} ran", False))
+            print(f"gpu_smoke: {name} took {time.perf_counter() - start:.0f} s", flush=True)
     for what, ok in checks:
         print(f"gpu_smoke: {'ok  ' if ok else 'FAIL'} {what}")
     passed = all(ok for _, ok in checks)
