@@ -139,10 +139,20 @@ def measure_training_peak(hf_dir: str) -> dict:
     return {"measured": torch.cuda.max_memory_allocated(), "planned": {k: consumers[k] for k in parts}}
 
 
-def _training_peak_at_1_2b(path) -> tuple[str, bool]:
+def _in_fresh_process(fn, *args):
+    """``fn(*args)`` as rank 0 of a world of 1 in a new process: a measurement of ``torch.cuda`` memory starts from
+    nothing, and this process keeps no process group (whose port and RANK the `megarl train` children would inherit)."""
+    import concurrent.futures
+    import multiprocessing
+
     from megarl.parallel.spawn import run_on_ranks
 
-    got = run_on_ranks(measure_training_peak, 1, path("1.2b"))  # the model of _make_1_2b
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_on_ranks, fn, 1, *args).result()
+
+
+def _training_peak_at_1_2b(path) -> tuple[str, bool]:
+    got = _in_fresh_process(measure_training_peak, path("1.2b"))  # the model of _make_1_2b
     planned = sum(got["planned"].values())
     print(f"gpu_smoke: 1.2B actor update peak {got['measured'] / 1e9:.2f} GB measured, {planned / 1e9:.2f} GB planned ("
           + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in got["planned"].items()) + ")")  # fmt: skip
@@ -214,12 +224,11 @@ def _exact_parts(path, dtype) -> list[tuple[str, bool]]:
     import torch
 
     from megarl.models.tiny import make_tiny_hf_model
-    from megarl.parallel.spawn import run_on_ranks
 
     big = make_tiny_hf_model(path("big"), "llama", hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=8,
                              ffn_hidden_size=2816, vocab_size=8192)  # fmt: skip
-    parts = run_on_ranks(measure_exact_parts, 1, os.path.join(REPO, "configs/quickstart.yaml"),
-                         [f"model.path={big}", f"model.dtype={dtype}", *COMMON])  # fmt: skip
+    parts = _in_fresh_process(measure_exact_parts, os.path.join(REPO, "configs/quickstart.yaml"),
+                              [f"model.path={big}", f"model.dtype={dtype}", *COMMON])  # fmt: skip
     print(f"gpu_smoke: weight sync under the {parts['sync']['backend']} default group moves buffers on "
           f"{parts['sync']['device']}")  # fmt: skip
     checks = [("the weight sync's buffers and hashes are on the GPU", parts["sync"]["device"].startswith("cuda"))]
