@@ -44,6 +44,10 @@ COMMON = ["actor.parallel.tp=1", "rollout.backend=hf", "trainer.val_every=0", "l
           "logging.progress_bar=false", "data.train_batch_size=4", "rollout.sampling.n=4", "actor.global_batch_size=16",
           "rollout.sampling.max_new_tokens=8", "trainer.save_every=2"]  # fmt: skip
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOCATOR_SLACK = 1 << 20
+"""What torch's CUDA caching allocator may count beyond a tensor's bytes: a tensor over 1 MiB that starts a segment
+gets the whole segment when the remainder is at most 1 MiB (not split off). Seen on an H100: the ~64M model's four
+11 MiB fc1 weights took 12 MiB each (+4 MiB, 3.3% of its 128 MB), fc2's fp32 copies and moments likewise (+12 MiB)."""
 
 
 def _train(recipe: str, model: str, out: str, *extra: str) -> list[dict]:
@@ -105,7 +109,9 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
     torch.cuda.synchronize()
     rest = torch.cuda.memory_allocated() - start - params
     planned = rank_memory(cfg, spec, layout, gpus_per_node=1)[0].consumers
+    tensors = len(list(chunk.parameters()))  # each a tensor of its own; Adam adds a main copy and two moments
     return {"sync": sync, "measured": {"actor params": params, "grads+optimizer": rest},
+            "tensors": {"actor params": tensors, "grads+optimizer": 3 * tensors + len(ddp.buffers)},
             "planned": {"actor params": planned["actor params"],
                         "grads+optimizer": planned[ACTOR_GRADS] + planned[ACTOR_OPTIMIZER]}}  # fmt: skip
 
@@ -236,8 +242,9 @@ def _exact_parts(path, dtype) -> list[tuple[str, bool]]:
         measured = parts["measured"][part]
         print(f"gpu_smoke: {torch.cuda.get_device_name()}: {part}: planned {planned / 1e6:.2f} MB, allocated "
               f"{measured / 1e6:.2f} MB (ratio {measured / planned:.4f})")  # fmt: skip
-        checks.append((f"megarl plan's {part} equal what the run allocated (within 1%)",
-                       abs(measured / planned - 1) <= 0.01))  # fmt: skip
+        rounding = parts["tensors"][part] * ALLOCATOR_SLACK
+        checks.append((f"megarl plan's {part} equal what the run allocated (within 1% or the allocator's rounding)",
+                       abs(measured / planned - 1) <= 0.01 or 0 <= measured - planned <= rounding))  # fmt: skip
     return checks
 
 
@@ -267,10 +274,13 @@ def main() -> int:
         for name, group in groups:  # the 1.2B checks first; a broken check costs its own group only
             start = time.perf_counter()
             try:
-                checks += group()
+                done = group()
             except (Exception, SystemExit) as err:
                 print(f"gpu_smoke: {name} broke: {err}")
-                checks.append((f"{name} ran", False))
+                done = [(f"{name} ran", False)]
+            for what, ok in done:  # as each group ends: a run stopped by a time limit still shows what passed
+                print(f"gpu_smoke: {name}: {'ok  ' if ok else 'FAIL'} {what}")
+            checks += done
             print(f"gpu_smoke: {name} took {time.perf_counter() - start:.0f} s", flush=True)
     for what, ok in checks:
         print(f"gpu_smoke: {'ok  ' if ok else 'FAIL'} {what}")
