@@ -164,3 +164,35 @@ def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_f
         expected, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
     assert norm.shape == (1,) and norm.dtype == torch.float32
     assert torch.allclose(norm, expected.to(norm.device), rtol=1e-6), (norm, expected)
+
+
+def test_fused_adam_on_cpu_takes_torchs_default_steps_in_one_kernel():
+    """``fused_adam_on_cpu``: the torch Adam inside a Megatron optimizer (``.optimizer``; chained:
+    ``.chained_optimizers``) runs fused where its parameters are on the CPU, to the same fp32 values as torch's
+    default implementation (Megatron's inner optimizer always holds fp32 parameters: the main copies of a bf16
+    model); SGD and parameters on another device (the meta device stands in for a GPU) are left as they are."""
+    from types import SimpleNamespace
+
+    from megarl.compat.megatron_speed import fused_adam_on_cpu
+
+    def run(cls, fused: bool):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((64, 32), (7,), (3, 5, 2))]
+        inner = cls(params, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
+        switched = fused_adam_on_cpu(SimpleNamespace(optimizer=inner)) if fused else 0
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            inner.step()
+        return switched, inner, params
+
+    for cls in (torch.optim.AdamW, torch.optim.Adam):
+        switched, inner, fused = run(cls, True)
+        _, _, default = run(cls, False)
+        assert switched == 1 and inner.param_groups[0]["fused"] and not inner.param_groups[0]["foreach"]
+        assert all(torch.equal(a, b) for a, b in zip(fused, default, strict=True))
+        assert float(inner.state[fused[0]]["step"]) == 5
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    off_cpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=sgd), SimpleNamespace(optimizer=off_cpu)])
+    assert fused_adam_on_cpu(chained) == 0 and not off_cpu.param_groups[0]["fused"]

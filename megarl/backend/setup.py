@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megarl.compat import megatron_mode
-from megarl.compat.megatron_speed import in_place_grad_clipping, weight_gradients_into_main_grad
+from megarl.compat.megatron_speed import fused_adam_on_cpu, in_place_grad_clipping, weight_gradients_into_main_grad
 from megarl.config.schema import OptimConfig
 
 
@@ -49,6 +49,7 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
             [ddp],
         )
     weight_gradients_into_main_grad(ddp)
+    fused_adam_on_cpu(optimizer)
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.no_sync_func = ddp.no_sync
     if half and (tf_config.bf16 or tf_config.fp16):

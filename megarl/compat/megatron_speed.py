@@ -29,6 +29,9 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   GEMM only where the weight and ``main_grad`` share a dtype (fp32 training, the CPU's); bf16 weights with an fp32
   ``main_grad`` still take the GEMM and an add (no temporary kept past the add, no hook), as apex's kernel is not
   there to accumulate bf16 products in fp32.
+- ``fused_adam_on_cpu``: Megatron's torch Adam with torch's default implementation is, on CPU tensors, a loop over
+  the parameters of ~10 elementwise passes each; torch's ``fused`` option (one pass per tensor, the same fp32 values)
+  is set on the groups whose parameters are on the CPU. 66 -> 22 ms per step at 34M (two threads).
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).
@@ -206,4 +209,27 @@ def weight_gradients_into_main_grad(model) -> int:
         if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and hasattr(weight, "main_grad"):
             module.gradient_accumulation_fusion = True
             fused += 1
+    return fused
+
+
+def fused_adam_on_cpu(optimizer) -> int:
+    """Run the torch Adam inside a Megatron optimizer (chained or not) as torch's fused kernel where its parameters
+    live on the CPU; returns how many parameter groups do.
+
+    Without apex or Transformer Engine Megatron builds ``torch.optim.AdamW`` / ``Adam`` with torch's default
+    implementation, which on CPU tensors is a loop over the parameters of ~10 elementwise passes each (on CUDA the
+    default is already the multi-tensor one: left as is). ``fused`` is a documented option of both classes, read
+    from the parameter group at every step; the fused kernel makes one pass per tensor with the same update
+    (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state on one thread, 66 ->
+    22 ms at 34M on two."""
+    fused = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            on_cpu = group["params"] and all(p.device.type == "cpu" for p in group["params"])
+            if on_cpu and not group.get("differentiable") and not group.get("capturable"):
+                group["fused"], group["foreach"] = True, False
+                fused += 1
     return fused
