@@ -18,7 +18,8 @@ default):
   F. a reward model (a tiny ``LlamaForSequenceClassification``) combined with the reward function, 2 steps;
   G. the exact parts of ``megarl plan`` (actor parameters, gradient buffers, optimizer state: bf16 parameters, fp32
      main parameters, gradients and Adam moments) against ``torch.cuda.memory_allocated`` of the actor built, wrapped
-     and stepped once in this process, on a model large enough to measure (~64M parameters); in the same process,
+     and stepped once in a fresh process, on a model large enough to measure (~64M parameters; torch's caching
+     allocator may count up to 1 MiB more per tensor); in the same process,
      the weight sync's transfer device under the default group (``cpu:gloo,cuda:nccl``) is the GPU;
   H. a 1.2B Llama (hidden 2048, 16 layers, 16 heads / 8 KV, FFN 5632, vocab 32000), one GRPO step with the HF engine
      (16 prompts x 8 samples, 64 new tokens): its per-phase times are printed;

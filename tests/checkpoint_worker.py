@@ -99,6 +99,8 @@ def run(hf_dir: str, root: str) -> dict:
     # all three worked around (load_training): step 3 equals the uninterrupted step 3
     resumed = _models(spec, layout)
     load_training(path, resumed, restore_rng=False)
+    parts = getattr(resumed.actor_optim, "chained_optimizers", [resumed.actor_optim])
+    out["fused_after_load"] = [g["fused"] for part in parts for g in part.optimizer.param_groups]
     _step(resumed, batches[2], 3)
     out["resumed"] = _weights(resumed)
     out["lr"] = (straight.actor_sched.get_lr(straight.actor_optim.param_groups[0]),

@@ -30,8 +30,9 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   ``main_grad`` still take the GEMM and an add (no temporary kept past the add, no hook), as apex's kernel is not
   there to accumulate bf16 products in fp32.
 - ``fused_adam_on_cpu``: Megatron's torch Adam with torch's default implementation is, on CPU tensors, a loop over
-  the parameters of ~10 elementwise passes each; torch's ``fused`` option (one pass per tensor, the same fp32 values)
-  is set on the groups whose parameters are on the CPU. 66 -> 22 ms per step at 34M (two threads).
+  the parameters of ~10 elementwise passes each; torch's ``fused`` option (one pass per tensor) is set on the groups
+  whose parameters are on the CPU (parameters and moments equal within ~1 ulp). 66 -> 22 ms per step at 34M (two
+  threads).
 - ``rope_without_empty_cat``: ``_apply_rotary_pos_emb_bshd`` ends with ``torch.cat((t, t_pass))`` where ``t_pass``
   (the dimensions past the rotary ones) is empty for every model megarl supports: a copy of q and of k in each layer,
   and its backward. Skipped when ``t_pass`` is empty (the cat of an empty tensor is that copy, so values are equal).
@@ -214,14 +215,15 @@ def weight_gradients_into_main_grad(model) -> int:
 
 def fused_adam_on_cpu(optimizer) -> int:
     """Run the torch Adam inside a Megatron optimizer (chained or not) as torch's fused kernel where its parameters
-    live on the CPU; returns how many parameter groups do.
+    live on the CPU, and as torch's default elsewhere; returns how many parameter groups run fused.
 
     Without apex or Transformer Engine Megatron builds ``torch.optim.AdamW`` / ``Adam`` with torch's default
     implementation, which on CPU tensors is a loop over the parameters of ~10 elementwise passes each (on CUDA the
-    default is already the multi-tensor one: left as is). ``fused`` is a documented option of both classes, read
-    from the parameter group at every step; the fused kernel makes one pass per tensor with the same update
-    (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state on one thread, 66 ->
-    22 ms at 34M on two."""
+    default is already the multi-tensor one). ``fused`` is a documented option of both classes, read from the
+    parameter group at every step; the fused kernel makes one pass per tensor, parameters and moments equal to
+    within about one ulp (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state
+    on one thread, 66 -> 22 ms at 34M on two. A load (``load_state_dict``) takes the groups' flags from the
+    checkpoint, which may come from another device or an older megarl: call again after it."""
     fused = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
@@ -232,4 +234,6 @@ def fused_adam_on_cpu(optimizer) -> int:
             if on_cpu and not group.get("differentiable") and not group.get("capturable"):
                 group["fused"], group["foreach"] = True, False
                 fused += 1
+            elif group.get("fused"):  # e.g. a CPU run's checkpoint loaded on a GPU: torch's default there
+                group["fused"], group["foreach"] = None, None
     return fused
