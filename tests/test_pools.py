@@ -129,7 +129,9 @@ def test_a_critic_on_its_own_pool_and_layout_trains_as_colocated(ppo_runs):
         # noise, and more than one token can cross the value clip (seen: 1 and 2 of 96 on fresh machines)
         tokens = round(16 * a["response_length/mean"])
         share = FLIPS / (2 * max(tokens - 8 * a["response_length/max"], 8))
-        assert not (far := far_apart(a, b, keys - noise, rtol=RTOL, floor=1e-2, token_share=share)), far
+        # floor 3e-2: step 2's actor/pg_loss (-0.00456, a mean of advantage x ratio terms of size ~1) came out
+        # 1.2e-7 apart with torch's fused Adam on CPU and 7.5e-8 apart with its default loop (floor 1e-2 allows 1e-7)
+        assert not (far := far_apart(a, b, keys - noise, rtol=RTOL, floor=3e-2, token_share=share)), far
         assert {"pool/train/busy_s", "pool/critic/busy_s", "pool/rollout/busy_s"} <= b.keys()
 
 
