@@ -103,8 +103,9 @@ def _megatron_glu(model) -> bool:
 @contextlib.contextmanager
 def megatron_speed_off():
     """Within the block, models are built and stepped as megatron-core does without ``megarl.compat.megatron_speed``
-    and ``megarl.models.swiglu``: its own RoPE, output layer, GLU, weight-gradient accumulation, gradient
-    clipping and torch's default Adam. (A model built here keeps its GLU and its unfused gradients after the block.)"""
+    and ``megarl.models.swiglu``: its own RoPE, output layer, GLU, torch's RMSNorm, weight-gradient accumulation,
+    gradient clipping and torch's default Adam. (A model built here keeps its GLU, its norms and its unfused
+    gradients after the block.)"""
     from megatron.core import utils
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads
@@ -112,10 +113,11 @@ def megatron_speed_off():
     import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
-    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, setup.weight_gradients_into_main_grad,
-            setup.in_place_grad_clipping, setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl,
-            clip_grads.l2_norm_impl)  # fmt: skip
+    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, builder.rms_norm_on_cpu,
+            setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping, setup.fused_adam_on_cpu,
+            clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
     rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = kept[0].original, _megatron_glu
+    builder.rms_norm_on_cpu = lambda model: 0
     setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
     setup.fused_adam_on_cpu = lambda optimizer: 0
     clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
@@ -123,9 +125,9 @@ def megatron_speed_off():
     try:
         yield
     finally:
-        (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, setup.weight_gradients_into_main_grad,
-         setup.in_place_grad_clipping, setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl,
-         clip_grads.l2_norm_impl) = kept  # fmt: skip
+        (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, builder.rms_norm_on_cpu,
+         setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping, setup.fused_adam_on_cpu,
+         clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl) = kept  # fmt: skip
 
 
 def without_compat(build):

@@ -166,16 +166,26 @@ def test_kv_heads_are_shared_natively_on_cpu_and_in_half_precision_on_cuda():
     assert not _native_gqa(query(True, torch.bfloat16), torch.ones(1, dtype=torch.bool))
 
 
-def test_rope_without_its_empty_concatenation_equals_megatron_rope():
+def test_rope_as_one_function_equals_megatron_rope_and_its_gradient_bitwise():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megarl.compat.megatron_speed import rope_without_empty_cat
+    from megarl.compat.megatron_speed import rope_as_one_function
 
-    assert rope_without_empty_cat() and rope_without_empty_cat()  # idempotent
+    assert rope_as_one_function() and rope_as_one_function()  # idempotent
     patched = rope_utils._apply_rotary_pos_emb_bshd
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(5, 2, 3, 8, generator=gen)
-    for rotary in (8, 4):  # every dimension rotated; a partial rotary (Megatron's own path, concatenation included)
+    grad = torch.randn(5, 2, 3, 8, generator=gen)
+    # every dimension rotated (this module's function, mscale too); partial or interleaved rotary (Megatron's own)
+    for rotary, interleaved, mscale in ((8, False, 1.0), (8, False, 0.7), (4, False, 1.0), (8, True, 1.0)):
         freqs = torch.randn(5, 1, 1, rotary, generator=gen)
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(patched(t.to(dtype), freqs), patched.original(t.to(dtype), freqs))
+            outs = []
+            for fn in (patched, patched.original):
+                x = t.to(dtype).clone().requires_grad_()
+                out = fn(x, freqs, rotary_interleaved=interleaved, mscale=mscale)
+                out.backward(grad.to(dtype))
+                outs.append((out.detach(), x.grad))
+            (out, dx), (ref, ref_dx) = outs
+            assert out.dtype == ref.dtype == dx.dtype == dtype
+            assert torch.equal(out, ref) and torch.equal(dx, ref_dx), (rotary, interleaved, mscale, dtype)

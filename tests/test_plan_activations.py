@@ -40,7 +40,7 @@ TOLERANCE = 0.15
 def planned(case: Case, rank: int) -> int:
     """The planner's bytes for this rank, with the CPU's kernels (the count runs on CPU)."""
     stage = case.layout.coords(rank).pp
-    model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention, False))
+    model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention))
     return stage_activation_bytes(
         model,
         MicroBatchShape(case.sequences * case.length, case.length),

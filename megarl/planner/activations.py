@@ -14,8 +14,8 @@ TP rank. Per token and layer:
 ====================  ===================================================  ====================================
 where                 saved                                                bytes per token
 ====================  ===================================================  ====================================
-each RMSNorm (x2)     CUDA (fused kernel): its input, 1/rms in fp32        ``b h + 4``
-                      CPU (composite): fp32 input and normalised, 1/rms    ``4 (2h + 1)``
+each RMSNorm (x2)     its input, 1/rms in fp32 (CUDA's fused kernel; on    ``b h + 4``
+                      CPU ``megarl.compat.megatron_speed.rms_norm_on_cpu``)
 linear_qkv            its input (the normed hidden state)                  ``b h``
 attention: sdpa       q and k rotated, v (a view of the fused QKV output:  ``b ((a + g) d + (a + 2g) d + a d)``
                       all of it), the output (linear_proj's input, a       ``+ 4 a``
@@ -43,7 +43,7 @@ backward recomputes it, when that one layer holds its whole set again. Under PP,
 
 Not saved, and planned as their own line (``logits_transient_bytes``): the model-dtype logits and their fp32 copies
 (the upcast, the shifted logits before ``exp``, the gradient on its way back) alive around the loss. Transformer
-Engine's layers save what its fused kernels keep; they are planned with the sdpa row and fused norms (an estimate,
+Engine's layers save what its fused kernels keep; they are planned with the sdpa row and the norms' (an estimate,
 not counted on CPU). In fp32 on CUDA the sdpa module repeats K/V to the query heads (``megarl.models.attention``),
 which keeps ``2 (a - g) d`` more per token than the sdpa row says: fp32 is not a GPU production dtype.
 """
@@ -78,8 +78,6 @@ class Kernels:
 
     attention: str = "sdpa"
     """'sdpa' (fused, no scores kept) or 'unfused' (Megatron's DotProductAttention)."""
-    fused_norm: bool = True
-    """torch's fused RMSNorm (CUDA) saves its input and 1/rms; the CPU composite saves an fp32 input and output."""
     megatron_glu: bool = False
     """Megatron's own SwiGLU (the Transformer Engine spec) keeps silu(gate) and up + 0 beside fc1's output;
     ``megarl.models.swiglu`` (the local spec) keeps fc1's output only."""
@@ -103,7 +101,7 @@ class Model:
 
     def norm_bytes(self, tokens: int) -> int:
         h = self.spec.hidden_size
-        return tokens * (self.dtype_bytes * h + FP32 if self.kernels.fused_norm else FP32 * (2 * h + 1))
+        return tokens * (self.dtype_bytes * h + FP32)
 
     def layer_bytes(self, mb: MicroBatchShape) -> int:
         """Saved by one transformer layer for one micro-batch."""
@@ -159,8 +157,7 @@ def stage_activation_bytes(
         return in_flight * (layers * model.layer_bytes(mb) + ends)
     kept = layers * model.recomputed_layer_bytes(mb)
     recomputed = model.layer_bytes(mb)
-    if model.kernels.fused_norm or model.dtype_bytes == FP32:  # its first norm keeps the very input the checkpoint
-        recomputed -= model.recomputed_layer_bytes(mb)  # holds (the CPU norm's fp32 copy is the input in fp32)
+    recomputed -= model.recomputed_layer_bytes(mb)  # its first norm keeps the very input the checkpoint holds
     # the loss's tensors are freed before the last layer's backward recomputes it: the larger of the two is the peak
     return in_flight * kept + (in_flight - 1) * ends + max(ends, recomputed)
 

@@ -191,14 +191,13 @@ def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp
 
 
 def activation_bytes(
-    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int, *, critic: bool = False, cuda: bool = True
+    cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_rank: int, *, critic: bool = False
 ) -> int:
     """Bytes one pipeline stage saves for backward during the actor's (``critic``: the critic's) update, at its
     largest micro-batch (``micro_batch_shape``), as ``megarl.planner.activations`` accounts them tensor by tensor: up to
-    PP - stage micro-batches in flight (1F1B), ``model.recompute`` keeping one input per layer. ``cuda``: with the
-    CUDA kernels' saved tensors (the plan is for GPUs); else the CPU's."""
+    PP - stage micro-batches in flight (1F1B), ``model.recompute`` keeping one input per layer."""
     role = cfg.critic if critic else cfg.actor
-    model = activation_model(cfg, spec, layout, cuda)
+    model = activation_model(cfg, spec, layout)
     return stage_activation_bytes(
         model,
         micro_batch_shape(role, cfg.actor.seq_length),
@@ -220,10 +219,10 @@ def logits_bytes(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, pp_
     return logits_transient_bytes(activation_model(cfg, spec, layout), shape)
 
 
-def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout, cuda: bool = True) -> Model:
+def activation_model(cfg: MegarlConfig, spec: ModelSpec, layout: ParallelLayout) -> Model:
     """The model as the activation accounting sees it: dtype, TP, and which kernels save what."""
     local = cfg.model.transformer_impl == "local"
-    kernels = Kernels(cfg.model.attention if local else "sdpa", fused_norm=cuda, megatron_glu=not local)
+    kernels = Kernels(cfg.model.attention if local else "sdpa", megatron_glu=not local)
     return Model(spec, DTYPE_BYTES[cfg.model.dtype], layout.tp, kernels)
 
 
