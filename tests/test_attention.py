@@ -27,7 +27,7 @@ CASES = {
 }
 SPEEDUP_CASES = {"tp2": (GQA, L(tp=2)), "pp2_bf16": (GQA, L(pp=2), "bfloat16")}
 """``megarl.compat.megatron_speed`` and ``megarl.models.swiglu`` on and off (batch-major logits from the first scored
-position, RoPE without its empty concatenation, weight gradients accumulated by the GEMM, megarl's SwiGLU)."""
+position, RoPE as one function, the CPU RMSNorm, weight gradients accumulated by the GEMM, megarl's SwiGLU)."""
 FP32_RTOL = 1e-5
 BF16_RTOL = 3e-2  # a few bf16 ulps (2^-7 = 7.8e-3): measured 1.0e-2 (logits), 1.6e-2 (gradients)
 
@@ -60,11 +60,12 @@ def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy_
     # logits from the first scored position on (prompt positions skipped); all of them without the speed-ups
     assert r["firsts"] == [PROMPT_LEN - 1] * len(r["views"]) and r["firsts_off"] == [0] * len(r["views_off"]), r
     # every linear weight of the rank (no bias, norm or embedding) accumulated by the GEMM, every MLP on megarl's
-    # SwiGLU; neither without the speed-ups
-    # (4 per layer, and the output layer on the last stage): TP=2 ranks hold both layers, PP=2 stages one each
-    expected = [(4, 1), (5, 1)] if "pp" in case else [(9, 2), (9, 2)]
+    # SwiGLU, every norm on megarl's CPU RMSNorm; none of them without the speed-ups
+    # (4 linears and 2 norms per layer, the output layer and final norm on the last stage): TP=2 ranks hold both
+    # layers, PP=2 stages one each
+    expected = [(4, 1, 2), (5, 1, 3)] if "pp" in case else [(9, 2, 5), (9, 2, 5)]
     assert r["fused"] == expected, r
-    assert r["fused_off"] == [(0, 0)] * 2, r
+    assert r["fused_off"] == [(0, 0, 0)] * 2, r
     if "pp" not in case:  # Megatron's own cross-entropy (labels=) on a micro-batch of two: unchanged
         assert r["lm_loss"] is not None and r["lm_loss"] <= tol, r
 
