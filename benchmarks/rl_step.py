@@ -8,15 +8,17 @@ Both: the same model, prompts, sampling and token budget; 1 warm-up step, then t
 
 ``--model DIR`` (an HF folder, e.g. ``.cache/smollm2-135m-instruct`` from ``megarl fetch-model``): that model at
 ``configs/demo_real.yaml``'s shape instead (8 prompts x 8 samples, 16 new tokens, DP=2 with one thread per rank,
-dm_math prompts, fp32). It also prints the update's compute floor: 6 x parameters (of the linear layers, the output
-layer's included) x the step's unpadded prompt + response tokens, at the matmul rate measured in the same run (the
-model's own linear layers' forward, input-gradient and weight-gradient GEMMs at one rank's share of the tokens, on as
-many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory
+dm_math prompts, fp32), the median of 6 steps after the warm-up: the first of them still grows each rank's heap
+(a scratch count of one rank: 60,000 page faults and 14.6 s in its update, then ~500 and 11.4-11.5 s), so a median
+of 3 is the middle of two steady ones. It also prints the update's compute floor: 6 x parameters (of the linear
+layers, the output layer's included) x the step's unpadded prompt + response tokens, at the matmul rate measured in
+the same run (the model's own linear layers' forward, input-gradient and weight-gradient GEMMs at one rank's share
+of the tokens, on as many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory
 (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``), so the comparison is of compute, not of the page
 faults of whichever heap happens to shrink.
 
     python benchmarks/rl_step.py             # ~5 minutes here (tiny and ~24M-parameter models)
-    python benchmarks/rl_step.py --model .cache/smollm2-135m-instruct      # ~10 minutes here
+    python benchmarks/rl_step.py --model .cache/smollm2-135m-instruct      # ~6 minutes here
 """
 
 from __future__ import annotations
@@ -254,12 +256,14 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, help="measured steps after one warm-up step (default 3; 6 with --model)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--rollout-tp", type=int, default=0, help="vLLM TP (0: the actor's, 2)")
     parser.add_argument("--model", help="an HF folder: that model at configs/demo_real.yaml's shape instead "
                         "(--prompts, --n and --new-tokens do not apply)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.steps is None:  # --model: the first step after the warm-up still grows each rank's heap (page faults)
+        args.steps = 6 if args.model else 3
     if args.model:
         return main_model(args)
     from megarl.models.tiny import make_tiny_hf_model
