@@ -9,11 +9,12 @@ Both: the same model, prompts, sampling and token budget; 1 warm-up step, then t
 ``--model DIR`` (an HF folder, e.g. ``.cache/smollm2-135m-instruct`` from ``megarl fetch-model``): that model at
 ``configs/demo_real.yaml``'s shape instead (8 prompts x 8 samples, 16 new tokens, DP=2 with one thread per rank,
 dm_math prompts, fp32), the median of 6 steps after the warm-up: the first of them still grows each rank's heap
-(a scratch count of one rank: 60,000 page faults and 14.6 s in its update, then ~500 and 11.4-11.5 s), so a median
-of 3 is the middle of two steady ones. It also prints the update's compute floor: 6 x parameters (of the linear
-layers, the output layer's included) x the step's unpadded prompt + response tokens, at the matmul rate measured in
-the same run (the model's own linear layers' forward, input-gradient and weight-gradient GEMMs at one rank's share
-of the tokens, on as many processes as ranks at once, with the ranks' threads). Both sides keep freed host memory
+(a scratch count of one rank: 60,000 page faults and 14.6 s in its update, then ~500 and 11.4-11.5 s): six steps
+make the median a steady step's even when one more of them is disturbed. It also prints the update's compute
+floor: 6 x parameters (of the linear layers, the output layer's included) x the step's unpadded prompt + response
+tokens, at the matmul rate measured in the same run (the model's own linear layers' forward, input-gradient and
+weight-gradient GEMMs at one rank's share of the tokens, on as many processes as ranks at once, with the ranks'
+threads). Both sides keep freed host memory
 (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``), so the comparison is of compute, not of the page
 faults of whichever heap happens to shrink.
 

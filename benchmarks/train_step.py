@@ -113,11 +113,12 @@ def megatron_speed_off():
     import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
-    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, builder.rms_norm_on_cpu,
-            setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping, setup.fused_adam_on_cpu,
-            clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
-    rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits = kept[0].original, _megatron_glu
-    builder.rms_norm_on_cpu = lambda model: 0
+    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_as_one_function, builder.batch_major_logits,
+            builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
+            setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
+    rope_utils._apply_rotary_pos_emb_bshd = getattr(kept[0], "original", kept[0])
+    builder.rope_as_one_function = lambda: False  # a model built in the block would patch RoPE again
+    builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model: 0)
     setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
     setup.fused_adam_on_cpu = lambda optimizer: 0
     clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
@@ -125,9 +126,9 @@ def megatron_speed_off():
     try:
         yield
     finally:
-        (rope_utils._apply_rotary_pos_emb_bshd, builder.batch_major_logits, builder.rms_norm_on_cpu,
-         setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping, setup.fused_adam_on_cpu,
-         clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl) = kept  # fmt: skip
+        (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_as_one_function, builder.batch_major_logits,
+         builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
+         setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl) = kept  # fmt: skip
 
 
 def without_compat(build):

@@ -63,9 +63,12 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
     grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
     if fused is not None:
         swiglu = [m for m in chunk.modules() if type(m).__name__ == "MLP" and isinstance(m.activation_func, SwiGLU)]
+        from megatron.core.models.common.embeddings import rope_utils
+
         norms = [m for m in chunk.modules() if type(m).__name__ == "_RMSNormOnCPU"]
+        rope = int(getattr(rope_utils._apply_rotary_pos_emb_bshd, "megarl_patched", False))  # as the forward ran
         fused.append((sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in chunk.parameters()),
-                      len(swiglu) if chunk.config.use_te_activation_func else 0, len(norms)))  # fmt: skip
+                      len(swiglu) if chunk.config.use_te_activation_func else 0, len(norms), rope))  # fmt: skip
     return logits, grads
 
 

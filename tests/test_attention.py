@@ -60,12 +60,12 @@ def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy_
     # logits from the first scored position on (prompt positions skipped); all of them without the speed-ups
     assert r["firsts"] == [PROMPT_LEN - 1] * len(r["views"]) and r["firsts_off"] == [0] * len(r["views_off"]), r
     # every linear weight of the rank (no bias, norm or embedding) accumulated by the GEMM, every MLP on megarl's
-    # SwiGLU, every norm on megarl's CPU RMSNorm; none of them without the speed-ups
+    # SwiGLU, every norm on megarl's CPU RMSNorm, RoPE as one function; none of them without the speed-ups
     # (4 linears and 2 norms per layer, the output layer and final norm on the last stage): TP=2 ranks hold both
     # layers, PP=2 stages one each
-    expected = [(4, 1, 2), (5, 1, 3)] if "pp" in case else [(9, 2, 5), (9, 2, 5)]
+    expected = [(4, 1, 2, 1), (5, 1, 3, 1)] if "pp" in case else [(9, 2, 5, 1), (9, 2, 5, 1)]
     assert r["fused"] == expected, r
-    assert r["fused_off"] == [(0, 0, 0)] * 2, r
+    assert r["fused_off"] == [(0, 0, 0, 0)] * 2, r
     if "pp" not in case:  # Megatron's own cross-entropy (labels=) on a micro-batch of two: unchanged
         assert r["lm_loss"] is not None and r["lm_loss"] <= tol, r
 
@@ -190,3 +190,9 @@ def test_rope_as_one_function_equals_megatron_rope_and_its_gradient_bitwise():
             (out, dx), (ref, ref_dx) = outs
             assert out.dtype == ref.dtype == dx.dtype == dtype
             assert torch.equal(out, ref) and torch.equal(dx, ref_dx), (rotary, interleaved, mscale, dtype)
+    permuted = t.transpose(0, 1).contiguous().transpose(0, 1)  # [s, b, n, d] laid out batch-major
+    out = patched(permuted, torch.randn(5, 1, 1, 8, generator=gen))
+    assert out.is_contiguous()  # as Megatron's cat returns it (its callers view it)
+    freqs = torch.randn(5, 1, 1, 8, generator=gen, requires_grad=True)  # angles that take a gradient: Megatron's
+    patched(t, freqs).sum().backward()
+    assert freqs.grad is not None

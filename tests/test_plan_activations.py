@@ -38,7 +38,7 @@ TOLERANCE = 0.15
 
 
 def planned(case: Case, rank: int) -> int:
-    """The planner's bytes for this rank, with the CPU's kernels (the count runs on CPU)."""
+    """The planner's bytes for this rank (what it plans for every device; the count runs on CPU)."""
     stage = case.layout.coords(rank).pp
     model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention))
     return stage_activation_bytes(

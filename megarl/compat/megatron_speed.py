@@ -58,6 +58,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megarl.compat.megatron_fixes import _applies  # the same megatron-core versions
 
@@ -149,31 +150,34 @@ class _RMSNormOnCPU(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or len(self.normalized_shape) != 1:
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # as F.rms_norm
-        return _RMSNormFunction.apply(x, self.weight, eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)  # eps None: torch's own default, as F.rms_norm's
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """``x / rms(x) * weight`` over the last dimension; saves the input and 1/rms (fp32)."""
+    """``x / rms(x) * weight`` over the last dimension; saves the input and 1/rms (fp32, or fp64 for fp64 input)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
         out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        h = x.shape[-1]
-        normed = x.float() * rstd  # x / rms, fp32
-        grad32 = grad.float()
-        grad_weight = torch.linalg.vecdot(grad32.reshape(-1, h).t(), normed.reshape(-1, h).t())  # sum of g * normed
-        grad_normed = grad32 * weight.float()
-        # d/dx of x * rstd: rstd * (g' - normed * mean(g' * normed))
-        mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).mul_(1.0 / h)
-        grad_x = grad_normed.sub_(normed.mul_(mean)).mul_(rstd)
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+        h, dtype = x.shape[-1], rstd.dtype
+        normed = x.to(dtype) * rstd  # x / rms
+        grad_up = grad.to(dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # sum over tokens of g * normed
+            grad_weight = torch.linalg.vecdot(grad_up.reshape(-1, h).t(), normed.reshape(-1, h).t()).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # d/dx of x * rstd: rstd * (g' - normed * mean(g' * normed)), g' = g * weight
+            grad_normed = grad_up * weight.to(dtype)
+            mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).mul_(1.0 / h)
+            grad_x = grad_normed.sub_(normed.mul_(mean)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
 
 
 def rope_as_one_function() -> bool:
@@ -189,7 +193,9 @@ def rope_as_one_function() -> bool:
         return True
 
     def apply_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
-        if multi_latent_attention or rotary_interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2:
+        own = (multi_latent_attention or rotary_interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2
+               or freqs.requires_grad or torch.broadcast_shapes(t.shape, freqs.shape) != t.shape)  # fmt: skip
+        if own:  # Megatron's code: partial, interleaved, multi-latent; angles that take a gradient or widen t
             return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
         sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
@@ -204,7 +210,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
     """``x * cos + rotate_half(x) * sin * sign`` (``rotate_half(x) = [-x2, x1]``), each half written in place."""
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # as Megatron's cat returns it
     o1, o2 = out[..., :h], out[..., h:]
     torch.mul(x1, cos[..., :h], out=o1)
     torch.mul(x2, cos[..., h:], out=o2)
@@ -226,6 +232,7 @@ class _Rotation(torch.autograd.Function):
         return _rotate(t, cos, sin, +1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
         return _rotate(grad.contiguous(), cos, sin, -1), None, None
