@@ -26,9 +26,16 @@ default):
   I. the actor update at that 1.2B shape (16 x 2048 tokens, micro-batches of 2, bf16, sdpa attention), as
      ``benchmarks/train_step.py`` runs it: ``megarl plan``'s training peak for the actor (parameters, gradient buffer,
      optimizer state, activations saved for backward, the logits around the loss) within 20% of
-     ``torch.cuda.max_memory_allocated`` over a step.
+     ``torch.cuda.max_memory_allocated`` over a step;
+  J. one micro-batch's forward and backward of that actor at 2048, 8192 and 16384 tokens (sequences of 2048), after
+     an optimizer step: the peak allocated on top of what was allocated before (as ../shared/facts/
+     gpu-h100-first-contact.md measured it) within 20% of the plan's activations plus logits for that budget;
+  K. ``megarl.compat.megatron_speed.rope_as_one_function`` on CUDA tensors: forward and input gradient bitwise equal
+     to megatron-core's RoPE in fp32 and bf16.
 
     python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
+    python benchmarks/gpu_smoke.py --groups J,K                  # only these groups (several processes may share a
+                                                                 # GPU: each run picks its own port)
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ COMMON = ["actor.parallel.tp=1", "rollout.backend=hf", "trainer.val_every=0", "l
           "logging.progress_bar=false", "data.train_batch_size=4", "rollout.sampling.n=4", "actor.global_batch_size=16",
           "rollout.sampling.max_new_tokens=8", "trainer.save_every=2"]  # fmt: skip
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GROUPS = ("I", "J", "H", "G", "A-C", "D", "E", "F", "K")
+"""All groups, the 1.2B ones first (a run stopped by a time limit has the slowest answers)."""
 ALLOCATOR_SLACK = 1 << 20
 """What torch's CUDA caching allocator may count beyond a tensor's bytes: a tensor over 1 MiB that starts a segment
 gets the whole segment when the remainder is at most 1 MiB (not split off). Seen on an H100: the ~64M model's four
@@ -117,6 +126,19 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
                         "grads+optimizer": planned[ACTOR_GRADS] + planned[ACTOR_OPTIMIZER]}}  # fmt: skip
 
 
+def _plan_1_2b(hf_dir: str, micro_batch_tokens: int) -> dict:
+    """The plan's consumers of rank 0 for the 1.2B actor (bf16, TP=1, sequences of 2048) at a micro-batch budget."""
+    from megarl.config import load_config, validate
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner.memory import rank_memory
+
+    overrides = [f"model.path={hf_dir}", "model.dtype=bfloat16", "actor.parallel.tp=1", "actor.seq_length=2048",
+                 f"actor.max_tokens_per_micro_batch={micro_batch_tokens}", "rollout.backend=hf",
+                 "rollout.max_model_len=2048"]  # fmt: skip
+    cfg = load_config(os.path.join(REPO, "configs/quickstart.yaml"), overrides, cuda=True)
+    return rank_memory(cfg, validate(cfg), ParallelLayout(), gpus_per_node=1)[0].consumers
+
+
 def measure_training_peak(hf_dir: str) -> dict:
     """World 1: the actor update of ``benchmarks/train_step.py`` at 16 x 2048 tokens, its peak over one step after a
     warm-up step; and the plan's training-phase bytes of the same actor (no engine, no reserve: not allocated here)."""
@@ -126,10 +148,9 @@ def measure_training_peak(hf_dir: str) -> dict:
     from train_step import megarl_step
 
     from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
-    from megarl.config import load_config, validate
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.planner.memory import ACTIVATIONS, LOGITS, rank_memory
+    from megarl.planner.memory import ACTIVATIONS, LOGITS
 
     init_distributed(ParallelLayout())
     step, _ = megarl_step(hf_dir, "sdpa", "bfloat16", sequences=16, length=2048, micro=2)
@@ -138,12 +159,45 @@ def measure_training_peak(hf_dir: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    overrides = [f"model.path={hf_dir}", "model.dtype=bfloat16", "actor.parallel.tp=1", "actor.seq_length=2048",
-                 "actor.max_tokens_per_micro_batch=4096", "rollout.backend=hf", "rollout.max_model_len=2048"]
-    cfg = load_config(os.path.join(REPO, "configs/quickstart.yaml"), overrides, cuda=True)
-    consumers = rank_memory(cfg, validate(cfg), ParallelLayout(), gpus_per_node=1)[0].consumers
+    consumers = _plan_1_2b(hf_dir, 4096)
     parts = ("actor params", ACTOR_GRADS, ACTOR_OPTIMIZER, ACTIVATIONS, LOGITS)
     return {"measured": torch.cuda.max_memory_allocated(), "planned": {k: consumers[k] for k in parts}}
+
+
+MICRO_BATCH_TOKENS = (2048, 8192, 16384)
+
+
+def measure_micro_batch_peaks(hf_dir: str) -> dict:
+    """World 1: for each budget of ``MICRO_BATCH_TOKENS``, one micro-batch's forward and backward of the 1.2B actor
+    (sdpa, bf16; gradient buffer and Adam state in place after one step), the peak allocated minus what was
+    allocated before; with the plan's activations and logits for that budget."""
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from train_step import megarl_actor
+
+    from megarl.backend.step import SUM, forward_backward, train_step
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner.memory import ACTIVATIONS, LOGITS
+
+    init_distributed(ParallelLayout())
+    most = max(MICRO_BATCH_TOKENS) // 2048
+    model, optimizer, (batch,), loss, _ = megarl_actor(hf_dir, "sdpa", "bfloat16", most, 2048, most)
+    train_step(model, optimizer, [batch], loss, reduce=SUM)
+    got = {}
+    for tokens in MICRO_BATCH_TOKENS:
+        rows = tokens // 2048
+        micro = {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward(model, [micro], loss, reduce=SUM)
+        torch.cuda.synchronize()
+        consumers = _plan_1_2b(hf_dir, tokens)
+        got[tokens] = {"measured": torch.cuda.max_memory_allocated() - before,
+                       "activations": consumers[ACTIVATIONS], "logits": consumers[LOGITS]}  # fmt: skip
+    return got
 
 
 def _in_fresh_process(fn, *args):
@@ -164,6 +218,47 @@ def _training_peak_at_1_2b(path) -> tuple[str, bool]:
     print(f"gpu_smoke: 1.2B actor update peak {got['measured'] / 1e9:.2f} GB measured, {planned / 1e9:.2f} GB planned ("
           + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in got["planned"].items()) + ")")  # fmt: skip
     return "megarl plan's training peak of the 1.2B actor update within 20%", abs(got["measured"] / planned - 1) <= 0.2
+
+
+def _micro_batch_peaks_at_1_2b(path) -> list[tuple[str, bool]]:
+    """J."""
+    checks = []
+    for tokens, got in _in_fresh_process(measure_micro_batch_peaks, path("1.2b")).items():
+        planned = got["activations"] + got["logits"]
+        print(f"gpu_smoke: 1.2B micro-batch of {tokens} tokens: forward + backward {got['measured'] / 1e9:.2f} GB "
+              f"measured, {planned / 1e9:.2f} GB planned (activations {got['activations'] / 1e9:.2f}, logits "
+              f"{got['logits'] / 1e9:.2f}; ratio {got['measured'] / planned:.4f})")  # fmt: skip
+        checks.append((f"megarl plan's activations + logits of a {tokens}-token micro-batch within 20%",
+                       abs(got["measured"] / planned - 1) <= 0.2))  # fmt: skip
+    return checks
+
+
+def _rope_on_cuda(device: str = "cuda") -> list[tuple[str, bool]]:
+    """K (``device`` another one only to try the check itself)."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.compat.megatron_speed import rope_as_one_function
+
+    if not rope_as_one_function():
+        return [("megarl's RoPE function applies to this megatron-core", False)]
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    gen = torch.Generator(device).manual_seed(0)
+    t, grad = (torch.randn(2048, 2, 16, 128, generator=gen, device=device) for _ in range(2))
+    freqs = torch.randn(2048, 1, 1, 128, generator=gen, device=device)
+    checks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        outs = []
+        for fn in (patched, patched.original):
+            x = t.to(dtype).clone().requires_grad_()
+            out = fn(x, freqs, mscale=0.7)
+            out.backward(grad.to(dtype))
+            outs.append((out.detach(), x.grad))
+        (out, dx), (ref, ref_dx) = outs
+        same = torch.equal(out, ref) and torch.equal(dx, ref_dx)
+        checks.append((f"RoPE as one function on {device}, {dtype}: output and gradient bitwise Megatron's",
+                       out.device.type == device and out.dtype == dtype and same))
+    return checks
 
 
 def _make_1_2b(path) -> str:
@@ -256,7 +351,11 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--groups", default=",".join(GROUPS), help="comma-separated groups to run, in this order")
     args = parser.parse_args()
+    wanted = args.groups.split(",")
+    if set(wanted) - set(GROUPS):
+        parser.error(f"unknown groups {sorted(set(wanted) - set(GROUPS))}: choose from {', '.join(GROUPS)}")
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA GPU here: not run")
         return 2
@@ -266,13 +365,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = lambda name: os.path.join(tmp, name)  # noqa: E731
         model = make_tiny_hf_model(path("tiny"), "llama")
-        _make_1_2b(path)
-        groups = [("I", lambda: [_training_peak_at_1_2b(path)]), ("H", lambda: _step_at_1_2b(path)),
-                  ("G", lambda: _exact_parts(path, args.dtype)),
-                  ("A-C", lambda: _grpo_offload_resume(path, model, args.dtype)),
-                  ("D", lambda: _ppo(path, model, args.dtype)), ("E", lambda: _lora(path, args.dtype)),
-                  ("F", lambda: _reward_model(path, model, args.dtype))]  # fmt: skip
-        for name, group in groups:  # the 1.2B checks first; a broken check costs its own group only
+        if {"H", "I", "J"} & set(wanted):
+            _make_1_2b(path)
+        groups = {"I": lambda: [_training_peak_at_1_2b(path)], "J": lambda: _micro_batch_peaks_at_1_2b(path),
+                  "H": lambda: _step_at_1_2b(path), "G": lambda: _exact_parts(path, args.dtype),
+                  "A-C": lambda: _grpo_offload_resume(path, model, args.dtype),
+                  "D": lambda: _ppo(path, model, args.dtype), "E": lambda: _lora(path, args.dtype),
+                  "F": lambda: _reward_model(path, model, args.dtype), "K": _rope_on_cuda}  # fmt: skip
+        for name, group in ((n, groups[n]) for n in wanted):  # 1.2B checks first; a broken check costs its group
             start = time.perf_counter()
             try:
                 done = group()

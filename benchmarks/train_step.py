@@ -143,16 +143,15 @@ def without_compat(build):
     return step, params
 
 
-def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
-                all_logits: bool = False):
-    """The actor's update as the trainer runs it, on the HF folder's weights (world 1, TP=PP=1): a callable taking
-    one optimizer step over ``sequences`` x ``length`` random tokens (micro-batches of ``micro``; the first
-    ``prompt`` tokens of each a prompt the loss does not score) and returning its gradient norm; and the parameter
-    count. ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
+def megarl_actor(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
+                 all_logits: bool = False):
+    """The actor as the trainer builds it, on the HF folder's weights (world 1, TP=PP=1), and its update's inputs:
+    ``(model, optimizer, micro_batches, loss_fn, parameter count)`` for ``sequences`` x ``length`` random tokens in
+    micro-batches of ``micro`` (the first ``prompt`` tokens of each a prompt the loss does not score).
+    ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
     from megarl.backend.init_weights import load_initial_weights
     from megarl.backend.losses import GlobalNorm, actor_loss
     from megarl.backend.setup import wrap_for_training
-    from megarl.backend.step import SUM, train_step
     from megarl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
@@ -176,11 +175,22 @@ def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length:
     norm = GlobalNorm(tokens=int(mask.sum()), seqs=sequences, norm_len=length, scale=len(batches))
     loss = actor_loss(ActorConfig(), AlgorithmConfig(adv_estimator="grpo"), norm, temperature=1.0,
                       true_vocab=spec.vocab_size)  # fmt: skip
+    return model, optimizer, batches, loss, sum(p.numel() for p in chunk.parameters())
+
+
+def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
+                all_logits: bool = False):
+    """The actor's update as the trainer runs it (``megarl_actor``'s arguments): a callable taking one optimizer
+    step and returning its gradient norm; and the parameter count."""
+    from megarl.backend.step import SUM, train_step
+
+    model, optimizer, batches, loss, params = megarl_actor(hf_dir, attention, dtype, sequences, length, micro, prompt,
+                                                           all_logits)  # fmt: skip
 
     def step() -> float:
         return train_step(model, optimizer, batches, loss, reduce=SUM)["grad_norm"]
 
-    return step, sum(p.numel() for p in chunk.parameters())
+    return step, params
 
 
 def hf_step(hf_dir: str, args, cuda: bool):
@@ -244,15 +254,14 @@ def measure(hf_dir: str, args) -> list[dict]:
     init_distributed(ParallelLayout(), seed=1)
     dtype = "bfloat16" if cuda else "float32"
     shape = (args.sequences, args.length, args.micro, args.prompt)
-    variants = [Variant(f"megarl-{a}", lambda a=a: megarl_step(hf_dir, a, dtype, *shape), cuda)
-                for a in ("sdpa", "unfused")]  # fmt: skip
+    builds = {f"megarl-{a}": lambda a=a: megarl_step(hf_dir, a, dtype, *shape) for a in ("sdpa", "unfused")}
     if args.without_compat:
-        build = lambda: without_compat(lambda: megarl_step(hf_dir, "sdpa", dtype, *shape))  # noqa: E731
-        variants.insert(1, Variant("megarl-sdpa-nocompat", build, cuda))
+        builds["megarl-sdpa-nocompat"] = lambda: without_compat(lambda: megarl_step(hf_dir, "sdpa", dtype, *shape))
     if args.prompt:  # the same step with the prompt positions' logits computed (as before logits_from)
-        build = lambda: megarl_step(hf_dir, "sdpa", dtype, *shape, all_logits=True)  # noqa: E731
-        variants.insert(1, Variant("megarl-sdpa-all-logits", build, cuda))
-    variants.append(Variant("hf", lambda: hf_step(hf_dir, args, cuda), cuda))
+        builds["megarl-sdpa-all-logits"] = lambda: megarl_step(hf_dir, "sdpa", dtype, *shape, all_logits=True)
+    builds["hf"] = lambda: hf_step(hf_dir, args, cuda)
+    order = ("megarl-sdpa", "megarl-sdpa-all-logits", "megarl-sdpa-nocompat", "megarl-unfused", "hf")
+    variants = [Variant(name, builds[name], cuda) for name in order if name in builds and name not in args.skip]
     for _ in range(args.warmup - 1):
         for v in variants:
             v.step()
@@ -298,6 +307,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=0,
                         help="tokens of each sequence that are prompt (not scored): adds megarl-sdpa-all-logits")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--skip", default=[], type=lambda names: names.split(","),
+                        help="comma-separated variants to leave out (not hf), e.g. megarl-unfused where all of them "
+                             "at once would not fit the GPU's memory")  # fmt: skip
     parser.add_argument("--without-compat", action="store_true",
                         help="also megarl-sdpa without megarl.compat.megatron_speed, megarl.models.swiglu")  # fmt: skip
     parser.add_argument("--model", help="an HF folder (e.g. .cache/smollm2-135m-instruct) instead of the random one")
