@@ -196,3 +196,18 @@ def test_rope_as_one_function_equals_megatron_rope_and_its_gradient_bitwise():
     freqs = torch.randn(5, 1, 1, 8, generator=gen, requires_grad=True)  # angles that take a gradient: Megatron's
     patched(t, freqs).sum().backward()
     assert freqs.grad is not None
+
+
+def test_rope_cos_and_sin_are_computed_once_per_angles_tensor_while_it_is_unchanged():
+    from megarl.compat.megatron_speed import _cos_sin
+
+    freqs = torch.randn(5, 1, 1, 8, generator=torch.Generator().manual_seed(0))
+    cos, sin = _cos_sin(freqs, 1.0, torch.bfloat16)
+    assert cos.dtype == sin.dtype == torch.bfloat16 and torch.equal(cos, torch.cos(freqs).to(torch.bfloat16))
+    again = _cos_sin(freqs, 1.0, torch.bfloat16)
+    assert again[0] is cos and again[1] is sin  # q and k, every layer and micro-batch: one computation
+    assert torch.equal(_cos_sin(freqs, 0.5, torch.float32)[1], torch.sin(freqs) * 0.5)  # another mscale or dtype
+    freqs.mul_(2)  # changed in place: computed again
+    assert torch.equal(_cos_sin(freqs, 1.0, torch.bfloat16)[0], torch.cos(freqs).to(torch.bfloat16))
+    other = freqs.clone()
+    assert _cos_sin(other, 1.0, torch.bfloat16)[0] is not _cos_sin(freqs, 1.0, torch.bfloat16)[0]

@@ -197,23 +197,33 @@ def rope_as_one_function() -> bool:
                or freqs.requires_grad or torch.broadcast_shapes(t.shape, freqs.shape) != t.shape)  # fmt: skip
         if own:  # Megatron's code: partial, interleaved, multi-latent; angles that take a gradient or widen t
             return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
-        return _Rotation.apply(t, cos_, sin_)
+        return _Rotation.apply(t, *_cos_sin(freqs, mscale, t.dtype))
 
     apply_bshd.megarl_patched, apply_bshd.original = True, original
     rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
     return True
 
 
+def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos(freqs) * mscale`` and ``sin(freqs) * mscale`` in ``dtype``, as Megatron computes them for each call, kept
+    on ``freqs`` while its values are unchanged: Megatron's rotary embedding hands the same tensor to every layer,
+    to q and k, and to every micro-batch of a length (its forward is cached), so they are computed once, not per call
+    (on a GPU each is a launch the host pays for)."""
+    key = (freqs._version, mscale, dtype)
+    kept = getattr(freqs, "_megarl_cos_sin", None)
+    if kept is None or kept[0] != key:
+        kept = (key, (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
+        freqs._megarl_cos_sin = kept
+    return kept[1], kept[2]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin * sign`` (``rotate_half(x) = [-x2, x1]``), each half written in place."""
+    """``x * cos + rotate_half(x) * sin * sign`` (``rotate_half(x) = [-x2, x1]``), each half updated in place."""
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)  # as Megatron's cat returns it
+    torch.mul(x, cos, out=out)
     o1, o2 = out[..., :h], out[..., h:]
-    torch.mul(x1, cos[..., :h], out=o1)
-    torch.mul(x2, cos[..., h:], out=o2)
     if sign > 0:  # o1 = x1 c - x2 s, o2 = x2 c + x1 s
         o1.sub_(x2 * sin[..., :h])
         o2.add_(x1 * sin[..., h:])

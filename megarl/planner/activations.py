@@ -4,7 +4,7 @@ Every count below is a tensor that autograd keeps from the forward to the backwa
 one storage counted once, as ``tests/test_plan_activations.py`` counts them (``torch.autograd.graph.
 saved_tensors_hooks`` over a real model, on CPU). A micro-batch is ``n`` sequences right-padded to ``s`` tokens
 (``megarl.backend.batch``): most terms are per token (``n * s``), attention's scores are per sequence (``n * s * s``),
-RoPE's cos/sin per position (``s``).
+RoPE's cos/sin per position (``s``), once per stage.
 
 Notation, per tensor-parallel rank: ``b`` the model dtype's bytes, ``h`` hidden, ``a``/``g`` query/KV heads of this
 rank (heads / TP), ``d`` head dim, ``f`` FFN width of this rank, ``v`` vocabulary rows of this rank. Sequence
@@ -30,7 +30,8 @@ MLP (SwiGLU)          local spec: fc1's input and output (all              ``b (
                       up + 0 (it adds its GLU offset)
 ====================  ===================================================  ====================================
 
-Per micro-batch and layer: RoPE's cos and sin for q and k, ``4 b s d``; the unfused causal mask, ``s * s`` bools.
+Per micro-batch and layer: the unfused causal mask, ``s * s`` bools. Per stage: RoPE's cos and sin, ``2 b s d``,
+computed once for every layer, q and k, and micro-batch of that length (``compat.megatron_speed.rope_as_one_function``).
 First stage: the token ids (``8`` per token). Last stage: the final norm, the output layer's input (``b h``) and the
 loss: the actor's log-probs (``megarl.algos.vocab_parallel_logprobs``) keep the softmax over the slice's true
 vocabulary in fp32 (``4 v``, padding rows excluded) and the target's index and mask (``9``), and with an entropy
@@ -108,7 +109,7 @@ class Model:
         s, b, T = self.spec, self.dtype_bytes, mb.tokens
         h, d = s.hidden_size, s.head_dim
         a, g, f = self._per_rank(s.num_heads), self._per_rank(s.num_kv_heads), self._per_rank(s.ffn_hidden_size)
-        total = 2 * self.norm_bytes(T) + T * b * h + 4 * b * mb.length * d  # two norms, linear_qkv's input, RoPE
+        total = 2 * self.norm_bytes(T) + T * b * h  # two norms, linear_qkv's input
         q_k, qkv, out = (a + g) * d, (a + 2 * g) * d, a * d  # rotated q and k; the fused QKV output; attention's
         if self.kernels.attention == "sdpa":
             total += T * (b * (q_k + qkv + out) + FP32 * a)  # v is a view of the QKV output: all of it stays
@@ -119,6 +120,11 @@ class Model:
         total += T * b * (h + 3 * f)  # fc1 in, fc1 out (2f: all megarl's SwiGLU keeps), fc2 in
         total += T * b * 2 * f if self.kernels.megatron_glu else 0  # silu(gate), up + 0
         return total
+
+    def rope_bytes(self, mb: MicroBatchShape) -> int:
+        """RoPE's cos and sin at the micro-batch's length: one pair for the stage (its layers, q and k and its
+        micro-batches in flight share it)."""
+        return 2 * self.dtype_bytes * mb.length * self.spec.head_dim
 
     def recomputed_layer_bytes(self, mb: MicroBatchShape) -> int:
         """What a checkpointed layer keeps between forward and backward: its input."""
@@ -153,13 +159,14 @@ def stage_activation_bytes(
     micro-batches between their forward and backward (1F1B: PP - stage)."""
     last_bytes = model.last_stage_bytes(mb, value_head, entropy_bonus) if last else 0
     ends = (mb.tokens * TOKEN_ID_BYTES if first else 0) + last_bytes
+    rope = model.rope_bytes(mb) if layers else 0
     if not recompute:
-        return in_flight * (layers * model.layer_bytes(mb) + ends)
+        return rope + in_flight * (layers * model.layer_bytes(mb) + ends)
     kept = layers * model.recomputed_layer_bytes(mb)
     recomputed = model.layer_bytes(mb)
     recomputed -= model.recomputed_layer_bytes(mb)  # its first norm keeps the very input the checkpoint holds
     # the loss's tensors are freed before the last layer's backward recomputes it: the larger of the two is the peak
-    return in_flight * kept + (in_flight - 1) * ends + max(ends, recomputed)
+    return rope + in_flight * kept + (in_flight - 1) * ends + max(ends, recomputed)
 
 
 def logits_transient_bytes(model: Model, mb: MicroBatchShape) -> int:
