@@ -198,6 +198,19 @@ def test_rope_as_one_function_equals_megatron_rope_and_its_gradient_bitwise():
     assert freqs.grad is not None
 
 
+@pytest.mark.parametrize("shape", [(5, 1, 1, 8), (1, 1, 8), (8,), (5, 2, 3, 8), (5, 2, 1, 8), (5, 4, 1, 8),
+                                   (2, 5, 1, 1, 8), (1, 5, 2, 3, 8), (5, 1, 1, 1)])  # fmt: skip
+def test_the_rope_shape_check_agrees_with_torch_broadcasting(shape):
+    from megarl.compat.megatron_speed import _broadcasts_to
+
+    target = torch.Size((5, 2, 3, 8))
+    try:
+        same = torch.broadcast_shapes(target, shape) == target
+    except RuntimeError:
+        same = False
+    assert _broadcasts_to(torch.Size(shape), target) is same
+
+
 def test_rope_cos_and_sin_are_computed_once_per_angles_tensor_while_it_is_unchanged():
     from megarl.compat.megatron_speed import _cos_sin
 
