@@ -30,7 +30,7 @@ default):
   J. one micro-batch's forward and backward of that actor at 2048, 8192 and 16384 tokens (sequences of 2048), after
      an optimizer step: the peak allocated on top of what was allocated before (as ../shared/facts/
      gpu-h100-first-contact.md measured it) within 20% of the plan's activations plus logits for that budget;
-  K. ``megarl.compat.megatron_speed.rope_as_one_function`` on CUDA tensors: forward and input gradient bitwise equal
+  K. ``megarl.compat.megatron_speed.rope_in_four_ops`` on CUDA tensors: forward and input gradient bitwise equal
      to megatron-core's RoPE in fp32 and bf16.
 
     python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
@@ -238,10 +238,10 @@ def _rope_on_cuda(device: str = "cuda") -> list[tuple[str, bool]]:
     import torch
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megarl.compat.megatron_speed import rope_as_one_function
+    from megarl.compat.megatron_speed import rope_in_four_ops
 
-    if not rope_as_one_function():
-        return [("megarl's RoPE function applies to this megatron-core", False)]
+    if not rope_in_four_ops():
+        return [("megarl's RoPE applies to this megatron-core", False)]
     patched = rope_utils._apply_rotary_pos_emb_bshd
     gen = torch.Generator(device).manual_seed(0)
     t, grad = (torch.randn(2048, 2, 16, 128, generator=gen, device=device) for _ in range(2))
@@ -256,7 +256,7 @@ def _rope_on_cuda(device: str = "cuda") -> list[tuple[str, bool]]:
             outs.append((out.detach(), x.grad))
         (out, dx), (ref, ref_dx) = outs
         same = torch.equal(out, ref) and torch.equal(dx, ref_dx)
-        checks.append((f"RoPE as one function on {device}, {dtype}: output and gradient bitwise Megatron's",
+        checks.append((f"RoPE in four ops on {device}, {dtype}: output and gradient bitwise Megatron's",
                        out.device.type == device and out.dtype == dtype and same))
     return checks
 

@@ -21,6 +21,7 @@ convention of ../shared/facts/gpu-h100-first-contact.md) against the GPU's dense
     python benchmarks/train_step.py --prompt 48 --length 64 --sequences 32 --micro 32   # a prompt the loss skips
     python benchmarks/train_step.py --model .cache/smollm2-135m-instruct ...   # a real model's weights and shape
     python benchmarks/train_step.py            # CUDA: configs/models/llama-1.2b, 16 x 2048 tokens, bf16
+    python benchmarks/train_step.py --host --without-compat   # CPU: what issuing the 1.2B's step costs the host
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, ffn_hidden_size=1536, vocab_size=8192)
 CUDA_MODEL = dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, ffn_hidden_size=5632, vocab_size=32000)
 """configs/models/llama-1.2b/config.json"""
+HOST_MODEL = dict(CUDA_MODEL, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=512)
+"""``--host``: the 1.2B's layers, heads and micro-batches on tensors too small to compute: a step's time is what the
+host spends issuing it (Python, the dispatcher), which a GPU step pays before its kernels can run."""
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak per GPU model name."""
 LR = 1e-5
@@ -113,11 +117,11 @@ def megatron_speed_off():
     import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
-    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_as_one_function, builder.batch_major_logits,
+    kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_in_four_ops, builder.batch_major_logits,
             builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
             setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
     rope_utils._apply_rotary_pos_emb_bshd = getattr(kept[0], "original", kept[0])
-    builder.rope_as_one_function = lambda: False  # a model built in the block would patch RoPE again
+    builder.rope_in_four_ops = lambda: False  # a model built in the block would patch RoPE again
     builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model: 0)
     setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
     setup.fused_adam_on_cpu = lambda optimizer: 0
@@ -126,7 +130,7 @@ def megatron_speed_off():
     try:
         yield
     finally:
-        (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_as_one_function, builder.batch_major_logits,
+        (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_in_four_ops, builder.batch_major_logits,
          builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
          setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl) = kept  # fmt: skip
 
@@ -211,7 +215,7 @@ def hf_step(hf_dir: str, args, cuda: bool):
         for i in range(0, n, args.micro):
             ids = tokens[i : i + args.micro].to(device, non_blocking=True)
             adv = advantages[i : i + args.micro].to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda or args.host):
                 logits = model(input_ids=ids[:, :-1]).logits
             logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             pg = ppo_policy_loss(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2, clip_c=3.0)
@@ -252,7 +256,7 @@ def measure(hf_dir: str, args) -> list[dict]:
     if not cuda:  # as a CPU rank does (trainer.keep_freed_memory): compute, not page faults
         keep_freed_memory()
     init_distributed(ParallelLayout(), seed=1)
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = "bfloat16" if cuda or args.host else "float32"  # --host: the GPU's dtype policy, its ops
     shape = (args.sequences, args.length, args.micro, args.prompt)
     builds = {f"megarl-{a}": lambda a=a: megarl_step(hf_dir, a, dtype, *shape) for a in ("sdpa", "unfused")}
     if args.without_compat:
@@ -313,8 +317,13 @@ def main(argv=None) -> int:
     parser.add_argument("--without-compat", action="store_true",
                         help="also megarl-sdpa without megarl.compat.megatron_speed, megarl.models.swiglu")  # fmt: skip
     parser.add_argument("--model", help="an HF folder (e.g. .cache/smollm2-135m-instruct) instead of the random one")
+    parser.add_argument("--host", action="store_true",
+                        help="the host's cost of a step on CPU: the 1.2B's 16 layers and 8 micro-batches of 2 "
+                             "sequences at width 64 and 16 tokens, one thread, the GPU's dtype policy")  # fmt: skip
     args = parser.parse_args(argv)
     args.shape = _shape(args.model) if args.model else CUDA_MODEL if cuda else CPU_MODEL
+    if args.host:
+        args.shape, args.sequences, args.length, args.micro, args.threads = HOST_MODEL, 16, 16, 2, 1
     sys.path.insert(0, REPO)
     from megarl.models.tiny import make_tiny_hf_model
     from megarl.parallel.spawn import run_on_ranks

@@ -27,7 +27,7 @@ CASES = {
 }
 SPEEDUP_CASES = {"tp2": (GQA, L(tp=2)), "pp2_bf16": (GQA, L(pp=2), "bfloat16")}
 """``megarl.compat.megatron_speed`` and ``megarl.models.swiglu`` on and off (batch-major logits from the first scored
-position, RoPE as one function, the CPU RMSNorm, weight gradients accumulated by the GEMM, megarl's SwiGLU)."""
+position, RoPE in four ops, the CPU RMSNorm, weight gradients accumulated by the GEMM, megarl's SwiGLU)."""
 FP32_RTOL = 1e-5
 BF16_RTOL = 3e-2  # a few bf16 ulps (2^-7 = 7.8e-3): measured 1.0e-2 (logits), 1.6e-2 (gradients)
 
@@ -60,7 +60,7 @@ def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy_
     # logits from the first scored position on (prompt positions skipped); all of them without the speed-ups
     assert r["firsts"] == [PROMPT_LEN - 1] * len(r["views"]) and r["firsts_off"] == [0] * len(r["views_off"]), r
     # every linear weight of the rank (no bias, norm or embedding) accumulated by the GEMM, every MLP on megarl's
-    # SwiGLU, every norm on megarl's CPU RMSNorm, RoPE as one function; none of them without the speed-ups
+    # SwiGLU, every norm on megarl's CPU RMSNorm, RoPE in four ops; none of them without the speed-ups
     # (4 linears and 2 norms per layer, the output layer and final norm on the last stage): TP=2 ranks hold both
     # layers, PP=2 stages one each
     expected = [(4, 1, 2, 1), (5, 1, 3, 1)] if "pp" in case else [(9, 2, 5, 1), (9, 2, 5, 1)]
@@ -167,12 +167,12 @@ def test_kv_heads_are_shared_natively_on_cpu_and_in_half_precision_on_cuda():
     assert not _native_gqa(query(True, torch.bfloat16), torch.ones(1, dtype=torch.bool))
 
 
-def test_rope_as_one_function_equals_megatron_rope_and_its_gradient_bitwise():
+def test_rope_in_four_ops_equals_megatron_rope_and_its_gradient_bitwise():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megarl.compat.megatron_speed import rope_as_one_function
+    from megarl.compat.megatron_speed import rope_in_four_ops
 
-    assert rope_as_one_function() and rope_as_one_function()  # idempotent
+    assert rope_in_four_ops() and rope_in_four_ops()  # idempotent
     patched = rope_utils._apply_rotary_pos_emb_bshd
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(5, 2, 3, 8, generator=gen)
@@ -217,9 +217,10 @@ def test_rope_cos_and_sin_are_computed_once_per_angles_tensor_while_it_is_unchan
     freqs = torch.randn(5, 1, 1, 8, generator=torch.Generator().manual_seed(0))
     cos, sin = _cos_sin(freqs, 1.0, torch.bfloat16)
     assert cos.dtype == sin.dtype == torch.bfloat16 and torch.equal(cos, torch.cos(freqs).to(torch.bfloat16))
+    assert torch.equal(sin, (torch.sin(freqs) * torch.tensor([-1.0] * 4 + [1.0] * 4)).to(torch.bfloat16))  # [-s1, s2]
     again = _cos_sin(freqs, 1.0, torch.bfloat16)
     assert again[0] is cos and again[1] is sin  # q and k, every layer and micro-batch: one computation
-    assert torch.equal(_cos_sin(freqs, 0.5, torch.float32)[1], torch.sin(freqs) * 0.5)  # another mscale or dtype
+    assert torch.equal(_cos_sin(freqs, 0.5, torch.float32)[1][..., 4:], torch.sin(freqs)[..., 4:] * 0.5)  # mscale
     freqs.mul_(2)  # changed in place: computed again
     assert torch.equal(_cos_sin(freqs, 1.0, torch.bfloat16)[0], torch.cos(freqs).to(torch.bfloat16))
     other = freqs.clone()

@@ -41,15 +41,17 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   in fp32 from the input and 1/rms, the two tensors the CUDA kernel saves (``megarl.planner.activations`` plans
   that on both devices): input gradients within ~1e-7 of torch's (a different order of the same sums). At
   SmolLM2-135M's shape (32 x 66 tokens of 576) forward and backward: 11.3 -> 9.0 ms per norm (one thread).
-- ``rope_as_one_function``: ``_apply_rotary_pos_emb_bshd`` computes ``t * cos + rotate_half(t) * sin`` from
-  autograd's pieces (``chunk``, ``neg``, ``cat``, two products and a sum, each a pass over q or k; as many again in
-  backward) and ends with ``torch.cat((t, t_pass))`` where ``t_pass`` (the dimensions past the rotary ones) is
-  empty for every model megarl supports: one more copy of q and of k per layer. Here the rotation is one autograd
-  function writing each half of its output (``x1 cos - x2 sin``, ``x2 cos + x1 sin``) and of its input gradient
-  (the rotation by minus the angle) in place: the same products and sums in the same dtype, so forward and gradient
-  are bitwise Megatron's; it saves only cos and sin, as Megatron's does. At SmolLM2-135M's shape (32 x 66 tokens,
-  9 query and 3 KV heads of 64) forward and backward of q and k: 9.3 -> 6.0 ms per layer (one thread). Partial,
-  interleaved and multi-latent rotary keep Megatron's code.
+- ``rope_in_four_ops``: ``_apply_rotary_pos_emb_bshd`` computes ``t * cos + rotate_half(t) * sin`` from
+  autograd's pieces (cos and sin of the angles, times mscale, cast, in every call; ``chunk``, ``neg``, ``cat``, two
+  products and a sum; as many again in backward) and ends with ``torch.cat((t, t_pass))`` where ``t_pass`` (the
+  dimensions past the rotary ones) is empty for every model megarl supports: one more copy of q and of k per layer.
+  Here it is ``t * cos + roll(t) * sin'`` with ``sin'`` the sine with its first half negated, cos and sin' computed
+  once per angles tensor (Megatron hands the same one to every layer, q and k, and micro-batch): the same products
+  and sums in the same dtype, so forward and gradient are bitwise Megatron's, and it saves only cos and sin', as
+  Megatron's saves cos and sin. Forward and backward of q and k at SmolLM2-135M's shape (32 x 66 tokens, 9 query
+  and 3 KV heads of 64): 9.3 -> 6.0 ms per layer (one thread) with a first version that rotated each half in
+  place; this one issues four ops each way, none from Python in backward, which a GPU's host pays for per launch.
+  Partial, interleaved and multi-latent rotary keep Megatron's code.
 """
 
 from __future__ import annotations
@@ -180,10 +182,12 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def rope_as_one_function() -> bool:
-    """Patch megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) to rotate in one autograd function where
-    every dimension is rotated in halves (not interleaved, not multi-latent); idempotent; returns whether the patch
-    is in place."""
+def rope_in_four_ops() -> bool:
+    """Patch megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) where every dimension is rotated in halves
+    (not interleaved, not multi-latent) to ``t * cos + roll(t) * sin'`` (``roll(t) = [t2, t1]``, ``sin' = [-sin1,
+    sin2]``, both kept per angles tensor): four ops forward and four in autograd's backward, none in Python, for
+    Megatron's ten or so (its cos and sin per call, chunk, neg, cat and the pass-through part's cat). The same products
+    and sums: bitwise Megatron's. Idempotent; returns whether the patch is in place."""
     if not _applies():
         return False
     from megatron.core.models.common.embeddings import rope_utils
@@ -197,7 +201,9 @@ def rope_as_one_function() -> bool:
                or freqs.requires_grad or not _broadcasts_to(freqs.shape, t.shape))  # fmt: skip
         if own:  # Megatron's code: partial, interleaved, multi-latent; angles that take a gradient or widen t
             return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        return _Rotation.apply(t, *_cos_sin(freqs, mscale, t.dtype))
+        cos, signed_sin = _cos_sin(freqs, mscale, t.dtype)
+        # rotate_half(t) * sin = [-t2 s1, t1 s2] = roll(t) * sin'; autograd saves cos and sin' only, as Megatron's
+        return (t * cos + torch.roll(t, t.shape[-1] // 2, -1) * signed_sin).contiguous()  # contiguous as its cat
 
     apply_bshd.megarl_patched, apply_bshd.original = True, original
     rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
@@ -211,47 +217,18 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
 
 
 def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos(freqs) * mscale`` and ``sin(freqs) * mscale`` in ``dtype``, as Megatron computes them for each call, kept
-    on ``freqs`` while its values are unchanged: Megatron's rotary embedding hands the same tensor to every layer,
-    to q and k, and to every micro-batch of a length (its forward is cached), so they are computed once, not per call
-    (on a GPU each is a launch the host pays for)."""
+    """``cos(freqs) * mscale`` and ``sin(freqs) * mscale`` with its first half negated, in ``dtype``, as Megatron
+    computes them for each call, kept on ``freqs`` while its values are unchanged: Megatron's rotary embedding hands
+    the same tensor to every layer, to q and k, and to every micro-batch of a length (its forward is cached), so they
+    are computed once, not per call (on a GPU each is a launch the host pays for)."""
     key = (freqs._version, mscale, dtype)
     kept = getattr(freqs, "_megarl_cos_sin", None)
     if kept is None or kept[0] != key:
-        kept = (key, (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
+        sin = (torch.sin(freqs) * mscale).to(dtype)
+        h = sin.shape[-1] // 2
+        kept = (key, (torch.cos(freqs) * mscale).to(dtype), torch.cat((-sin[..., :h], sin[..., h:]), -1))
         freqs._megarl_cos_sin = kept
     return kept[1], kept[2]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin * sign`` (``rotate_half(x) = [-x2, x1]``), each half updated in place."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # as Megatron's cat returns it
-    torch.mul(x, cos, out=out)
-    o1, o2 = out[..., :h], out[..., h:]
-    if sign > 0:  # o1 = x1 c - x2 s, o2 = x2 c + x1 s
-        o1.sub_(x2 * sin[..., :h])
-        o2.add_(x1 * sin[..., h:])
-    else:  # the transpose (backward): o1 = g1 c + g2 s, o2 = g2 c - g1 s
-        o1.add_(x2 * sin[..., h:])
-        o2.sub_(x1 * sin[..., :h])
-    return out
-
-
-class _Rotation(torch.autograd.Function):
-    """RoPE's rotation of ``t`` [..., d] by the angles whose cos and sin are given, broadcast to ``t``."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(t, cos, sin, +1)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad.contiguous(), cos, sin, -1), None, None
 
 
 def in_place_grad_clipping() -> bool:

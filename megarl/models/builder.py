@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megarl.compat import cpu as cpu_compat
 from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import restore_tp_attributes
-from megarl.compat.megatron_speed import batch_major_logits, rms_norm_on_cpu, rope_as_one_function
+from megarl.compat.megatron_speed import batch_major_logits, rms_norm_on_cpu, rope_in_four_ops
 from megarl.models.spec import ModelSpec
 from megarl.models.swiglu import SwiGLU
 from megarl.models.value_head import ValueHead
@@ -142,7 +142,7 @@ def build_model_chunk(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
         cpu_init=device.type == "cpu",
     )  # fmt: skip
-    rope_as_one_function()
+    rope_in_four_ops()
     with megatron_mode():
         model = GPTModel(
             config=config,

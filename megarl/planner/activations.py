@@ -31,7 +31,7 @@ MLP (SwiGLU)          local spec: fc1's input and output (all              ``b (
 ====================  ===================================================  ====================================
 
 Per micro-batch and layer: the unfused causal mask, ``s * s`` bools. Per stage: RoPE's cos and sin, ``2 b s d``,
-computed once for every layer, q and k, and micro-batch of that length (``compat.megatron_speed.rope_as_one_function``).
+computed once for every layer, q and k, and micro-batch of that length (``compat.megatron_speed.rope_in_four_ops``).
 First stage: the token ids (``8`` per token). Last stage: the final norm, the output layer's input (``b h``) and the
 loss: the actor's log-probs (``megarl.algos.vocab_parallel_logprobs``) keep the softmax over the slice's true
 vocabulary in fp32 (``4 v``, padding rows excluded) and the target's index and mask (``9``), and with an entropy
