@@ -31,7 +31,7 @@ default):
      an optimizer step: the peak allocated on top of what was allocated before (as ../shared/facts/
      gpu-h100-first-contact.md measured it) within 20% of the plan's activations plus logits for that budget;
   K. ``megarl.compat.megatron_speed.rope_in_four_ops`` on CUDA tensors: forward and input gradient bitwise equal
-     to megatron-core's RoPE in fp32 and bf16.
+     to megatron-core's RoPE in fp32 and bf16 (passed on an H100 with its earlier, in-place version).
 
     python benchmarks/gpu_smoke.py [--dtype bfloat16|float32]   # one line per check, then PASS or FAIL
     python benchmarks/gpu_smoke.py --groups J,K                  # only these groups (several processes may share a

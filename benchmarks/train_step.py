@@ -47,6 +47,8 @@ host spends issuing it (Python, the dispatcher), which a GPU step pays before it
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak per GPU model name."""
 LR = 1e-5
+VARIANTS = ("megarl-sdpa", "megarl-sdpa-all-logits", "megarl-sdpa-nocompat", "megarl-unfused", "hf")
+"""In the order of the table (the second and third only with --prompt, --without-compat)."""
 
 
 def _peak_tflops() -> float | None:
@@ -264,8 +266,7 @@ def measure(hf_dir: str, args) -> list[dict]:
     if args.prompt:  # the same step with the prompt positions' logits computed (as before logits_from)
         builds["megarl-sdpa-all-logits"] = lambda: megarl_step(hf_dir, "sdpa", dtype, *shape, all_logits=True)
     builds["hf"] = lambda: hf_step(hf_dir, args, cuda)
-    order = ("megarl-sdpa", "megarl-sdpa-all-logits", "megarl-sdpa-nocompat", "megarl-unfused", "hf")
-    variants = [Variant(name, builds[name], cuda) for name in order if name in builds and name not in args.skip]
+    variants = [Variant(name, builds[name], cuda) for name in VARIANTS if name in builds and name not in args.skip]
     for _ in range(args.warmup - 1):
         for v in variants:
             v.step()
@@ -321,6 +322,11 @@ def main(argv=None) -> int:
                         help="the host's cost of a step on CPU: the 1.2B's 16 layers and 8 micro-batches of 2 "
                              "sequences at width 64 and 16 tokens, one thread, the GPU's dtype policy")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.host and (cuda or args.model):
+        parser.error("--host measures the host's cost on a CPU machine, with its own model: without CUDA and --model")
+    unknown = set(args.skip) - set(VARIANTS) | ({"hf"} & set(args.skip))
+    if unknown:
+        parser.error(f"--skip: {', '.join(sorted(unknown))} not among {', '.join(VARIANTS[:-1])}")
     args.shape = _shape(args.model) if args.model else CUDA_MODEL if cuda else CPU_MODEL
     if args.host:
         args.shape, args.sequences, args.length, args.micro, args.threads = HOST_MODEL, 16, 16, 2, 1

@@ -223,5 +223,55 @@ def test_rope_cos_and_sin_are_computed_once_per_angles_tensor_while_it_is_unchan
     assert torch.equal(_cos_sin(freqs, 0.5, torch.float32)[1][..., 4:], torch.sin(freqs)[..., 4:] * 0.5)  # mscale
     freqs.mul_(2)  # changed in place: computed again
     assert torch.equal(_cos_sin(freqs, 1.0, torch.bfloat16)[0], torch.cos(freqs).to(torch.bfloat16))
-    other = freqs.clone()
-    assert _cos_sin(other, 1.0, torch.bfloat16)[0] is not _cos_sin(freqs, 1.0, torch.bfloat16)[0]
+    other = freqs.clone() + 1  # another length's angles: computed, and the first ones again after them
+    assert torch.equal(_cos_sin(other, 1.0, torch.bfloat16)[0], torch.cos(other).to(torch.bfloat16))
+    assert torch.equal(_cos_sin(freqs, 1.0, torch.bfloat16)[0], torch.cos(freqs).to(torch.bfloat16))
+
+
+def test_rope_under_inference_mode_keeps_nothing_a_training_step_would_trip_on():
+    """Megatron caches its angles across calls: ones made under inference mode, or a first call under it, must not
+    leave inference tensors behind for a later backward."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.compat.megatron_speed import rope_in_four_ops
+
+    assert rope_in_four_ops()
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(5, 2, 3, 8, generator=gen)
+    with torch.inference_mode():
+        inference_freqs = torch.randn(5, 1, 1, 8, generator=gen)
+    freqs = torch.randn(5, 1, 1, 8, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(patched(t, freqs), patched.original(t, freqs))  # the first call, in inference mode
+    for angles in (freqs, inference_freqs):
+        x, y = t.clone().requires_grad_(), t.clone().requires_grad_()
+        patched(x, angles).sum().backward()
+        patched.original(y, angles).sum().backward()
+        assert torch.equal(x.grad, y.grad)
+
+
+def test_rope_of_q_and_k_sliced_from_the_fused_qkv_output_is_megatrons_bitwise():
+    """As Megatron's attention hands them over: views of one [s, b, g, (a/g + 2) d] tensor, not contiguous."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.compat.megatron_speed import rope_in_four_ops
+
+    assert rope_in_four_ops()
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(6, 2, 2, 4 * 8, generator=gen)  # 2 KV groups of 2 query heads, head dim 8
+    freqs = torch.randn(6, 1, 1, 8, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads, outs = [], []
+        for fn in (patched, patched.original):
+            fused = qkv.to(dtype).clone().requires_grad_()
+            q, k, _ = fused.split([16, 8, 8], dim=3)
+            q = q.reshape(6, 2, 4, 8)
+            assert not k.is_contiguous()
+            out_q, out_k = fn(q, freqs, mscale=0.7), fn(k, freqs, mscale=0.7)
+            (out_q.square().sum() + out_k.sum()).backward()
+            outs.append((out_q.detach(), out_k.detach()))
+            grads.append(fused.grad)
+        assert all(torch.equal(a, b) for a, b in zip(*outs)) and torch.equal(*grads), dtype
+        assert outs[0][1].is_contiguous() and outs[0][1].stride() == outs[1][1].stride()

@@ -46,7 +46,7 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   products and a sum; as many again in backward) and ends with ``torch.cat((t, t_pass))`` where ``t_pass`` (the
   dimensions past the rotary ones) is empty for every model megarl supports: one more copy of q and of k per layer.
   Here it is ``t * cos + roll(t) * sin'`` with ``sin'`` the sine with its first half negated, cos and sin' computed
-  once per angles tensor (Megatron hands the same one to every layer, q and k, and micro-batch): the same products
+  once per micro-batch (Megatron hands the same angles to every layer, q and k): the same products
   and sums in the same dtype, so forward and gradient are bitwise Megatron's, and it saves only cos and sin', as
   Megatron's saves cos and sin. Forward and backward of q and k at SmolLM2-135M's shape (32 x 66 tokens, 9 query
   and 3 KV heads of 64): 9.3 -> 6.0 ms per layer (one thread) with a first version that rotated each half in
@@ -56,6 +56,7 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -185,9 +186,9 @@ class _RMSNormFunction(torch.autograd.Function):
 def rope_in_four_ops() -> bool:
     """Patch megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) where every dimension is rotated in halves
     (not interleaved, not multi-latent) to ``t * cos + roll(t) * sin'`` (``roll(t) = [t2, t1]``, ``sin' = [-sin1,
-    sin2]``, both kept per angles tensor): four ops forward and four in autograd's backward, none in Python, for
-    Megatron's ten or so (its cos and sin per call, chunk, neg, cat and the pass-through part's cat). The same products
-    and sums: bitwise Megatron's. Idempotent; returns whether the patch is in place."""
+    sin2]``, both kept for the last angles tensor): four ops forward and four in autograd's backward, none in
+    Python, for Megatron's ten or so (its cos and sin per call, chunk, neg, cat and the pass-through part's cat). The
+    same products and sums: bitwise Megatron's. Idempotent; returns whether the patch is in place."""
     if not _applies():
         return False
     from megatron.core.models.common.embeddings import rope_utils
@@ -216,19 +217,32 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     return len(shape) <= len(target) and all(n in (1, m) for n, m in zip(reversed(shape), reversed(target)))
 
 
+_KEPT_COS_SIN: list = [None]
+"""The last angles tensor's (weak reference, (version, mscale, dtype), cos, sin'): one pair kept, whatever the
+number of lengths Megatron's rotary embedding has cached."""
+
+
 def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos(freqs) * mscale`` and ``sin(freqs) * mscale`` with its first half negated, in ``dtype``, as Megatron
-    computes them for each call, kept on ``freqs`` while its values are unchanged: Megatron's rotary embedding hands
-    the same tensor to every layer, to q and k, and to every micro-batch of a length (its forward is cached), so they
-    are computed once, not per call (on a GPU each is a launch the host pays for)."""
+    computes them for each call, kept for the last ``freqs`` while its values are unchanged: Megatron's rotary
+    embedding hands the same tensor to every layer, to q and k, and to every micro-batch of a length (its forward is
+    cached), so they are computed once per micro-batch, not per call (on a GPU each is a launch the host pays for).
+    Under inference mode nothing is kept: an inference tensor has no version to check, nor could a later training
+    step save it for backward. (A change through ``freqs.data`` bumps no version: Megatron makes none.)"""
+    if torch.is_inference_mode_enabled() or freqs.is_inference():
+        return _signed_cos_sin(freqs, mscale, dtype)
     key = (freqs._version, mscale, dtype)
-    kept = getattr(freqs, "_megarl_cos_sin", None)
-    if kept is None or kept[0] != key:
-        sin = (torch.sin(freqs) * mscale).to(dtype)
-        h = sin.shape[-1] // 2
-        kept = (key, (torch.cos(freqs) * mscale).to(dtype), torch.cat((-sin[..., :h], sin[..., h:]), -1))
-        freqs._megarl_cos_sin = kept
-    return kept[1], kept[2]
+    kept = _KEPT_COS_SIN[0]
+    if kept is None or kept[0]() is not freqs or kept[1] != key:
+        kept = (weakref.ref(freqs), key, *_signed_cos_sin(freqs, mscale, dtype))
+        _KEPT_COS_SIN[0] = kept
+    return kept[2], kept[3]
+
+
+def _signed_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    sin = (torch.sin(freqs) * mscale).to(dtype)
+    h = sin.shape[-1] // 2
+    return (torch.cos(freqs) * mscale).to(dtype), torch.cat((-sin[..., :h], sin[..., h:]), -1)
 
 
 def in_place_grad_clipping() -> bool:
