@@ -2,12 +2,14 @@
 completed a step starts over (its files set aside, the SLURM log folder left alone) and equals an uninterrupted run;
 the same command on a complete run exits 0. One rank, HF rollout, the built-in reward: the resume logic is the point."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
+
+from megarl import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
@@ -37,32 +39,37 @@ def _algorithmic(out) -> list[dict]:
 
 
 def test_a_run_killed_before_its_first_step_starts_over_and_a_complete_run_exits_0(tiny_llama_dir, tmp_path):
-    reference = _run(_cmd(tiny_llama_dir, tmp_path / "reference"))
+    def cmd(out):  # a generation of ~0.27 s (a step ~0.38 s; 30 and 70 ms at 6 tokens): the kill 50 ms into the
+        # first lands inside it
+        return _cmd(tiny_llama_dir, out) + ["rollout.max_model_len=160", "actor.seq_length=160",
+                                            "rollout.sampling.max_new_tokens=128"]  # fmt: skip
+
+    reference = _run(cmd(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     out = tmp_path / "run"
     (out / "slurm").mkdir(parents=True)
     (out / "slurm" / "job.out").write_text("the live job's log\n")
-    proc = subprocess.Popen(_cmd(tiny_llama_dir, out), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (out / "config.yaml").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # as a preemption without grace would
-    proc.wait()
+    # SIGKILLed in the middle of step 1's generation, as a preemption without grace would (a kill timed from outside
+    # raced the step: a CI run saw step 1 complete between the config file appearing and the kill)
+    proc = subprocess.Popen(cmd(out), cwd=REPO, env={**_env(), faults.ENV: "generate@1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything it started goes with it
+    assert (out / "config.yaml").exists()  # the run had started
     if (out / "metrics.jsonl").exists():
         assert not _algorithmic(out)  # killed before a step completed
     assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
 
-    again = _run(_cmd(tiny_llama_dir, out))
+    again = _run(cmd(out))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "held a run that never completed a step: its files moved to" in again.stdout
     assert _algorithmic(out) == _algorithmic(tmp_path / "reference")
     assert (out / "slurm" / "job.out").read_text() == "the live job's log\n"
     assert any(name.startswith("set-aside-") for name in os.listdir(out))
 
-    complete = _run(_cmd(tiny_llama_dir, out))
+    complete = _run(cmd(out))
     assert complete.returncode == 0, complete.stderr[-3000:]
     assert "the run is complete, nothing to do" in complete.stdout
 
