@@ -107,8 +107,36 @@ def test_math_verify_wants_a_number_for_a_number_not_the_question_restated():
     assert math_score("\\boxed{x+1}", "1+x") == 1.0
 
 
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("The answer is 12/4.", "3", 0.0),  # a quotient, a power or a root restates dm_math's question
+        ("$\\frac{12}{4}$", "3", 0.0),
+        ("\\boxed{\\dfrac{6}{4}}", "1.5", 0.0),
+        ("The answer is 3/1.", "3", 0.0),
+        ("\\boxed{12 \\div 4}", "3", 0.0),
+        ("\\boxed{2^{3}}", "8", 0.0),
+        ("The answer is 2**3", "8", 0.0),
+        ("\\boxed{\\sqrt{16}}", "4", 0.0),
+        ("The answer is 16^(1/2)", "4", 0.0),
+        ("x = 12/4", "3", 0.0),
+        ("The answer is 7/2.", "3.5", 1.0),  # a fraction in lowest terms is a number
+        ("\\boxed{-\\frac{7}{2}}", "-3.5", 1.0),
+        ("\\boxed{10^{-4}}", "0.0001", 1.0),  # scientific notation, with or without its mantissa
+        ("\\boxed{2 \\times 10^3}", "2000", 1.0),
+        ("12/4 = 3", "3", 1.0),  # the last side counts
+        ("\\boxed{\\frac{12}{4}}", "\\frac{12}{4}", 1.0),  # not a plain-number ground truth: Math-Verify alone
+    ],
+)
+def test_math_verify_a_quotient_power_or_root_is_no_number(response, truth, score):
+    """The rule above for the other operations dm_math asks about (division, powers, roots)."""
+    assert math_score(response, truth) == score
+
+
 def test_math_verify_latex_ground_truth_and_missing_one():
-    assert math_score("The answer is $\\sqrt{4}$", "\\boxed{2}") == 1.0
+    assert math_score("The answer is $2$", "\\boxed{2}") == 1.0
+    assert math_score("The answer is $\\sqrt{8}$", "\\boxed{2\\sqrt{2}}") == 1.0
+    assert math_score("The answer is $\\sqrt{4}$", "\\boxed{2}") == 0.0  # a root that evaluates to a number
     assert math_score("\\boxed{x+1}", "1+x") == 1.0
     with pytest.raises(ValueError, match="set data.answer_key"):
         math_score("\\boxed{1}", None)
