@@ -14,9 +14,9 @@ make the median a steady step's even when one more of them is disturbed. It also
 floor: 6 x parameters (of the linear layers, the output layer's included) x the step's unpadded prompt + response
 tokens, at the matmul rate measured in the same run (the model's own linear layers' forward, input-gradient and
 weight-gradient GEMMs at one rank's share of the tokens, on as many processes as ranks at once, with the ranks'
-threads). Both sides keep freed host memory
-(``megarl.compat.host_memory``, ``trainer.keep_freed_memory``), so the comparison is of compute, not of the page
-faults of whichever heap happens to shrink.
+threads), right after the side it bounds: this machine's speed drifts by ~10% within minutes. Both sides keep freed
+host memory (``megarl.compat.host_memory``, ``trainer.keep_freed_memory``), so the comparison is of compute, not of
+the page faults of whichever heap happens to shrink.
 
     python benchmarks/rl_step.py             # ~5 minutes here (tiny and ~24M-parameter models)
     python benchmarks/rl_step.py --model .cache/smollm2-135m-instruct      # ~6 minutes here
@@ -226,22 +226,24 @@ def main_model(args) -> None:
 
     os.environ.update(HUGE_PAGES_ENV)  # as `megarl train` starts its CPU ranks (and the baseline's children)
     m = run_megarl(args.model, args, "configs/demo_real.yaml", _model_overrides)
-    import multiprocessing as mp
+    floor = update_floor(args.model, m["trained_tokens"], ranks=2)  # each side's floor measured right after it:
+    import multiprocessing as mp  # this machine's speed drifts by ~10% within minutes
 
     with mp.get_context("spawn").Pool(1) as pool:  # a fresh process: torch reads HUGE_PAGES_ENV when it starts
         b = pool.apply(run_baseline, (args.model, args, data, max_prompt_length))
-    floor = update_floor(args.model, m["trained_tokens"], ranks=2)
-    b_floor = floor["floor_s"] * b["trained_tokens"] / m["trained_tokens"]  # the same rate, the baseline's tokens
+    b_floor = update_floor(args.model, b["trained_tokens"], ranks=2)
     print(
         f"{'side':<26}{'generate':>10}{'update':>10}{'other':>9}{'step':>9}{'tokens':>8}{'floor':>8}{'update/floor':>14}"
     )
-    for side, r, fl in (("megarl DP=2 + vLLM", m, floor["floor_s"]), ("HF generate + torch (2 thr)", b, b_floor)):
+    sides = (("megarl DP=2 + vLLM", m, floor["floor_s"]), ("HF generate + torch (2 thr)", b, b_floor["floor_s"]))
+    for side, r, fl in sides:
         other = r["step"] - r["generate"] - r["update_actor"]
         print(f"{side:<26}{r['generate']:>9.2f}s{r['update_actor']:>9.2f}s{other:>8.2f}s{r['step']:>8.2f}s"
               f"{r['trained_tokens']:>8.0f}{fl:>7.2f}s{r['update_actor'] / fl:>13.2f}x")  # fmt: skip
     print(
         f"floor: 6 x {floor['params'] / 1e6:.1f}M parameters x the step's prompt + response tokens at "
-        f"{floor['rate'] / 1e9:.1f} GFLOP/s per rank (this model's linear GEMMs, 2 ranks x 1 thread, measured now)"
+        f"{floor['rate'] / 1e9:.1f} GFLOP/s per rank measured after megarl's run, {b_floor['rate'] / 1e9:.1f} after "
+        f"the baseline's (this model's linear GEMMs, 2 ranks x 1 thread)"
     )
     print("megarl phases: " + ", ".join(f"{p} {m[p]:.2f}s" for p in PHASES if p != "step"))
     ratio = m["update_actor"] / b["update_actor"]
