@@ -226,8 +226,9 @@ def main_model(args) -> None:
 
     os.environ.update(HUGE_PAGES_ENV)  # as `megarl train` starts its CPU ranks (and the baseline's children)
     m = run_megarl(args.model, args, "configs/demo_real.yaml", _model_overrides)
-    floor = update_floor(args.model, m["trained_tokens"], ranks=2)  # each side's floor measured right after it:
-    import multiprocessing as mp  # this machine's speed drifts by ~10% within minutes
+    # each side's floor is measured right after it: this machine's speed drifts by ~10% within minutes
+    floor = update_floor(args.model, m["trained_tokens"], ranks=2)
+    import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(1) as pool:  # a fresh process: torch reads HUGE_PAGES_ENV when it starts
         b = pool.apply(run_baseline, (args.model, args, data, max_prompt_length))

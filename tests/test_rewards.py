@@ -126,6 +126,15 @@ def test_math_verify_wants_a_number_for_a_number_not_the_question_restated():
         ("\\boxed{2 \\times 10^3}", "2000", 1.0),
         ("12/4 = 3", "3", 1.0),  # the last side counts
         ("\\boxed{\\frac{12}{4}}", "\\frac{12}{4}", 1.0),  # not a plain-number ground truth: Math-Verify alone
+        ("\\boxed{12 \\over 4}", "3", 0.0),
+        ("\\boxed{90^\\circ}", "90", 1.0),  # a degree sign is a unit, not a power
+        ("The angle is $90^{\\circ}$.", "90", 1.0),
+        ("\\boxed{-7/2}", "-3.5", 1.0),  # Math-Verify extracts '\\frac{-7}{2}': still in lowest terms
+        ("$-3/4$", "-0.75", 1.0),
+        ("\\boxed{-12/4}", "-3", 0.0),
+        ("The answer is 4/8", "0.5", 0.0),  # '0.5' is extracted as '\\frac{1}{2}': the rule reads the given text
+        ("\\boxed{2^{-1}}", "0.5", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
     ],
 )
 def test_math_verify_a_quotient_power_or_root_is_no_number(response, truth, score):

@@ -33,7 +33,7 @@ def _gold_text(ground_truth) -> str:
 
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 _OPERATION = re.compile(
-    r"[0-9.)}]\s*(?:\*\*|[-+*/^\u00d7\u00b7\u00f7])\s*[-+(]?\s*[0-9(\\{]|\\(?:times|cdot|div|[dt]?frac|sqrt)|\u221a"
+    r"[0-9.)}]\s*(?:\*\*|[-+*/^\u00d7\u00b7\u00f7])\s*[-+(]?\s*[0-9(\\{]|\\(?:times|cdot|div|over|[dt]?frac|sqrt)|\u221a"
 )
 """A binary +, -, x, /, ^ or ** between operands ('87 - -64', '2 \\times 3', '12/4', '2^{3}'), a division sign, a
 LaTeX fraction or a root; a leading sign is not one."""
@@ -42,10 +42,12 @@ _POWER_OF_TEN = re.compile(
     r"|(?<![0-9.])10\s*\^\s*(?:\{\s*[-+]?[0-9]+\s*\}|[-+]?[0-9]+)"
 )
 """Scientific notation's 'x 10^{-4}' (or a bare '10^{-4}'): part of a number, not an operation."""
+_DEGREES = re.compile(r"\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
+"""A degree sign, '^\\circ' or '^{\\circ}': a unit, not a power."""
 _FRACTION = re.compile(
-    r"\\[dt]?frac\s*\{\s*([0-9]+)\s*\}\s*\{\s*([0-9]+)\s*\}|(?<![0-9.])([0-9]+)\s*/\s*([0-9]+)(?![0-9]|\.[0-9])"
+    r"\\[dt]?frac\s*\{\s*(-?[0-9]+)\s*\}\s*\{\s*(-?[0-9]+)\s*\}|(?<![0-9.])([0-9]+)\s*/\s*([0-9]+)(?![0-9]|\.[0-9])"
 )
-"""A fraction of two integer literals, LaTeX or 'a/b'."""
+"""A fraction of two integer literals, LaTeX (Math-Verify writes '-7/2' as '\\frac{-7}{2}') or 'a/b'."""
 
 
 def _numbers_for_fractions(text: str) -> str:
@@ -54,17 +56,18 @@ def _numbers_for_fractions(text: str) -> str:
 
     def number(m: re.Match) -> str:
         a, b = int(m[1] or m[3]), int(m[2] or m[4])
-        return "1" if b > 1 and gcd(a, b) == 1 else m[0]
+        return "1" if abs(b) > 1 and gcd(a, b) == 1 else m[0]
 
     return _FRACTION.sub(number, text)
 
 
 def restates(gold_text: str, answer_text: str) -> bool:
-    """Whether an answer to a plain-number ground truth is an unevaluated operation (Math-Verify's extracted
-    strings; see the module docstring). Only the last side of an equation counts ('$87 + 64 = 151$' answers 151)."""
+    """Whether an answer to a plain-number ground truth is an unevaluated operation (the ground truth as given or as
+    Math-Verify extracted it, which turns '0.5' into '\\frac{1}{2}'; the answer as extracted; see the module
+    docstring). Only the last side of an equation counts ('$87 + 64 = 151$' answers 151)."""
     if not _PLAIN_NUMBER.fullmatch(gold_text.strip()):
         return False
-    last_side = answer_text.rsplit("=", 1)[-1]
+    last_side = _DEGREES.sub("", answer_text.rsplit("=", 1)[-1])
     return bool(_OPERATION.search(_numbers_for_fractions(_POWER_OF_TEN.sub("", last_side))))
 
 
@@ -80,7 +83,8 @@ def math_score(response: str, ground_truth) -> float:
     try:
         gold = parse(_gold_text(ground_truth), parsing_timeout=timeout_s)
         answer = parse(response, parsing_timeout=timeout_s)
-        if not gold or not answer or restates(gold[-1], answer[-1]):
+        given = str(ground_truth).strip()
+        if not gold or not answer or restates(given if _PLAIN_NUMBER.fullmatch(given) else gold[-1], answer[-1]):
             return 0.0
         return float(verify(gold, answer, timeout_seconds=timeout_s))
     except TimeoutException:  # a BaseException: Math-Verify catches it itself, but never let one stop the run
