@@ -38,8 +38,7 @@ _OPERATION = re.compile(
 """A binary +, -, x, /, ^ or ** between operands ('87 - -64', '2 \\times 3', '12/4', '2^{3}'), a division sign, a
 LaTeX fraction or a root; a leading sign is not one."""
 _POWER_OF_TEN = re.compile(
-    r"\s*(?:\\times|\\cdot|[*\u00d7\u00b7])\s*10\s*\^\s*(?:\{\s*[-+]?[0-9]+\s*\}|[-+]?[0-9]+)"
-    r"|(?<![0-9.])10\s*\^\s*(?:\{\s*[-+]?[0-9]+\s*\}|[-+]?[0-9]+)"
+    r"(?:\s*(?:\\times|\\cdot|[*\u00d7\u00b7])\s*|(?<![0-9.]))10\s*\^\s*(?:\{\s*[-+]?[0-9]+\s*\}|[-+]?[0-9]+)"
 )
 """Scientific notation's 'x 10^{-4}' (or a bare '10^{-4}'): part of a number, not an operation."""
 _DEGREES = re.compile(r"\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
