@@ -124,7 +124,7 @@ def megatron_speed_off():
             setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl)  # fmt: skip
     rope_utils._apply_rotary_pos_emb_bshd = getattr(kept[0], "original", kept[0])
     builder.rope_in_four_ops = lambda: False  # a model built in the block would patch RoPE again
-    builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model: 0)
+    builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model, compiled=False: 0)
     setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
     setup.fused_adam_on_cpu = lambda optimizer: 0
     clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale

@@ -32,6 +32,7 @@ class Case:
     value_head: bool = False
     gqa: bool = True
     entropy_coeff: float = 0.0
+    compile_elementwise: bool = False
 
     @property
     def spec(self):
@@ -63,7 +64,7 @@ def count(case: Case) -> dict:
     spec = case.spec
     chunk = build_model_chunk(
         spec, case.layout, attention=case.attention, dtype=case.dtype, recompute=case.recompute,
-        value_head=case.value_head,
+        value_head=case.value_head, compile_elementwise=case.compile_elementwise,
     )  # fmt: skip
     model, _ = wrap_for_training(chunk, OptimConfig(optimizer="sgd", lr=0.1))
     gen = torch.Generator().manual_seed(3)

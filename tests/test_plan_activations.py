@@ -33,6 +33,8 @@ CASES = [
     Case(L(pp=2), 8, 64, recompute=True, micro_batches=4),
     Case(L(pp=2), 2, 64, value_head=True, micro_batches=4),
     Case(L(tp=2), 2, 128, dtype=BF16, entropy_coeff=0.01),
+    Case(L(dp=2), 4, 256, dtype=BF16, compile_elementwise=True),
+    Case(L(dp=2), 2, 128, recompute=True, compile_elementwise=True),
 ]
 TOLERANCE = 0.15
 
@@ -78,6 +80,14 @@ def test_pipeline_stages_hold_their_micro_batches_in_flight(counted):
     rope = Model(one.spec, 4).rope_bytes(MicroBatchShape(256, 128))  # one cos/sin pair for the stage, not per one
     assert abs((first - rope) / (planned(one, 0) - rope) - 2) < 0.01, (first, planned(one, 0))
     assert last < first
+
+
+def test_compiled_elementwise_kernels_save_exactly_what_torchs_save(counted):
+    """``model.compile_elementwise`` changes kernels, not what autograd keeps: the same peak, byte for byte, so the
+    plan holds without a term of its own (bf16, and fp32 with recompute)."""
+    for compiled in (c for c in CASES if c.compile_elementwise):
+        eager = CASES.index(replace(compiled, compile_elementwise=False))
+        assert counted[CASES.index(compiled)]["peak"] == counted[eager]["peak"], compiled
 
 
 H100_MEASURED_GB = {2048: 3.43, 8192: 13.63, 16384: 27.22}

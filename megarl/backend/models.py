@@ -65,6 +65,7 @@ def build_rl_models(
             init_weights=False,
             recompute=cfg.model.recompute and trained,
             attention=cfg.model.attention,
+            compile_elementwise=cfg.model.compile_elementwise,
         )
         if load:
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
@@ -89,7 +90,8 @@ def build_rl_models(
     if needs_reward_model(cfg) and "reward_model" in roles:
         rm_source, rm_spec = reward_model_spec(cfg)
         rm = build_model_chunk(rm_spec, layout, dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
-                               init_weights=False, attention=cfg.model.attention)  # fmt: skip
+                               init_weights=False, attention=cfg.model.attention,
+                               compile_elementwise=cfg.model.compile_elementwise)  # fmt: skip
         load_initial_weights(rm, rm_source, rm_spec, layout, rank)
         models.reward_model = rm.eval().requires_grad_(False)
     return models

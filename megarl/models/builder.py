@@ -18,10 +18,11 @@ import torch.nn.functional as F
 
 from megarl.compat import cpu as cpu_compat
 from megarl.compat import megatron_mode
+from megarl.compat.compiled import check_compile_elementwise
 from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import batch_major_logits, rms_norm_on_cpu, rope_in_four_ops
 from megarl.models.spec import ModelSpec
-from megarl.models.swiglu import SwiGLU
+from megarl.models.swiglu import CompiledSwiGLU, SwiGLU
 from megarl.models.value_head import ValueHead
 from megarl.parallel.layout import ParallelLayout
 
@@ -91,12 +92,13 @@ def transformer_config(
     )
 
 
-def layer_spec(transformer_impl: str, attention: str = "sdpa"):
+def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = False):
     """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable.
 
     The local spec's MLP activation is ``megarl.models.swiglu.SwiGLU``; its core attention is ``attention``:
     ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's fused kernels) or ``unfused`` (Megatron's
-    ``DotProductAttention``, which materialises the scores). TE's spec has its own fused attention and activation."""
+    ``DotProductAttention``, which materialises the scores). ``compiled``: the activation is ``CompiledSwiGLU``
+    (torch.compile's kernels). TE's spec has its own fused attention and activation."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megarl.models.attention import ATTENTION, SdpaAttention  # with Megatron's layer specs: when a model is built
@@ -112,7 +114,7 @@ def layer_spec(transformer_impl: str, attention: str = "sdpa"):
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.mlp.submodules.activation_func = SwiGLU
+    spec.submodules.mlp.submodules.activation_func = CompiledSwiGLU if compiled else SwiGLU
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
@@ -129,15 +131,21 @@ def build_model_chunk(
     recompute: bool = False,
     device: torch.device | str | None = None,
     attention: str = "sdpa",
+    compile_elementwise: bool = False,
 ):
     """This rank's GPTModel chunk (its pipeline stage and TP shard), every tensor on ``device`` (default: the
     rank's, ``rank_device()``; conversion passes ``"cpu"``) and every parameter in ``dtype``. ``value_head=True``
     builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias. ``attention``:
-    the local spec's core attention (``layer_spec``)."""
+    the local spec's core attention (``layer_spec``). ``compile_elementwise``: the SwiGLU and the CPU RMSNorm's
+    backward run torch.compile's kernels (``megarl.compat.compiled``; CPU and the local spec only)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     device = torch.device(device) if device is not None else rank_device()
+    if compile_elementwise:
+        if transformer_impl != "local":
+            raise ValueError("model.compile_elementwise applies to transformer_impl=local only; turn it off")
+        check_compile_elementwise(device)
     config = transformer_config(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
         cpu_init=device.type == "cpu",
@@ -146,7 +154,7 @@ def build_model_chunk(
     with megatron_mode():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(transformer_impl, attention),
+            transformer_layer_spec=layer_spec(transformer_impl, attention, compile_elementwise),
             vocab_size=spec.padded_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),
@@ -160,7 +168,7 @@ def build_model_chunk(
         if (value_head or spec.score_head) and model.post_process:
             model.output_layer = ValueHead(spec.hidden_size, dtype=config.params_dtype, bias=not spec.score_head)
     batch_major_logits(model)
-    rms_norm_on_cpu(model)
+    rms_norm_on_cpu(model, compile_elementwise)
     restore_tp_attributes(model)
     place(model, device, config.params_dtype)
     return model
