@@ -47,8 +47,10 @@ host spends issuing it (Python, the dispatcher), which a GPU step pays before it
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak per GPU model name."""
 LR = 1e-5
-VARIANTS = ("megarl-sdpa", "megarl-sdpa-all-logits", "megarl-sdpa-nocompat", "megarl-unfused", "hf")
-"""In the order of the table (the second and third only with --prompt, --without-compat)."""
+VARIANTS = ("megarl-sdpa", "megarl-sdpa-compiled", "megarl-sdpa-all-logits", "megarl-sdpa-nocompat", "megarl-unfused",
+            "hf")
+"""In the order of the table (the second on CPU only, without --host: ``model.compile_elementwise``; the third and
+fourth only with --prompt, --without-compat)."""
 
 
 def _peak_tflops() -> float | None:
@@ -150,11 +152,12 @@ def without_compat(build):
 
 
 def megarl_actor(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
-                 all_logits: bool = False):
+                 all_logits: bool = False, compile_elementwise: bool = False):
     """The actor as the trainer builds it, on the HF folder's weights (world 1, TP=PP=1), and its update's inputs:
     ``(model, optimizer, micro_batches, loss_fn, parameter count)`` for ``sequences`` x ``length`` random tokens in
     micro-batches of ``micro`` (the first ``prompt`` tokens of each a prompt the loss does not score).
-    ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0)."""
+    ``all_logits``: the output layer computes the prompt positions' logits too (``scored_from`` 0).
+    ``compile_elementwise``: ``model.compile_elementwise``."""
     from megarl.backend.init_weights import load_initial_weights
     from megarl.backend.losses import GlobalNorm, actor_loss
     from megarl.backend.setup import wrap_for_training
@@ -166,7 +169,8 @@ def megarl_actor(hf_dir: str, attention: str, dtype: str, sequences: int, length
 
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     layout = ParallelLayout()
-    chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, attention=attention)
+    chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, attention=attention,
+                              compile_elementwise=compile_elementwise)
     load_initial_weights(chunk, model_source(hf_dir), spec, layout, 0)
     model, optimizer = wrap_for_training(chunk, OptimConfig(optimizer="adam", lr=LR, clip_grad=1.0))
     tokens, advantages, mask = _batch(spec.vocab_size, sequences, length, prompt)
@@ -185,13 +189,13 @@ def megarl_actor(hf_dir: str, attention: str, dtype: str, sequences: int, length
 
 
 def megarl_step(hf_dir: str, attention: str, dtype: str, sequences: int, length: int, micro: int, prompt: int = 0,
-                all_logits: bool = False):
+                all_logits: bool = False, compile_elementwise: bool = False):
     """The actor's update as the trainer runs it (``megarl_actor``'s arguments): a callable taking one optimizer
     step and returning its gradient norm; and the parameter count."""
     from megarl.backend.step import SUM, train_step
 
     model, optimizer, batches, loss, params = megarl_actor(hf_dir, attention, dtype, sequences, length, micro, prompt,
-                                                           all_logits)  # fmt: skip
+                                                           all_logits, compile_elementwise)  # fmt: skip
 
     def step() -> float:
         return train_step(model, optimizer, batches, loss, reduce=SUM)["grad_norm"]
@@ -261,6 +265,8 @@ def measure(hf_dir: str, args) -> list[dict]:
     dtype = "bfloat16" if cuda or args.host else "float32"  # --host: the GPU's dtype policy, its ops
     shape = (args.sequences, args.length, args.micro, args.prompt)
     builds = {f"megarl-{a}": lambda a=a: megarl_step(hf_dir, a, dtype, *shape) for a in ("sdpa", "unfused")}
+    if not (cuda or args.host):  # model.compile_elementwise: CPU only; --host measures the GPU's issuing
+        builds["megarl-sdpa-compiled"] = lambda: megarl_step(hf_dir, "sdpa", dtype, *shape, compile_elementwise=True)
     if args.without_compat:
         builds["megarl-sdpa-nocompat"] = lambda: without_compat(lambda: megarl_step(hf_dir, "sdpa", dtype, *shape))
     if args.prompt:  # the same step with the prompt positions' logits computed (as before logits_from)

@@ -162,7 +162,7 @@ class _RMSNormOnCPU(torch.nn.RMSNorm):
 
 
 class _CompiledRMSNormOnCPU(_RMSNormOnCPU):
-    """``_RMSNormOnCPU`` whose backward is torch.compile's kernel (``model.compile_elementwise``)."""
+    """``_RMSNormOnCPU`` whose forward and backward are torch.compile's kernels (``model.compile_elementwise``)."""
 
     compiled = True
 
@@ -172,7 +172,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float | None, compiled: bool = False) -> torch.Tensor:
-        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        out, rstd = (compiled_kernel(_rms_norm) if compiled else _rms_norm)(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.compiled = compiled
         return out
@@ -197,6 +197,11 @@ class _RMSNormFunction(torch.autograd.Function):
             mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).mul_(1.0 / h)
             grad_x = grad_normed.sub_(normed.mul_(mean)).mul_(rstd).to(x.dtype)
         return grad_x, grad_weight, None, None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch's RMSNorm (on CPU a chain of its elementwise kernels): (output, 1/rms)."""
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
 
 
 def _rms_norm_backward(x, weight, rstd, grad, want_x: bool, want_weight: bool):
@@ -240,6 +245,64 @@ def rope_in_four_ops() -> bool:
     apply_bshd.megarl_patched, apply_bshd.original = True, original
     rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
     return True
+
+
+def compiled_rope_as_megatrons_fusion() -> bool:
+    """Plug ``_compiled_rope`` into megatron-core's RoPE-fusion hook (``rope_utils.fused_apply_rotary_pos_emb``,
+    Transformer Engine's kernel where TE is installed, else None), so a model whose ``TransformerConfig`` sets
+    ``apply_rope_fusion`` (``model.compile_elementwise``) runs it. Leaves TE's kernel in place; idempotent; returns
+    whether the hook is megarl's."""
+    if not _applies():
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = _compiled_rope
+    return rope_utils.fused_apply_rotary_pos_emb is _compiled_rope
+
+
+def _compiled_rope(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                   interleaved: bool = False) -> torch.Tensor:  # fmt: skip
+    """``rope_in_four_ops``'s function as one torch.compile kernel each way (``megarl.compat.compiled``), with its
+    cos and sin' (kept per angles tensor) the only tensors saved; Megatron's unfused code where that one does."""
+    own = (interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2 or freqs.requires_grad
+           or not _broadcasts_to(freqs.shape, t.shape))  # fmt: skip
+    if own:  # Megatron routes an mscale other than 1 to its unfused code itself
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    cos, signed_sin = _cos_sin(freqs, 1.0, t.dtype)
+    return _RoPE.apply(t, cos, signed_sin)
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, signed_sin)
+        return compiled_kernel(_rope)(t, cos, signed_sin).contiguous()  # contiguous as Megatron's cat
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, signed_sin = ctx.saved_tensors
+        return compiled_kernel(_rope_backward)(grad, cos, signed_sin), None, None
+
+
+def _rope(t, cos, signed_sin):
+    """``t * cos + roll(t) * sin'`` by halves: [t1 c1 + t2 s1', t2 c2 + t1 s2'] (inductor's kernel for ``roll`` on
+    dynamic shapes was 2x slower than torch's ops here, this one 6x faster)."""
+    h = t.shape[-1] // 2
+    t1, t2, c1, c2 = t[..., :h], t[..., h:], cos[..., :h], cos[..., h:]
+    s1, s2 = signed_sin[..., :h], signed_sin[..., h:]
+    return torch.cat([t1 * c1 + t2 * s1, t2 * c2 + t1 * s2], dim=-1)
+
+
+def _rope_backward(grad, cos, signed_sin):
+    """d/dt of ``_rope``: [g1 c1 + g2 s2', g2 c2 + g1 s1']."""
+    h = grad.shape[-1] // 2
+    g1, g2, c1, c2 = grad[..., :h], grad[..., h:], cos[..., :h], cos[..., h:]
+    s1, s2 = signed_sin[..., :h], signed_sin[..., h:]
+    return torch.cat([g1 * c1 + g2 * s2, g2 * c2 + g1 * s1], dim=-1)
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:

@@ -20,7 +20,12 @@ from megarl.compat import cpu as cpu_compat
 from megarl.compat import megatron_mode
 from megarl.compat.compiled import check_compile_elementwise
 from megarl.compat.megatron_fixes import restore_tp_attributes
-from megarl.compat.megatron_speed import batch_major_logits, rms_norm_on_cpu, rope_in_four_ops
+from megarl.compat.megatron_speed import (
+    batch_major_logits,
+    compiled_rope_as_megatrons_fusion,
+    rms_norm_on_cpu,
+    rope_in_four_ops,
+)
 from megarl.models.spec import ModelSpec
 from megarl.models.swiglu import CompiledSwiGLU, SwiGLU
 from megarl.models.value_head import ValueHead
@@ -42,12 +47,14 @@ def transformer_config(
     init_weights: bool = True,
     recompute: bool = False,
     cpu_init: bool = False,
+    compile_elementwise: bool = False,
 ):
     """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off.
 
     ``init_weights=False`` skips random initialisation (the weights are about to be loaded). ``recompute``: full
     activation recompute of every layer in the backward pass. ``cpu_init``: Megatron creates the weights on the CPU
-    (else on ``torch.cuda.current_device()``).
+    (else on ``torch.cuda.current_device()``). ``compile_elementwise``: Megatron's RoPE fusion on, which runs
+    megarl's compiled RoPE (``megarl.compat.megatron_speed.compiled_rope_as_megatrons_fusion``).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -70,7 +77,7 @@ def transformer_config(
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=compile_elementwise and compiled_rope_as_megatrons_fusion(),
         # the local spec's MLP takes its activation module from the spec (megarl.models.swiglu); the flag is
         # Megatron's name for "the spec gives the activation", no Transformer Engine involved
         use_te_activation_func=transformer_impl == "local",
@@ -148,7 +155,7 @@ def build_model_chunk(
         check_compile_elementwise(device)
     config = transformer_config(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
-        cpu_init=device.type == "cpu",
+        cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,
     )  # fmt: skip
     rope_in_four_ops()
     with megatron_mode():
