@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from megarl.checkpoint.format import CheckpointError
+from megarl.compat.compiled import check_compile_elementwise
+from megarl.config import device_defaults
 from megarl.config.loader import ConfigError
 from megarl.config.recipe import needs_critic, needs_reference, reward_model_spec
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
@@ -61,9 +65,21 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     rollout_pool = [p for p in pools if "rollout" in p.roles]
     errors += _rollout_errors(cfg, spec, rollout_pool[0].size if rollout_pool else layout.world_size)
     errors += _reward_wait_errors(cfg)
+    errors += _compile_errors(cfg)
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
     return spec
+
+
+def _compile_errors(cfg: MegarlConfig) -> list[str]:
+    """``model.compile_elementwise`` where its kernels cannot run (on CUDA, or without a C++ compiler)."""
+    if not cfg.model.compile_elementwise:
+        return []
+    try:
+        check_compile_elementwise(torch.device("cuda" if device_defaults.on_cuda() else "cpu"))
+    except (ValueError, RuntimeError) as e:
+        return [str(e)]
+    return []
 
 
 def _pool_rank_errors(pools) -> list[str]:

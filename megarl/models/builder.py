@@ -143,8 +143,8 @@ def build_model_chunk(
     """This rank's GPTModel chunk (its pipeline stage and TP shard), every tensor on ``device`` (default: the
     rank's, ``rank_device()``; conversion passes ``"cpu"``) and every parameter in ``dtype``. ``value_head=True``
     builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias. ``attention``:
-    the local spec's core attention (``layer_spec``). ``compile_elementwise``: the SwiGLU and the CPU RMSNorm's
-    backward run torch.compile's kernels (``megarl.compat.compiled``; CPU and the local spec only)."""
+    the local spec's core attention (``layer_spec``). ``compile_elementwise``: the SwiGLU, the CPU RMSNorm
+    and the RoPE run torch.compile's kernels (``megarl.compat.compiled``; CPU and the local spec only)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
