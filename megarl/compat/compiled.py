@@ -33,8 +33,10 @@ def compiled_kernel(fn: Callable) -> Callable:
     return kernel
 
 
-def check_compile_elementwise(device: torch.device) -> None:
+def check_compile_elementwise(device: torch.device, transformer_impl: str = "local") -> None:
     """Refuse ``model.compile_elementwise`` where its kernels cannot run, in one line, before a model is built."""
+    if transformer_impl != "local":
+        raise ValueError("model.compile_elementwise applies to transformer_impl=local only; turn it off")
     if device.type != "cpu":
         raise ValueError(
             f"model.compile_elementwise runs on CPU only (its kernels were not run on {device.type}); turn it off"

@@ -234,9 +234,8 @@ def rope_in_four_ops() -> bool:
         return True
 
     def apply_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
-        own = (multi_latent_attention or rotary_interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2
-               or freqs.requires_grad or not _broadcasts_to(freqs.shape, t.shape))  # fmt: skip
-        if own:  # Megatron's code: partial, interleaved, multi-latent; angles that take a gradient or widen t
+        # Megatron's code: partial, interleaved, multi-latent; angles that take a gradient or widen t
+        if multi_latent_attention or rotary_interleaved or not _rotates_whole_in_halves(t, freqs):
             return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         cos, signed_sin = _cos_sin(freqs, mscale, t.dtype)
         # rotate_half(t) * sin = [-t2 s1, t1 s2] = roll(t) * sin'; autograd saves cos and sin' only, as Megatron's
@@ -265,9 +264,8 @@ def _compiled_rope(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory
                    interleaved: bool = False) -> torch.Tensor:  # fmt: skip
     """``rope_in_four_ops``'s function as one torch.compile kernel each way (``megarl.compat.compiled``), with its
     cos and sin' (kept per angles tensor) the only tensors saved; Megatron's unfused code where that one does."""
-    own = (interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2 or freqs.requires_grad
-           or not _broadcasts_to(freqs.shape, t.shape))  # fmt: skip
-    if own:  # Megatron routes an mscale other than 1 to its unfused code itself
+    # Megatron's code where rope_in_four_ops uses it (Megatron routes an mscale other than 1 to it itself)
+    if interleaved or not _rotates_whole_in_halves(t, freqs):
         from megatron.core.models.common.embeddings import rope_utils
 
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
@@ -303,6 +301,13 @@ def _rope_backward(grad, cos, signed_sin):
     g1, g2, c1, c2 = grad[..., :h], grad[..., h:], cos[..., :h], cos[..., h:]
     s1, s2 = signed_sin[..., :h], signed_sin[..., h:]
     return torch.cat([g1 * c1 + g2 * s2, g2 * c2 + g1 * s1], dim=-1)
+
+
+def _rotates_whole_in_halves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether megarl's RoPE computes this call (else Megatron's code): every dimension of ``t`` rotated (not
+    partial), in two halves of an even width, by angles that take no gradient and do not widen ``t``."""
+    return (freqs.shape[-1] == t.shape[-1] and t.shape[-1] % 2 == 0 and not freqs.requires_grad
+            and _broadcasts_to(freqs.shape, t.shape))  # fmt: skip
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:

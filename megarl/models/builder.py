@@ -150,9 +150,7 @@ def build_model_chunk(
 
     device = torch.device(device) if device is not None else rank_device()
     if compile_elementwise:
-        if transformer_impl != "local":
-            raise ValueError("model.compile_elementwise applies to transformer_impl=local only; turn it off")
-        check_compile_elementwise(device)
+        check_compile_elementwise(device, transformer_impl)
     config = transformer_config(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
         cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,
