@@ -59,7 +59,10 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
         logits.append(logits_BSV[:, PROMPT_LEN - 1 - mb["scored_from"] :].detach().float().clone())
         return loss(mb, logits_BSV)
 
+    graph = []  # per micro-batch: the torch function mode the forward ran in, the TP mappings in its graph
+    hook = chunk.register_forward_hook(lambda module, args, output: graph.append(_mode_and_mappings(output)))
     run_schedule(model, batches, recording_loss)
+    hook.remove()
     grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
     if fused is not None:
         swiglu = [m for m in chunk.modules() if type(m).__name__ == "MLP" and isinstance(m.activation_func, SwiGLU)]
@@ -67,9 +70,28 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
 
         norms = [m for m in chunk.modules() if type(m).__name__ == "_RMSNormOnCPU"]
         rope = int(getattr(rope_utils._apply_rotary_pos_emb_bshd, "megarl_patched", False))  # as the forward ran
-        fused.append((sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in chunk.parameters()),
-                      len(swiglu) if chunk.config.use_te_activation_func else 0, len(norms), rope))  # fmt: skip
+        swiglus = len(swiglu) if chunk.config.use_te_activation_func else 0
+        fused.append((sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in chunk.parameters()), swiglus,
+                      len(norms), rope, *graph[0]))  # fmt: skip
+        assert len(set(graph)) == 1, graph  # every micro-batch alike
     return logits, grads
+
+
+def _mode_and_mappings(output: torch.Tensor) -> tuple[str | None, int]:
+    """The torch function mode active now (a forward hook: the one the forward ran in), and how many of Megatron's
+    TP mappings (``_CopyToModelParallelRegion``, ``_ReduceFromModelParallelRegion``) ``output``'s graph holds."""
+    from torch.overrides import _get_current_function_mode
+
+    mode = _get_current_function_mode()
+    seen, todo, mappings = set(), [output.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        mappings += type(node).__name__.endswith("ModelParallelRegionBackward")
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return (type(mode).__name__ if mode is not None else None), mappings
 
 
 def _lm_losses(spec, layout, dtype: str) -> torch.Tensor | None:

@@ -63,9 +63,15 @@ def test_megatron_speed_changes_no_logit_or_gradient_and_removes_the_logit_copy_
     # SwiGLU, every norm on megarl's CPU RMSNorm, RoPE in four ops; none of them without the speed-ups
     # (4 linears and 2 norms per layer, the output layer and final norm on the last stage): TP=2 ranks hold both
     # layers, PP=2 stages one each
+    # Megatron's TP mappings in the forward's graph: none where the TP group has one rank (PP=2: without the
+    # speed-ups one per linear layer and the stage's embedding or output layer, 5); where it has two, as without the
+    # speed-ups (the row-parallel layers' and the embedding's all-reduces, 5: the column-parallel ones all-reduce
+    # their input's gradient inside their own function)
+    mappings = [0, 0] if "pp" in case else [5, 5]
+    # the model's forward runs without the CPU shim's torch function mode (compat.cpu), with the speed-ups or not
     expected = [(4, 1, 2, 1), (5, 1, 3, 1)] if "pp" in case else [(9, 2, 5, 1), (9, 2, 5, 1)]
-    assert r["fused"] == expected, r
-    assert r["fused_off"] == [(0, 0, 0, 0)] * 2, r
+    assert r["fused"] == [(*e, None, m) for e, m in zip(expected, mappings)], r
+    assert r["fused_off"] == [(0, 0, 0, 0, None, 5)] * 2, r
     if "pp" not in case:  # Megatron's own cross-entropy (labels=) on a micro-batch of two: unchanged
         assert r["lm_loss"] is not None and r["lm_loss"] <= tol, r
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import megatron_mode
+from megarl.compat.cpu import outside_megatron_mode
 from megarl.compat.megatron_speed import logits_from
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -59,7 +60,8 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
             for k, v in next(data_iterator).items()
         }
         wanted = mb.get("scored_from", 0) if "labels" not in mb else 0  # Megatron's own loss scores every position
-        with logits_from(model_chunk, wanted) as first:
+        # the model's forward as on a GPU: without the CPU shim's mode, a Python call per torch call (compat.cpu)
+        with logits_from(model_chunk, wanted) as first, outside_megatron_mode():
             output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
         return output, partial(loss_fn, positions_from(mb, first))
 

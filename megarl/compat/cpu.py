@@ -24,6 +24,12 @@ Scoped (``megatron_mode()``, a thread-local ``TorchFunctionMode``):
   * It is entered only around Megatron entry points: process-wide it costs ~3.3 us per torch call and made vLLM
     generation 1.4x slower (shared/facts/cpu-shim-with-vllm.md). The mode is thread-local, so Megatron work must
     run on the thread that entered it.
+  * The model's own forward in a training or log-prob step runs outside it (``outside_megatron_mode``, entered by
+    ``megarl.backend.step``), as it runs on a GPU: a local-spec forward asks for CUDA only in the unfused
+    attention's causal masks (``fused_softmax.get_{default,sliding_window}_causal_mask``), which run in the mode
+    wherever they are called. Measured with ``benchmarks/train_step.py --host`` (the 1.2B's 16 layers at width
+    64, where a step is what the host spends issuing it): megarl's step 1.27x the transformers step with the mode
+    around the forward, 1.09x without it.
 
 Spawned children (megatron's checkpoint writers, vLLM workers) re-import modules but never run ``main``:
 ``install`` sets ``MEGARL_CPU_SHIM=1`` and ``import megarl`` re-installs the stubs when it sees it.
@@ -108,22 +114,27 @@ def install() -> None:
 
     mc_random._get_cuda_rng_state = _cpu_get_rng_state
     mc_random._set_cuda_rng_state = _cpu_set_rng_state
-    _recompute_in_megatron_mode(mc_random.CheckpointFunction)
+    # activation recompute re-runs layers inside autograd's backward, where the mode entered around the step is not
+    # active (seen: get_default_causal_mask asking for device="cuda", before it ran in the mode below)
+    recompute = mc_random.CheckpointFunction
+    recompute.backward = staticmethod(_in_megatron_mode(recompute.backward))
+    from megatron.core.fusions import fused_softmax
+
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):  # the forward's CUDA requests
+        setattr(fused_softmax, name, _in_megatron_mode(getattr(fused_softmax, name)))
     _fork_checkpoint_results_queue()
     os.environ[ENV_VAR] = "1"
     _state["installed"] = True
 
 
-def _recompute_in_megatron_mode(function_cls) -> None:
-    """Activation recompute re-runs layers inside autograd's backward, where the scoped mode entered around the
-    forward is not active (seen: ``get_default_causal_mask`` asking for ``device="cuda"``); run it in the mode."""
-    original = function_cls.backward
+def _in_megatron_mode(function):
+    """``function`` run in the scoped mode wherever it is called (outside ``megatron_mode``'s blocks too)."""
 
-    def backward(ctx, *grads):
+    def in_mode(*args, **kwargs):
         with megatron_mode():
-            return original(ctx, *grads)
+            return function(*args, **kwargs)
 
-    function_cls.backward = staticmethod(backward)
+    return in_mode
 
 
 def _fork_checkpoint_results_queue() -> None:
@@ -186,3 +197,16 @@ class CudaToCpuMode(TorchFunctionMode):
 def megatron_mode():
     """Wrap every Megatron entry point: the CUDA->CPU mode when the shim is installed, else nothing."""
     return CudaToCpuMode() if _state["installed"] else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def outside_megatron_mode():
+    """Within the block, torch calls skip the scoped mode entered around it (the model's forward: see the module
+    docstring); nothing changes where the innermost torch function mode is not the shim's (a GPU, another mode)."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if not isinstance(_get_current_function_mode(), CudaToCpuMode):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield

@@ -23,6 +23,7 @@ from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import (
     batch_major_logits,
     compiled_rope_as_megatrons_fusion,
+    no_tp_mappings_on_one_rank,
     rms_norm_on_cpu,
     rope_in_four_ops,
 )
@@ -156,6 +157,7 @@ def build_model_chunk(
         cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,
     )  # fmt: skip
     rope_in_four_ops()
+    no_tp_mappings_on_one_rank()
     with megatron_mode():
         model = GPTModel(
             config=config,
