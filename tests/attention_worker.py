@@ -61,8 +61,10 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
 
     graph = []  # per micro-batch: the torch function mode the forward ran in, the TP mappings in its graph
     hook = chunk.register_forward_hook(lambda module, args, output: graph.append(_mode_and_mappings(output)))
-    run_schedule(model, batches, recording_loss)
-    hook.remove()
+    try:
+        run_schedule(model, batches, recording_loss)
+    finally:
+        hook.remove()
     grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
     if fused is not None:
         swiglu = [m for m in chunk.modules() if type(m).__name__ == "MLP" and isinstance(m.activation_func, SwiGLU)]
@@ -77,6 +79,9 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
     return logits, grads
 
 
+_TP_MAPPINGS = ("_CopyToModelParallelRegionBackward", "_ReduceFromModelParallelRegionBackward")
+
+
 def _mode_and_mappings(output: torch.Tensor) -> tuple[str | None, int]:
     """The torch function mode active now (a forward hook: the one the forward ran in), and how many of Megatron's
     TP mappings (``_CopyToModelParallelRegion``, ``_ReduceFromModelParallelRegion``) ``output``'s graph holds."""
@@ -89,7 +94,7 @@ def _mode_and_mappings(output: torch.Tensor) -> tuple[str | None, int]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        mappings += type(node).__name__.endswith("ModelParallelRegionBackward")
+        mappings += type(node).__name__ in _TP_MAPPINGS
         todo.extend(next_node for next_node, _ in node.next_functions)
     return (type(mode).__name__ if mode is not None else None), mappings
 

@@ -12,7 +12,10 @@ Process-wide (module attributes, so they hold in every thread):
     call back into ``torch.cuda.manual_seed_all`` and recurse.
   * megatron's checkpoint-writer results queue is served by a forked, not a spawned, Manager (first save 3-7 s
     faster per process).
-  * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below.
+  * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below (autograd
+    runs backward functions outside any mode entered around ``backward()``).
+  * ``fused_softmax.get_{default,sliding_window}_causal_mask`` (the unfused attention's, ``device="cuda"``) run in
+    the scoped mode wherever they are called.
   * ``megatron.core.tensor_parallel.random._{get,set}_cuda_rng_state`` -> CPU generator state, so the model-parallel
     RNG tracker (``fork()``) works.
   * ``torch.cuda.is_available`` is deliberately NOT stubbed: vLLM and HF must keep seeing a CPU machine.
@@ -43,6 +46,7 @@ models and checking where their tensors live.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -130,6 +134,7 @@ def install() -> None:
 def _in_megatron_mode(function):
     """``function`` run in the scoped mode wherever it is called (outside ``megatron_mode``'s blocks too)."""
 
+    @functools.wraps(function)
     def in_mode(*args, **kwargs):
         with megatron_mode():
             return function(*args, **kwargs)

@@ -52,10 +52,11 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   and 3 KV heads of 64): 9.3 -> 6.0 ms per layer (one thread) with a first version that rotated each half in
   place; this one issues four ops each way, none from Python in backward, which a GPU's host pays for per launch.
   Partial, interleaved and multi-latent rotary keep Megatron's code.
-- ``no_tp_mappings_on_one_rank``: every ``ColumnParallelLinear`` passes its input through
-  ``copy_to_tensor_model_parallel_region`` and every ``RowParallelLinear`` (and the vocabulary-parallel embedding)
-  its output through ``reduce_from_tensor_model_parallel_region``: an autograd function each, forward and backward,
-  whose all-reduce is skipped when the TP group has one rank. With one rank the tensor is passed on as it is: the
+- ``no_tp_mappings_on_one_rank``: at TP=1 every ``ColumnParallelLinear`` passes its input through
+  ``copy_to_tensor_model_parallel_region`` (at TP > 1 it all-reduces the input's gradient in its own function) and
+  every ``RowParallelLinear`` (and the vocabulary-parallel embedding) its output through
+  ``reduce_from_tensor_model_parallel_region``: an autograd function each, forward and backward, whose all-reduce
+  is skipped when the TP group has one rank. With one rank the tensor is passed on as it is: the
   same values both ways, and 66 autograd functions fewer per micro-batch of the 1.2B model (16 layers), each a
   few Python calls the host makes before a GPU's kernels can run. ``benchmarks/train_step.py --host`` (CPU, width
   64, the step is the host's issuing): megarl's step 1.09x the transformers step without it, 1.03x with it (three
