@@ -117,34 +117,35 @@ def megatron_speed_off():
     from megatron.core import utils
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mixed
     from megatron.core.tensor_parallel import layers
 
     import megarl.backend.setup as setup
     import megarl.models.builder as builder
 
     kept = (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_in_four_ops, builder.batch_major_logits,
-            builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
-            setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
+            builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place,
+            setup.fused_adam, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
             builder.no_tp_mappings_on_one_rank, layers.copy_to_tensor_model_parallel_region,
-            layers.reduce_from_tensor_model_parallel_region)  # fmt: skip
+            layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl)  # fmt: skip
     rope_utils._apply_rotary_pos_emb_bshd = getattr(kept[0], "original", kept[0])
     builder.rope_in_four_ops = lambda: False  # a model built in the block would patch RoPE again
     builder.no_tp_mappings_on_one_rank = lambda: False  # and the TP mappings
     layers.copy_to_tensor_model_parallel_region = getattr(kept[10], "original", kept[10])
     layers.reduce_from_tensor_model_parallel_region = getattr(kept[11], "original", kept[11])
     builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model, compiled=False: 0)
-    setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping = (lambda model: 0), (lambda: False)
-    setup.fused_adam_on_cpu = lambda optimizer: 0
-    clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place = (lambda model: 0), (lambda: False)
+    setup.fused_adam = lambda optimizer: 0
+    clip_grads.multi_tensor_scale_impl = mixed.multi_tensor_scale_impl = utils.local_multi_tensor_scale
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
     try:
         yield
     finally:
         (rope_utils._apply_rotary_pos_emb_bshd, builder.rope_in_four_ops, builder.batch_major_logits,
-         builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.in_place_grad_clipping,
-         setup.fused_adam_on_cpu, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
+         builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place,
+         setup.fused_adam, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
          builder.no_tp_mappings_on_one_rank, layers.copy_to_tensor_model_parallel_region,
-         layers.reduce_from_tensor_model_parallel_region) = kept  # fmt: skip
+         layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl) = kept  # fmt: skip
 
 
 def without_compat(build):

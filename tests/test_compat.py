@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 import torch
@@ -142,19 +143,20 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
 
 
 def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_fallbacks():
-    """``in_place_grad_clipping``: Megatron's clipping (``clip_grad_by_total_norm_fp32``) multiplies every gradient
-    in place, to the same values as its local fallback's ``dst.copy_(src * scale)``, and the norm equals its
-    local ``multi_tensor_l2_norm``."""
+    """``multi_tensor_fallbacks_in_place``: Megatron's clipping (``clip_grad_by_total_norm_fp32``) multiplies every
+    gradient in place, to the same values as its local fallback's ``dst.copy_(src * scale)``, and the norm equals its
+    local ``multi_tensor_l2_norm``; the mixed-precision optimizer's copy of fp32 main parameters into bf16 model ones
+    is bitwise the fallback's, into the same storage, without it (no ``src * 1.0`` temporaries)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
     from megarl.compat.cpu import CudaToCpuMode
-    from megarl.compat.megatron_speed import in_place_grad_clipping
+    from megarl.compat.megatron_speed import multi_tensor_fallbacks_in_place
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=gen) for shape in ((64, 32), (7,), (3, 5, 2))]
     reference = [g.clone() for g in grads]
-    assert in_place_grad_clipping() and in_place_grad_clipping()  # idempotent
+    assert multi_tensor_fallbacks_in_place() and multi_tensor_fallbacks_in_place()  # idempotent
     pointers = [g.data_ptr() for g in grads]
     clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.3)
     utils.local_multi_tensor_scale(0, None, [reference, reference], 0.3)
@@ -165,14 +167,29 @@ def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_f
     assert norm.shape == (1,) and norm.dtype == torch.float32
     assert torch.allclose(norm, expected.to(norm.device), rtol=1e-6), (norm, expected)
 
+    from megatron.core.optimizer import optimizer as mixed
 
-def test_fused_adam_on_cpu_takes_torchs_default_steps_in_one_kernel():
-    """``fused_adam_on_cpu``: the torch Adam inside a Megatron optimizer (``.optimizer``; chained:
+    main = [g * 1.37 for g in grads]
+    model = [torch.zeros_like(m, dtype=torch.bfloat16) for m in main]
+    pointers = [m.data_ptr() for m in model]
+    expected = [torch.zeros_like(m) for m in model]
+    utils.local_multi_tensor_scale(0, None, [main, expected], 1.0)
+    fallback, utils.local_multi_tensor_scale = utils.local_multi_tensor_scale, None  # would fail if called
+    try:
+        mixed._multi_tensor_copy_this_to_that(main, model, overflow_buf=torch.zeros(1, dtype=torch.int))
+    finally:
+        utils.local_multi_tensor_scale = fallback
+    assert all(torch.equal(m, e) for m, e in zip(model, expected, strict=True))
+    assert [m.data_ptr() for m in model] == pointers and all(m.dtype == torch.bfloat16 for m in model)
+
+
+def test_fused_adam_takes_torchs_default_steps_in_one_kernel():
+    """``fused_adam``: the torch Adam inside a Megatron optimizer (``.optimizer``; chained:
     ``.chained_optimizers``) runs fused where its parameters are on the CPU: parameters and moments equal to torch's
     default implementation's within about one ulp (fp32, as Megatron's inner optimizer holds: the main copies of a
-    bf16 model). SGD is left as is; a group on another device (the meta device stands in for a GPU) gets torch's
-    default back, as after loading a CPU run's checkpoint there; a load, which takes the saved flags, is undone by
-    calling it again.
+    bf16 model). SGD is left as is; a group on a device without torch's fused kernel (the meta device) gets torch's
+    default back, as after loading a CPU run's checkpoint there; a GPU's group runs fused, its steps on its device;
+    a load, which takes the saved flags, is undone by calling it again.
 
     In one intra-op thread: run after tests/test_models.py, test_placement.py and test_lora.py in one process, torch's
     default AdamW on the same inputs twice once differed from itself (in 52,762 of the 65,536 elements the second
@@ -180,13 +197,13 @@ def test_fused_adam_on_cpu_takes_torchs_default_steps_in_one_kernel():
     test compares the two implementations, not that thread's state."""
     from types import SimpleNamespace
 
-    from megarl.compat.megatron_speed import fused_adam_on_cpu
+    from megarl.compat.megatron_speed import fused_adam
 
     def run(cls, fused: bool):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((256, 512), (7,), (3, 5, 2))]
         inner = cls(params, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
-        switched = fused_adam_on_cpu(SimpleNamespace(optimizer=inner)) if fused else 0
+        switched = fused_adam(SimpleNamespace(optimizer=inner)) if fused else 0
         for _ in range(5):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
@@ -208,12 +225,25 @@ def test_fused_adam_on_cpu_takes_torchs_default_steps_in_one_kernel():
             default.load_state_dict(default.state_dict())
             reloaded = SimpleNamespace(optimizer=fused)
             fused.load_state_dict(default.state_dict())  # a checkpoint of torch's default: its flags come along
-            assert fused.param_groups[0]["fused"] is None and fused_adam_on_cpu(reloaded) == 1
+            assert fused.param_groups[0]["fused"] is None and fused_adam(reloaded) == 1
             assert fused.param_groups[0]["fused"]
     finally:
         torch.set_num_threads(threads)
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    off_cpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1)
-    off_cpu.param_groups[0]["fused"] = True  # loaded from a CPU run's checkpoint
-    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=sgd), SimpleNamespace(optimizer=off_cpu)])
-    assert fused_adam_on_cpu(chained) == 0 and off_cpu.param_groups[0]["fused"] is None
+    elsewhere = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1)
+    elsewhere.param_groups[0]["fused"] = True  # loaded from a CPU run's checkpoint onto a device without the kernel
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=sgd), SimpleNamespace(optimizer=elsewhere)])
+    assert fused_adam(chained) == 0 and elsewhere.param_groups[0]["fused"] is None
+    # a GPU's parameters run fused too (a stand-in: the choice reads the parameters' device only); a step kept on
+    # the host (torch's default keeps it there) moves to its parameter's device, where the fused kernel reads it
+    on_gpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    on_gpu.param_groups[0]["params"] = [type("OnGpu", (), {"device": torch.device("cuda", 0)})()]
+    assert fused_adam(SimpleNamespace(optimizer=on_gpu)) == 1 and on_gpu.param_groups[0]["fused"]
+    assert on_gpu.param_groups[0]["foreach"] is False
+    param = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    loaded = torch.optim.AdamW([param], lr=0.1)
+    loaded.state[param]["step"] = torch.tensor(4.0, dtype=torch.float64)
+    with mock.patch("megarl.compat.megatron_speed.FUSED_ADAM_DEVICES", ("meta",)):
+        assert fused_adam(SimpleNamespace(optimizer=loaded)) == 1
+    step = loaded.state[param]["step"]
+    assert step.device.type == "meta" and step.dtype == torch.float32

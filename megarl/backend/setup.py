@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megarl.compat import megatron_mode
-from megarl.compat.megatron_speed import fused_adam_on_cpu, in_place_grad_clipping, weight_gradients_into_main_grad
+from megarl.compat.megatron_speed import fused_adam, multi_tensor_fallbacks_in_place, weight_gradients_into_main_grad
 from megarl.config.schema import OptimConfig
 
 
@@ -15,7 +15,7 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tf_config = model_chunk.config
-    in_place_grad_clipping()
+    multi_tensor_fallbacks_in_place()
     # mixed precision (fp32 main parameters) for half-precision trainable parameters; a LoRA actor trains only its
     # fp32 adapters (its frozen base may be bf16): a plain fp32 optimizer (Megatron's mixed one cannot checkpoint
     # fp32 parameters beside half ones)
@@ -49,7 +49,7 @@ def wrap_for_training(model_chunk, optim: OptimConfig):
             [ddp],
         )
     weight_gradients_into_main_grad(ddp)
-    fused_adam_on_cpu(optimizer)
+    fused_adam(optimizer)
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.no_sync_func = ddp.no_sync
     if half and (tf_config.bf16 or tf_config.fp16):

@@ -36,7 +36,7 @@ from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError, read_manifest, verify_manifest, write_manifest
 from megarl.compat import megatron_mode
 from megarl.compat.megatron_fixes import fix_parameter_state_load, prime_optimizer_state, unshare_optimizer_steps
-from megarl.compat.megatron_speed import fused_adam_on_cpu
+from megarl.compat.megatron_speed import fused_adam
 
 CHECKPOINTS = "checkpoints"
 CRITIC_DIR = "critic"
@@ -328,5 +328,5 @@ def _load_model(path: str, models, name: str, state: dict) -> None:
     fix_parameter_state_load(optim)
     optim.load_state_dict(state[f"{name}_optim"])
     unshare_optimizer_steps(optim)
-    fused_adam_on_cpu(optim)  # the load brought the saved groups' implementation flags along
+    fused_adam(optim)  # the load brought the saved groups' implementation flags along
     getattr(models, f"{name}_sched").load_state_dict(state[f"{name}_sched"])

@@ -14,13 +14,15 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   only, yet the output layer (a fifth of SmolLM2-135M's FLOPs) and the whole-vocabulary log-softmax ran at every
   prompt position too, their gradients zero there. Positions before the first response token of a micro-batch are
   skipped (``benchmarks/train_step.py --model DIR --prompt P``: ``megarl-sdpa`` beside ``megarl-sdpa-all-logits``).
-- ``in_place_grad_clipping``: without apex or Transformer Engine, Megatron clips gradients with
+- ``multi_tensor_fallbacks_in_place``: without apex or Transformer Engine, Megatron clips gradients with
   ``local_multi_tensor_scale`` (``dst.copy_(src * scale)``: a new tensor the size of each gradient, written and
   copied back) and takes their norm with ``local_multi_tensor_l2_norm`` (a ``torch.norm`` per tensor, each read back
   to the host one by one: a device sync per parameter on a GPU). Here clipping multiplies in place
   (``torch._foreach_mul_``, the same products) and the norm is ``torch._foreach_norm`` and one norm of the norms,
   left on the device. At SmolLM2-135M, clipping took 0.3 s per step on the 113 MB embedding gradient alone (one
-  CPU thread); in place, 9 ms.
+  CPU thread); in place, 9 ms. The mixed-precision optimizer's copy of its fp32 main parameters into the bf16
+  model goes through the same fallback (``main * 1.0`` into a new fp32 tensor per parameter, then a copy): here one
+  converting ``torch._foreach_copy_`` (the same rounding).
 - ``weight_gradients_into_main_grad``: Megatron's linear layers return each weight gradient as a new tensor, which
   DDP's hook then adds into the parameter's ``main_grad`` (a pass over every weight gradient per micro-batch, and a
   weight-sized temporary). Megatron's ``gradient_accumulation_fusion`` accumulates it in the GEMM instead, through
@@ -30,10 +32,10 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   GEMM only where the weight and ``main_grad`` share a dtype (fp32 training, the CPU's); bf16 weights with an fp32
   ``main_grad`` still take the GEMM and an add (no temporary kept past the add, no hook), as apex's kernel is not
   there to accumulate bf16 products in fp32.
-- ``fused_adam_on_cpu``: Megatron's torch Adam with torch's default implementation is, on CPU tensors, a loop over
-  the parameters of ~10 elementwise passes each; torch's ``fused`` option (one pass per tensor) is set on the groups
-  whose parameters are on the CPU (parameters and moments equal within ~1 ulp). 66 -> 22 ms per step at 34M (two
-  threads).
+- ``fused_adam``: Megatron's torch Adam with torch's default implementation is, on CPU tensors, a loop over
+  the parameters of ~10 elementwise passes each (on CUDA the same passes, multi-tensor); torch's ``fused`` option
+  (one pass per tensor, as apex's and TE's FusedAdam) is set on the groups whose parameters are on the CPU or a GPU
+  (parameters and moments equal within ~1 ulp). 66 -> 22 ms per step at 34M (two threads).
 - ``rms_norm_on_cpu``: the local spec's norms are ``torch.nn.RMSNorm``, which on CPU tensors torch computes from
   autograd's pieces (pow, mean, rsqrt and two products forward; about ten passes backward, ``div`` and ``pow``
   included), saving the input and the normalised input in fp32 (CUDA has a fused kernel for both directions). Here
@@ -377,34 +379,43 @@ def _signed_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> t
     return (torch.cos(freqs) * mscale).to(dtype), torch.cat((-sin[..., :h], sin[..., h:]), -1)
 
 
-def in_place_grad_clipping() -> bool:
-    """Make Megatron's gradient clipping scale in place and take the norm without a host read per tensor, where it
-    falls back to megatron-core's local implementations (no apex, no Transformer Engine); returns whether it did
-    (idempotent)."""
+def multi_tensor_fallbacks_in_place() -> bool:
+    """Make Megatron's local multi-tensor fallbacks (no apex, no Transformer Engine) work without their temporaries
+    and host reads: gradient clipping scales in place, the norm stays on the device, and the mixed-precision
+    optimizer copies its fp32 main parameters into the model's half ones directly (its fallback computed
+    ``main * 1.0``, a new fp32 tensor per parameter, then copied that). Returns whether it did (idempotent)."""
     if not _applies():
         return False
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mixed
 
-    if clip_grads.multi_tensor_scale_impl is _scale_in_place:
+    if clip_grads.multi_tensor_scale_impl is _scale_without_temporaries:
         return True
     if clip_grads.multi_tensor_scale_impl is not utils.local_multi_tensor_scale:
         return False  # apex's or TE's fused kernels
-    clip_grads.multi_tensor_scale_impl = _scale_in_place
+    clip_grads.multi_tensor_scale_impl = _scale_without_temporaries
+    if mixed.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        mixed.multi_tensor_scale_impl = _scale_without_temporaries
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = _l2_norm_on_device
     return True
 
 
-def _scale_in_place(chunk_size, noop_flag, tensor_lists, scale):
-    """``local_multi_tensor_scale`` (``dst = src * scale``) without a temporary where ``dst`` is ``src``."""
+def _scale_without_temporaries(chunk_size, noop_flag, tensor_lists, scale):
+    """``local_multi_tensor_scale`` (``dst.copy_(src * scale)``, a temporary per tensor) as one multi-tensor op: in
+    place where ``dst`` is ``src`` (clipping), a converting copy where ``scale`` is 1 (the main parameters into the
+    model's: the same rounding as the copy of ``src * 1.0``)."""
     from megatron.core.utils import local_multi_tensor_scale
 
     sources, targets = tensor_lists
-    if not all(s is t for s, t in zip(sources, targets, strict=True)):
-        return local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
-    if targets:
-        torch._foreach_mul_(targets, scale)
+    if all(s is t for s, t in zip(sources, targets, strict=True)):
+        if targets:
+            torch._foreach_mul_(targets, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(targets, sources)
+    else:
+        local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
 
 
 def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -450,27 +461,39 @@ def weight_gradients_into_main_grad(model) -> int:
     return fused
 
 
-def fused_adam_on_cpu(optimizer) -> int:
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
+"""Where ``fused_adam`` runs torch's fused Adam kernel (torch has one for both)."""
+
+
+def fused_adam(optimizer) -> int:
     """Run the torch Adam inside a Megatron optimizer (chained or not) as torch's fused kernel where its parameters
-    live on the CPU, and as torch's default elsewhere; returns how many parameter groups run fused.
+    live on the CPU or a GPU, and as torch's default elsewhere; returns how many parameter groups run fused.
 
     Without apex or Transformer Engine Megatron builds ``torch.optim.AdamW`` / ``Adam`` with torch's default
-    implementation, which on CPU tensors is a loop over the parameters of ~10 elementwise passes each (on CUDA the
-    default is already the multi-tensor one). ``fused`` is a documented option of both classes, read from the
-    parameter group at every step; the fused kernel makes one pass per tensor, parameters and moments equal to
-    within about one ulp (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state
-    on one thread, 66 -> 22 ms at 34M on two. A load (``load_state_dict``) takes the groups' flags from the
-    checkpoint, which may come from another device or an older megarl: call again after it."""
+    implementation: on CPU tensors a loop over the parameters of ~10 elementwise passes each, on CUDA the
+    multi-tensor one (the same ~10 passes over every parameter and moment, batched, with temporaries the size of
+    the parameters). ``fused`` is a documented option of both classes, read from the parameter group at every step;
+    the fused kernel makes one pass per tensor (what apex's and TE's FusedAdam do for Megatron on a GPU, and the
+    fused AdamW a transformers user sets), parameters and moments equal to within about one ulp
+    (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state on one thread, 66 ->
+    22 ms at 34M on two. The fused kernel wants each ``step`` on its parameter's device (torch's own load puts it
+    there for a fused group): a step kept elsewhere is moved. A load (``load_state_dict``) takes the groups' flags
+    from the checkpoint, which may come from another device or an older megarl: call again after it."""
     fused = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in inner.param_groups:
-            on_cpu = group["params"] and all(p.device.type == "cpu" for p in group["params"])
-            if on_cpu and not group.get("differentiable") and not group.get("capturable"):
+            devices = {p.device for p in group["params"]}
+            on_one = len(devices) == 1 and next(iter(devices)).type in FUSED_ADAM_DEVICES
+            if on_one and not group.get("differentiable") and not group.get("capturable"):
                 group["fused"], group["foreach"] = True, False
+                for p in group["params"]:
+                    state = inner.state.get(p, {})
+                    if "step" in state and state["step"].device != p.device:
+                        state["step"] = state["step"].to(p.device, torch.float32)
                 fused += 1
-            elif group.get("fused"):  # e.g. a CPU run's checkpoint loaded on a GPU: torch's default there
+            elif group.get("fused"):  # e.g. a CPU run's checkpoint loaded where torch has no fused kernel
                 group["fused"], group["foreach"] = None, None
     return fused
