@@ -74,3 +74,41 @@ def test_lora_sync_mode_refusals():
     assert errors("actor.lora.rank=600")[0] == ""  # merged: any rank
     with pytest.raises(ConfigError, match="rollout.lora_merge: must be one of"):
         load_config(None, ["model.path=x", "rollout.lora_merge=maybe"])
+
+
+def test_adapters_on_one_tp_rank_skip_megatrons_tp_mappings():
+    """At TP=1 an adapter's ``delta`` is scaling * B (A x) with no TP-mapping autograd function in its graph (their
+    all-reduce is skipped on one rank; the function would still be one more node forward and backward per call), for
+    a column-parallel linear (fused q/k/v) and a row-parallel one. No process group is needed there."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megarl.lora.adapters import MODULES, LinearAdapters, fresh_factors
+
+    spec = SimpleNamespace(hidden_size=16, head_dim=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)
+
+    def nodes(tensor):
+        seen, stack = set(), [tensor.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        return {type(fn).__name__ for fn in seen}
+
+    gen = torch.Generator().manual_seed(0)
+    for module in ("self_attention.linear_qkv", "self_attention.linear_proj"):
+        style, targets, _ = MODULES[module]
+        factors = {t: fresh_factors(spec, t, 2, 0, seed=1) for t in targets}
+        for f in factors.values():
+            f["B"] = torch.randn(f["B"].shape, generator=gen)
+        adapters = LinearAdapters(style, targets, factors, 0.5, spec, tp=1)
+        x = torch.randn(3, 2, factors[targets[0]]["A"].shape[1], generator=gen)
+        delta = adapters.delta(x)
+        expected = torch.cat([0.5 * x @ factors[t]["A"].T @ factors[t]["B"].T for t in targets], -1)
+        if targets == ("q_proj", "k_proj", "v_proj"):  # Megatron's fused layout: per query group [q; k; v]
+            blocks = [e.reshape(3, 2, spec.num_kv_heads, -1) for e in expected.split([16, 8, 8], -1)]
+            expected = torch.cat(blocks, -1).reshape(3, 2, -1)
+        torch.testing.assert_close(delta, expected)
+        assert not {n for n in nodes(delta) if "ModelParallelRegion" in n}, nodes(delta)

@@ -115,6 +115,7 @@ class LinearAdapters(nn.Module):
         self.A = nn.ParameterDict({t: nn.Parameter(f["A"]) for t, f in factors.items()})
         self.B = nn.ParameterDict({t: nn.Parameter(f["B"]) for t, f in factors.items()})
         self.enabled = True
+        self.tp = tp
         self.groups = spec.num_kv_heads // tp  # query groups per TP rank (linear_qkv's output blocks)
         self.block = {t: hf_shape(spec, t)[0] // (spec.num_kv_heads if t in QKV else 1) for t in targets}
         self.out_local = {t: self._out_local(spec, t, tp) for t in targets}
@@ -137,13 +138,16 @@ class LinearAdapters(nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
+        def across_ranks(mapping, u):  # one rank: the mapping's all-reduce is skipped, so is its autograd function
+            return mapping(u) if self.tp > 1 else u
+
         if self.style == ROW:
             (t,) = self.A.keys()
-            u = reduce_from_tensor_model_parallel_region(nn.functional.linear(x_SBH, self.A[t]))
+            u = across_ranks(reduce_from_tensor_model_parallel_region, nn.functional.linear(x_SBH, self.A[t]))
             return self.scaling * nn.functional.linear(u, self.B[t])
         ys = {}
         for t in self.A:
-            u = copy_to_tensor_model_parallel_region(nn.functional.linear(x_SBH, self.A[t]))
+            u = across_ranks(copy_to_tensor_model_parallel_region, nn.functional.linear(x_SBH, self.A[t]))
             ys[t] = nn.functional.linear(u, self.B[t])
         return self.scaling * self.fuse(ys, x_SBH)
 
