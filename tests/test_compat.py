@@ -174,11 +174,9 @@ def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_f
     pointers = [m.data_ptr() for m in model]
     expected = [torch.zeros_like(m) for m in model]
     utils.local_multi_tensor_scale(0, None, [main, expected], 1.0)
-    fallback, utils.local_multi_tensor_scale = utils.local_multi_tensor_scale, None  # would fail if called
-    try:
+    with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as one_copy:
         mixed._multi_tensor_copy_this_to_that(main, model, overflow_buf=torch.zeros(1, dtype=torch.int))
-    finally:
-        utils.local_multi_tensor_scale = fallback
+    assert one_copy.call_count == 1  # not the fallback's product and copy per tensor
     assert all(torch.equal(m, e) for m, e in zip(model, expected, strict=True))
     assert [m.data_ptr() for m in model] == pointers and all(m.dtype == torch.bfloat16 for m in model)
 
@@ -247,3 +245,7 @@ def test_fused_adam_takes_torchs_default_steps_in_one_kernel():
         assert fused_adam(SimpleNamespace(optimizer=loaded)) == 1
     step = loaded.state[param]["step"]
     assert step.device.type == "meta" and step.dtype == torch.float32
+    on_cpu = torch.nn.Parameter(torch.zeros(3))
+    loaded = torch.optim.AdamW([on_cpu], lr=0.1)
+    loaded.state[on_cpu]["step"] = torch.tensor(4.0, dtype=torch.float64)  # the kernel would read fp64 bytes as fp32
+    assert fused_adam(SimpleNamespace(optimizer=loaded)) == 1 and loaded.state[on_cpu]["step"].dtype == torch.float32

@@ -8,7 +8,7 @@ the storage to zero bytes, which frees it; reloading grows it back in place and 
 the round trip is bitwise.
 
 The groups are named like the planner's consumers (``megarl.planner.memory``), which models exactly these flags.
-Adam's ``step`` counters stay put (torch keeps them on the host).
+Adam's ``step`` counters stay put (scalars: on the host with torch's default Adam, on the GPU with its fused one).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def grad_buffers(ddp) -> list[torch.Tensor]:
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Optimizer state of a Megatron optimizer (chained or not): Adam moments / momentum, and the fp32 main
-    parameters of a bf16/fp16 model (plain or distributed optimizer); not the host-side ``step`` counters."""
+    parameters of a bf16/fp16 model (plain or distributed optimizer); not the scalar ``step`` counters."""
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in opt.optimizer.state.values():

@@ -390,13 +390,11 @@ def multi_tensor_fallbacks_in_place() -> bool:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mixed
 
-    if clip_grads.multi_tensor_scale_impl is _scale_without_temporaries:
-        return True
-    if clip_grads.multi_tensor_scale_impl is not utils.local_multi_tensor_scale:
+    if clip_grads.multi_tensor_scale_impl not in (utils.local_multi_tensor_scale, _scale_without_temporaries):
         return False  # apex's or TE's fused kernels
-    clip_grads.multi_tensor_scale_impl = _scale_without_temporaries
-    if mixed.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-        mixed.multi_tensor_scale_impl = _scale_without_temporaries
+    for module in (clip_grads, mixed):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _scale_without_temporaries
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = _l2_norm_on_device
     return True
@@ -476,9 +474,9 @@ def fused_adam(optimizer) -> int:
     the fused kernel makes one pass per tensor (what apex's and TE's FusedAdam do for Megatron on a GPU, and the
     fused AdamW a transformers user sets), parameters and moments equal to within about one ulp
     (``tests/test_compat.py``). Measured: 486 -> 161 ms per step for SmolLM2-135M's fp32 state on one thread, 66 ->
-    22 ms at 34M on two. The fused kernel wants each ``step`` on its parameter's device (torch's own load puts it
-    there for a fused group): a step kept elsewhere is moved. A load (``load_state_dict``) takes the groups' flags
-    from the checkpoint, which may come from another device or an older megarl: call again after it."""
+    22 ms at 34M on two. The fused kernel wants each ``step`` in fp32 on its parameter's device (torch's own load
+    puts it there for a fused group): a step kept elsewhere is moved. A load (``load_state_dict``) takes the groups'
+    flags from the checkpoint, which may come from another device or an older megarl: call again after it."""
     fused = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
@@ -491,8 +489,9 @@ def fused_adam(optimizer) -> int:
                 group["fused"], group["foreach"] = True, False
                 for p in group["params"]:
                     state = inner.state.get(p, {})
-                    if "step" in state and state["step"].device != p.device:
-                        state["step"] = state["step"].to(p.device, torch.float32)
+                    step = state.get("step")
+                    if step is not None and (step.device != p.device or step.dtype != torch.float32):
+                        state["step"] = step.to(p.device, torch.float32)  # the CUDA kernel reads fp32 steps
                 fused += 1
             elif group.get("fused"):  # e.g. a CPU run's checkpoint loaded where torch has no fused kernel
                 group["fused"], group["foreach"] = None, None
