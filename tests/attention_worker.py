@@ -88,15 +88,21 @@ def _mode_and_mappings(output: torch.Tensor) -> tuple[str | None, int]:
     from torch.overrides import _get_current_function_mode
 
     mode = _get_current_function_mode()
-    seen, todo, mappings = set(), [output.grad_fn], 0
+    mappings = sum(name in _TP_MAPPINGS for name in graph_nodes(output))
+    return (type(mode).__name__ if mode is not None else None), mappings
+
+
+def graph_nodes(output: torch.Tensor) -> list[str]:
+    """The type names of the autograd nodes ``output``'s graph holds, each node once."""
+    seen, todo, names = set(), [output.grad_fn], []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        mappings += type(node).__name__ in _TP_MAPPINGS
+        names.append(type(node).__name__)
         todo.extend(next_node for next_node, _ in node.next_functions)
-    return (type(mode).__name__ if mode is not None else None), mappings
+    return names
 
 
 def _lm_losses(spec, layout, dtype: str) -> torch.Tensor | None:

@@ -85,17 +85,9 @@ def test_adapters_on_one_tp_rank_skip_megatrons_tp_mappings():
     import torch
 
     from megarl.lora.adapters import MODULES, LinearAdapters, fresh_factors
+    from tests.attention_worker import graph_nodes
 
     spec = SimpleNamespace(hidden_size=16, head_dim=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)
-
-    def nodes(tensor):
-        seen, stack = set(), [tensor.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.extend(next_fn for next_fn, _ in fn.next_functions)
-        return {type(fn).__name__ for fn in seen}
 
     gen = torch.Generator().manual_seed(0)
     for module in ("self_attention.linear_qkv", "self_attention.linear_proj"):
@@ -111,4 +103,4 @@ def test_adapters_on_one_tp_rank_skip_megatrons_tp_mappings():
             blocks = [e.reshape(3, 2, spec.num_kv_heads, -1) for e in expected.split([16, 8, 8], -1)]
             expected = torch.cat(blocks, -1).reshape(3, 2, -1)
         torch.testing.assert_close(delta, expected)
-        assert not {n for n in nodes(delta) if "ModelParallelRegion" in n}, nodes(delta)
+        assert not [n for n in graph_nodes(delta) if "ModelParallelRegion" in n], graph_nodes(delta)
