@@ -39,7 +39,8 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
          fused: list | None = None):
     """This rank's logits at the scored positions (per micro-batch, on the last stage) and gradients of one
     forward/backward; ``views`` collects whether each micro-batch's logits reached the loss as a view (not a copy)
-    of the output layer's, ``firsts`` the first position the output layer computed, ``fused`` how many weights
+    of the output layer's, ``firsts`` the first position the output layer computed (and the torch function mode
+    the loss ran in), ``fused`` how many weights
     got their gradient accumulated into ``main_grad`` by the GEMM and how many MLPs ran megarl's SwiGLU."""
     c = layout.coords(dist.get_rank())
     chunk = build_model_chunk(spec, layout, attention=attention, dtype=dtype)
@@ -55,7 +56,7 @@ def _run(spec, layout, attention: str, dtype: str, views: list | None = None, fi
     def recording_loss(mb, logits_BSV):
         if views is not None:
             views.append(logits_BSV._base is not None)
-            firsts.append(mb["scored_from"])
+            firsts.append((mb["scored_from"], _mode_name()))
         logits.append(logits_BSV[:, PROMPT_LEN - 1 - mb["scored_from"] :].detach().float().clone())
         return loss(mb, logits_BSV)
 
@@ -85,11 +86,15 @@ _TP_MAPPINGS = ("_CopyToModelParallelRegionBackward", "_ReduceFromModelParallelR
 def _mode_and_mappings(output: torch.Tensor) -> tuple[str | None, int]:
     """The torch function mode active now (a forward hook: the one the forward ran in), and how many of Megatron's
     TP mappings (``_CopyToModelParallelRegion``, ``_ReduceFromModelParallelRegion``) ``output``'s graph holds."""
+    return _mode_name(), sum(name in _TP_MAPPINGS for name in graph_nodes(output))
+
+
+def _mode_name() -> str | None:
+    """The class name of the torch function mode active now (None: none)."""
     from torch.overrides import _get_current_function_mode
 
     mode = _get_current_function_mode()
-    mappings = sum(name in _TP_MAPPINGS for name in graph_nodes(output))
-    return (type(mode).__name__ if mode is not None else None), mappings
+    return type(mode).__name__ if mode is not None else None
 
 
 def graph_nodes(output: torch.Tensor) -> list[str]:

@@ -60,10 +60,11 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
             for k, v in next(data_iterator).items()
         }
         wanted = mb.get("scored_from", 0) if "labels" not in mb else 0  # Megatron's own loss scores every position
-        # the model's forward as on a GPU: without the CPU shim's mode, a Python call per torch call (compat.cpu)
+        # the model's forward and the loss as on a GPU: without the CPU shim's mode, a Python call per torch call
+        # (compat.cpu); Megatron's schedule calls the loss inside the mode
         with logits_from(model_chunk, wanted) as first, outside_megatron_mode():
             output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
-        return output, partial(loss_fn, positions_from(mb, first))
+        return output, outside_megatron_mode()(partial(loss_fn, positions_from(mb, first)))
 
     batch_size, seq_length = micro_batches[0]["tokens"].shape
     with megatron_mode():

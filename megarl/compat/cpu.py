@@ -27,12 +27,14 @@ Scoped (``megatron_mode()``, a thread-local ``TorchFunctionMode``):
   * It is entered only around Megatron entry points: process-wide it costs ~3.3 us per torch call and made vLLM
     generation 1.4x slower (shared/facts/cpu-shim-with-vllm.md). The mode is thread-local, so Megatron work must
     run on the thread that entered it.
-  * The model's own forward in a training or log-prob step runs outside it (``outside_megatron_mode``, entered by
-    ``megarl.backend.step``), as it runs on a GPU: a local-spec forward asks for CUDA only in the unfused
-    attention's causal masks (``fused_softmax.get_{default,sliding_window}_causal_mask``), which run in the mode
-    wherever they are called. Measured with ``benchmarks/train_step.py --host`` (the 1.2B's 16 layers at width
+  * The model's own forward in a training or log-prob step, and the loss Megatron's schedule calls on its output,
+    run outside it (``outside_megatron_mode``, entered by ``megarl.backend.step``), as they run on a GPU: a
+    local-spec forward asks for CUDA only in the unfused attention's causal masks
+    (``fused_softmax.get_{default,sliding_window}_causal_mask``), which run in the mode wherever they are called;
+    megarl's losses ask for none. Measured with ``benchmarks/train_step.py --host`` (the 1.2B's 16 layers at width
     64, where a step is what the host spends issuing it): megarl's step 1.27x the transformers step with the mode
-    around the forward, 1.09x without it.
+    around the forward, 1.09x without it; 1.03x -> 1.00x with the loss out of it too (~150 torch calls per
+    micro-batch, ~1.2 us each in the mode).
 
 Spawned children (megatron's checkpoint writers, vLLM workers) re-import modules but never run ``main``:
 ``install`` sets ``MEGARL_CPU_SHIM=1`` and ``import megarl`` re-installs the stubs when it sees it.
