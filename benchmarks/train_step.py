@@ -112,8 +112,8 @@ def _megatron_glu(model) -> bool:
 def megatron_speed_off():
     """Within the block, models are built and stepped as megatron-core does without ``megarl.compat.megatron_speed``
     and ``megarl.models.swiglu``: its own RoPE, output layer, GLU, torch's RMSNorm, weight-gradient accumulation,
-    TP mappings, gradient clipping and torch's default Adam. (A model built here keeps its GLU, its norms and its
-    unfused gradients after the block.)"""
+    TP mappings, linear layers' function, gradient clipping and torch's default Adam. (A model built here keeps its
+    GLU, its norms and its unfused gradients after the block.)"""
     from megatron.core import utils
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads
@@ -127,12 +127,15 @@ def megatron_speed_off():
             builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place,
             setup.fused_adam, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
             builder.no_tp_mappings_on_one_rank, layers.copy_to_tensor_model_parallel_region,
-            layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl)  # fmt: skip
+            layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl,
+            builder.linear_without_communication, layers.linear_with_grad_accumulation_and_async_allreduce)  # fmt: skip
     rope_utils._apply_rotary_pos_emb_bshd = getattr(kept[0], "original", kept[0])
     builder.rope_in_four_ops = lambda: False  # a model built in the block would patch RoPE again
     builder.no_tp_mappings_on_one_rank = lambda: False  # and the TP mappings
     layers.copy_to_tensor_model_parallel_region = getattr(kept[10], "original", kept[10])
     layers.reduce_from_tensor_model_parallel_region = getattr(kept[11], "original", kept[11])
+    builder.linear_without_communication = lambda: False  # and the linear layers' function
+    layers.linear_with_grad_accumulation_and_async_allreduce = getattr(kept[14], "original", kept[14])
     builder.batch_major_logits, builder.rms_norm_on_cpu = _megatron_glu, (lambda model, compiled=False: 0)
     setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place = (lambda model: 0), (lambda: False)
     setup.fused_adam = lambda optimizer: 0
@@ -145,7 +148,9 @@ def megatron_speed_off():
          builder.rms_norm_on_cpu, setup.weight_gradients_into_main_grad, setup.multi_tensor_fallbacks_in_place,
          setup.fused_adam, clip_grads.multi_tensor_scale_impl, clip_grads.l2_norm_impl,
          builder.no_tp_mappings_on_one_rank, layers.copy_to_tensor_model_parallel_region,
-         layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl) = kept  # fmt: skip
+         layers.reduce_from_tensor_model_parallel_region, mixed.multi_tensor_scale_impl,
+         builder.linear_without_communication,
+         layers.linear_with_grad_accumulation_and_async_allreduce) = kept  # fmt: skip
 
 
 def without_compat(build):

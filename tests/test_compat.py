@@ -181,6 +181,47 @@ def test_grad_clipping_scales_in_place_and_takes_the_norm_like_megatrons_local_f
     assert [m.data_ptr() for m in model] == pointers and all(m.dtype == torch.bfloat16 for m in model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_without_communication_is_megatrons_linear_bitwise(dtype):
+    """``linear_without_communication``: Megatron's linear layers' function, where it communicates nothing, is
+    ``_LinearWithoutCommunication``: output and input, weight (or ``main_grad``, accumulated into) and bias
+    gradients bitwise Megatron's, with and without bias and the fused weight-gradient accumulation; DDP's hook gets
+    Megatron's placeholder gradient; a call that defers weight gradients keeps Megatron's function."""
+    from megatron.core.tensor_parallel import layers
+
+    from megarl.compat.megatron_speed import _WeightGradientAccumulation, linear_without_communication
+
+    assert linear_without_communication() and linear_without_communication()  # idempotent
+    patched = layers.linear_with_grad_accumulation_and_async_allreduce
+    megatrons = patched.original
+    gen = torch.Generator().manual_seed(0)
+    x0, w0, b0, g = (torch.randn(shape, generator=gen).to(dtype) for shape in ((5, 2, 8), (6, 8), (6,), (5, 2, 6)))
+    fused = _WeightGradientAccumulation  # apex's extension where it is installed: what Megatron calls
+    with mock.patch.object(layers, "fused_weight_gradient_mlp_cuda", fused, create=True):
+        for fusion in (False, True):
+            for bias in (False, True):
+                results, nodes = [], []
+                for linear in (patched, megatrons):
+                    x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+                    b = torch.nn.Parameter(b0.clone()) if bias else None
+                    if fusion:
+                        w.main_grad = torch.full((6, 8), 0.5)  # fp32, accumulated into
+                    out = linear(x, w, b, fusion, False, False)
+                    out.backward(g)
+                    nodes.append(type(out.grad_fn).__name__)
+                    results.append((out, x.grad, w.main_grad if fusion else w.grad, b.grad if bias else x.grad))
+                assert nodes == ["LinearWithoutCommunicationBackward",
+                                 "LinearWithGradAccumulationAndAsyncCommunicationBackward"]  # fmt: skip
+                ours, theirs = results
+                assert all(a.dtype == e.dtype and torch.equal(a, e) for a, e in zip(ours, theirs)), (fusion, bias)
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        w.main_grad, w.grad_added_to_main_grad = torch.zeros(6, 8), False  # as DDP sets them
+        patched(x, w, None, True, False, False).backward(g)
+        assert w.grad_added_to_main_grad and w.grad.shape == (6, 8) and w.grad.dtype == dtype  # the placeholder
+        deferred = patched(x0.clone().requires_grad_(), w, None, False, False, False, grad_output_buffer=[])
+        assert type(deferred.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+
+
 def test_fused_adam_takes_torchs_default_steps_in_one_kernel():
     """``fused_adam``: the torch Adam inside a Megatron optimizer (``.optimizer``; chained:
     ``.chained_optimizers``) runs fused where its parameters are on the CPU: parameters and moments equal to torch's

@@ -281,6 +281,87 @@ def _unless_one_rank(mapping):
     return on_more_than_one_rank
 
 
+def linear_without_communication() -> bool:
+    """Patch megatron-core's linear layers' function (``linear_with_grad_accumulation_and_async_allreduce``, as
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` call it) to ``_LinearWithoutCommunication`` where it has no
+    communication to do (no sequence parallelism, no all-reduce of the input's gradient: every linear at TP=1, the
+    row-parallel ones at any TP) and no weight gradient to defer; Megatron's function everywhere else. Idempotent;
+    returns whether the patch is in place."""
+    if not _applies():
+        return False
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.linear_with_grad_accumulation_and_async_allreduce
+    if getattr(original, "megarl_patched", False):
+        return True
+
+    def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+               grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None):  # fmt: skip
+        if (allreduce_dgrad or sequence_parallel or grad_output_buffer is not None or async_grad_allreduce is not None
+                or (gradient_accumulation_fusion and not hasattr(weight, "main_grad"))
+                or getattr(weight, "zero_out_wgrad", False) or hasattr(weight, "__fsdp_param__")):  # fmt: skip
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)  # fmt: skip
+        return _LinearWithoutCommunication.apply(input, weight, bias, gradient_accumulation_fusion)
+
+    linear.megarl_patched, linear.original = True, original
+    linear.warned = original.warned  # Megatron's function reads and sets it on the module's name: this one
+    layers.linear_with_grad_accumulation_and_async_allreduce = linear
+    return True
+
+
+def _linear_without_communication():
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+    class LinearWithoutCommunication(torch.autograd.Function):
+        """Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` without its communication, buffers and
+        deferral (a few dozen Python operations per call that a GPU's host runs before it can launch the GEMMs):
+        the same GEMMs on the same tensors, so outputs and gradients are bitwise its own; the weight gradient is
+        accumulated into ``main_grad`` by the same function (apex's, or ``_WeightGradientAccumulation``) where the
+        layer fuses it, with the same placeholder gradient for DDP's hook."""
+
+        @staticmethod
+        @layers.custom_fwd
+        def forward(ctx, input, weight, bias, gradient_accumulation_fusion):
+            ctx.save_for_backward(input, weight)
+            # not saved for backward: a module reused across layers (MTP's logits) would trip the version check
+            ctx.main_grad = weight.main_grad if gradient_accumulation_fusion else None
+            ctx.use_bias = bias is not None
+            output = torch.matmul(input, weight.t())
+            return output + bias if bias is not None else output
+
+        @staticmethod
+        @layers.custom_bwd
+        def backward(ctx, grad_output):
+            input, weight = ctx.saved_tensors
+            grad_input = grad_output.matmul(weight)
+            grad_output, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+            main_grad = ctx.main_grad
+            if main_grad is None:
+                grad_weight = grad_output.t().matmul(input_2d)
+            else:
+                weight.main_grad = main_grad
+                fused = layers.fused_weight_gradient_mlp_cuda
+                if main_grad.dtype == torch.float32:
+                    fused.wgrad_gemm_accum_fp32(input_2d, grad_output, main_grad)
+                elif main_grad.dtype in (torch.float16, torch.bfloat16):
+                    fused.wgrad_gemm_accum_fp16(input_2d, grad_output, main_grad)
+                else:
+                    raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+                grad_weight = None
+                if hasattr(weight, "grad_added_to_main_grad"):  # DDP's hook runs on the autograd thread, as Megatron's
+                    grad_weight = torch.empty(main_grad.shape, dtype=input.dtype, device=input.device)
+                    weight.grad_added_to_main_grad = True
+            grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+            return grad_input, grad_weight, grad_bias, None
+
+    return LinearWithoutCommunication
+
+
+_LinearWithoutCommunication = _linear_without_communication()
+
+
 def compiled_rope_as_megatrons_fusion() -> bool:
     """Plug ``_compiled_rope`` into megatron-core's RoPE-fusion hook (``rope_utils.fused_apply_rotary_pos_emb``,
     Transformer Engine's kernel where TE is installed, else None), so a model whose ``TransformerConfig`` sets

@@ -23,6 +23,7 @@ from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import (
     batch_major_logits,
     compiled_rope_as_megatrons_fusion,
+    linear_without_communication,
     no_tp_mappings_on_one_rank,
     rms_norm_on_cpu,
     rope_in_four_ops,
@@ -158,6 +159,7 @@ def build_model_chunk(
     )  # fmt: skip
     rope_in_four_ops()
     no_tp_mappings_on_one_rank()
+    linear_without_communication()
     with megatron_mode():
         model = GPTModel(
             config=config,
