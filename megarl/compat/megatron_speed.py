@@ -63,6 +63,14 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   few Python calls the host makes before a GPU's kernels can run. ``benchmarks/train_step.py --host`` (CPU, width
   64, the step is the host's issuing): megarl's step 1.09x the transformers step without it, 1.03x with it (three
   runs each, alternated).
+- ``linear_without_communication``: every linear layer's GEMMs go through Megatron's
+  ``linear_with_grad_accumulation_and_async_allreduce``: a wrapper (a deprecation check, the TP group looked up, a
+  warning flag) and an autograd function whose forward and backward branch over sequence parallelism, dgrad
+  all-reduces, deferred weight gradients and FSDP around their two or three GEMMs. Where there is nothing of that
+  to do (every layer at TP=1 without sequence parallelism; the row-parallel ones at any TP) the same GEMMs run in a
+  function without the branches: bitwise the same outputs and gradients (``tests/test_compat.py``), weight
+  gradients into ``main_grad`` by the same accumulation, DDP's hook given the same placeholder. ``--host``:
+  megarl's step 1.00x the transformers step without it, 0.98x with it (two runs, ``--without-compat --steps 20``).
 """
 
 from __future__ import annotations
