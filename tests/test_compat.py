@@ -220,6 +220,10 @@ def test_linear_without_communication_is_megatrons_linear_bitwise(dtype):
         assert w.grad_added_to_main_grad and w.grad.shape == (6, 8) and w.grad.dtype == dtype  # the placeholder
         deferred = patched(x0.clone().requires_grad_(), w, None, False, False, False, grad_output_buffer=[])
         assert type(deferred.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+        w.zero_out_wgrad = True  # Megatron reads it with a fused gradient only (a tied output layer sets it)
+        names = [type(patched(x0, w, None, fusion, False, False).grad_fn).__name__ for fusion in (False, True)]
+        assert names == ["LinearWithoutCommunicationBackward",
+                         "LinearWithGradAccumulationAndAsyncCommunicationBackward"]  # fmt: skip
 
 
 def test_fused_adam_takes_torchs_default_steps_in_one_kernel():

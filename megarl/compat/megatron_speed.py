@@ -69,7 +69,7 @@ Measured on the CPU benchmark (``benchmarks/train_step.py``, torch.profiler, one
   all-reduces, deferred weight gradients and FSDP around their two or three GEMMs. Where there is nothing of that
   to do (every layer at TP=1 without sequence parallelism; the row-parallel ones at any TP) the same GEMMs run in a
   function without the branches: bitwise the same outputs and gradients (``tests/test_compat.py``), weight
-  gradients into ``main_grad`` by the same accumulation, DDP's hook given the same placeholder. ``--host``:
+  gradients into ``main_grad`` by the same accumulation, DDP's hook given a placeholder as Megatron's. ``--host``:
   megarl's step 1.00x the transformers step without it, 0.98x with it (two runs, ``--without-compat --steps 20``).
 """
 
@@ -306,8 +306,9 @@ def linear_without_communication() -> bool:
     def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None):  # fmt: skip
         if (allreduce_dgrad or sequence_parallel or grad_output_buffer is not None or async_grad_allreduce is not None
-                or (gradient_accumulation_fusion and not hasattr(weight, "main_grad"))
-                or getattr(weight, "zero_out_wgrad", False) or hasattr(weight, "__fsdp_param__")):  # fmt: skip
+                or (gradient_accumulation_fusion and (getattr(weight, "main_grad", None) is None
+                                                      or getattr(weight, "zero_out_wgrad", False)
+                                                      or hasattr(weight, "__fsdp_param__")))):  # fmt: skip
             return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                             grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)  # fmt: skip
         return _LinearWithoutCommunication.apply(input, weight, bias, gradient_accumulation_fusion)
@@ -327,7 +328,8 @@ def _linear_without_communication():
         deferral (a few dozen Python operations per call that a GPU's host runs before it can launch the GEMMs):
         the same GEMMs on the same tensors, so outputs and gradients are bitwise its own; the weight gradient is
         accumulated into ``main_grad`` by the same function (apex's, or ``_WeightGradientAccumulation``) where the
-        layer fuses it, with the same placeholder gradient for DDP's hook."""
+        layer fuses it, with a placeholder gradient of the same shape and dtype for DDP's hook (Megatron's; with
+        Transformer Engine installed Megatron reuses TE's cached one)."""
 
         @staticmethod
         @layers.custom_fwd
