@@ -848,17 +848,28 @@ def test_logprobs_one_pass_vs_log_softmax_with_padding_and_temperature(temperatu
     assert low.dtype == torch.float32  # bf16 logits: fp32 log-probs, and a bf16 gradient for the logits
 
 
-@pytest.mark.parametrize("vocab, true_vocab", [(10, 7), (12, 6), (8, 8)])  # (12, 6): shard 1 is all padding
-def test_logprobs_two_shards_equal_one(vocab, true_vocab):
+@pytest.mark.parametrize(
+    "vocab, true_vocab, truncated",
+    [(10, 7, False), (12, 6, False), (8, 8, False), (8, 8, True)],  # (12, 6): shard 1 is all padding
+)
+def test_logprobs_two_shards_equal_one(vocab, true_vocab, truncated):
     """Two vocabulary slices: their partial sums add up to the whole vocabulary's, and given the reduced values each
-    slice's log-prob, entropy and gradient equal the whole vocabulary's."""
+    slice's log-prob, entropy and gradient equal the whole vocabulary's. ``truncated``: the sampler's cutoff leaves
+    some positions none of their scores in shard 1."""
     torch.manual_seed(19)
     logits = torch.randn(2, 3, vocab) * 2
-    targets = torch.randint(0, true_vocab, (2, 3))
+    cutoff = None
+    if truncated:  # each position keeps its top 2 scores; at [0, 0] and [1, 2] both are in shard 0
+        logits[0, 0, :2] = logits[1, 2, 2:4] = 9.0
+        cutoff = logits.topk(2, -1).values[..., -1]
+    targets = logits.argmax(-1) if truncated else torch.randint(0, true_vocab, (2, 3))
     whole = logits[..., :true_vocab].clone().requires_grad_()
+    scores = whole if cutoff is None else whole.masked_fill(whole < cutoff[..., None], float("-inf"))
     top = whole.detach().amax(-1)
-    e = torch.exp(whole.detach() - top[..., None])
-    reduced = [e.sum(-1), whole.detach().gather(-1, targets[..., None]).squeeze(-1), (e * whole.detach()).sum(-1)]
+    e = torch.exp(scores.detach() - top[..., None])
+    p = e / e.sum(-1, keepdim=True)
+    expectation = (p * whole.detach()).sum(-1)  # of the scores under the softmax (the entropy's second term)
+    reduced = [e.sum(-1), whole.detach().gather(-1, targets[..., None]).squeeze(-1), expectation]
     half = vocab // 2
     shards = [logits[..., :half].clone().requires_grad_(), logits[..., half:].clone().requires_grad_()]
     partials, results = [[], []], []
@@ -871,13 +882,13 @@ def test_logprobs_two_shards_equal_one(vocab, true_vocab):
 
         results.append(vocab_parallel_logprobs(shards[rank], targets, vocab_start=rank * half, true_vocab=true_vocab,
                                                all_reduce_sum=reduce_sum, all_reduce_max=lambda t: top,
-                                               with_entropy=True))  # fmt: skip
+                                               with_entropy=True, cutoff_BT=cutoff))  # fmt: skip
     for mine, theirs, want in zip(*partials, reduced):  # an all-reduce's inputs add up to its result
         close(mine + theirs, want)
-    ref = torch.log_softmax(whole, -1).gather(-1, targets[..., None]).squeeze(-1)
+    ref = torch.log_softmax(scores, -1).gather(-1, targets[..., None]).squeeze(-1)
     for logp, ent in results:
         close(logp, ref)
-        close(ent, torch.distributions.Categorical(logits=whole.detach()).entropy())
+        close(ent, torch.distributions.Categorical(logits=scores.detach()).entropy())
     grads = torch.cat([torch.autograd.grad(results[r][0].sum(), shards[r])[0] for r in range(2)], -1)
     (ref_grad,) = torch.autograd.grad(ref.sum(), whole)
     close(grads[..., :true_vocab], ref_grad)

@@ -218,8 +218,9 @@ def vocab_parallel_entropy(
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
-    """log p(target) under softmax(logits / T) from this rank's vocabulary slice, in one pass over the slice; the
-    entropy of the same softmax from the same pass when asked (not differentiated). Saves the softmax only."""
+    """log p(target) under softmax(logits / T) from this rank's vocabulary slice: the slice's softmax (torch's fused
+    kernel, one [B, T, V] buffer written) and its max, rescaled to the whole vocabulary's where there are other
+    slices; the entropy of the same softmax when asked (not differentiated). Saves the softmax only."""
 
     @staticmethod
     def forward(
@@ -231,19 +232,31 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         z = z / temperature if temperature != 1 else z
         if cutoff is not None:  # the sampler's truncation: the scores below the cutoff have probability 0
             z = mask_below(z, cutoff)
-        local_max = z.amax(-1) if kept else z.new_full(z.shape[:-1], -math.inf)
+        if kept:  # this slice's softmax in one fused kernel; its sum is 1 / its largest p (exp(0) / sum)
+            local_max = z.amax(-1)
+            p = torch.softmax(z, -1)
+            if cutoff is not None:  # a row with none of its scores in this slice: softmax's 0 / 0
+                p.nan_to_num_(0.0)
+            local_sum = p.amax(-1).reciprocal()
+        else:  # a slice of padding only
+            local_max, p = z.new_full(z.shape[:-1], -math.inf), z.new_empty(z.shape)
+            local_sum = torch.zeros_like(local_max)
         m = reduce_max(local_max)
-        e = (z - m.unsqueeze(-1)).exp_()  # in place of the difference: no second [B, T, V] buffer
-        s = reduce_sum(e.sum(-1))
+        if reduce_sum is _identity:  # one slice: its softmax is the whole one
+            s = local_sum
+        else:  # this slice's share of the whole sum of exp(z - m); p rescaled to the whole softmax
+            share = torch.where(local_max > -math.inf, local_sum * torch.exp(local_max - m), 0.0)
+            s = reduce_sum(share)
+            p.mul_((share / s).unsqueeze(-1))
         mine = (targets >= vocab_start) & (targets < vocab_start + kept)
         index = (targets - vocab_start).clamp(0, max(kept - 1, 0)).unsqueeze(-1)
         target_z = z.gather(-1, index).squeeze(-1) if kept else torch.zeros_like(m)
         log_s = torch.log(s)
         logp = reduce_sum(torch.where(mine, target_z, 0.0)) - m - log_s
         z_finite = z if cutoff is None else z.clamp(min=torch.finfo(z.dtype).min)  # 0 x -inf would be nan
-        entropy = log_s + m - reduce_sum(torch.linalg.vecdot(e, z_finite)) / s if with_entropy else logp.new_empty(0)
+        entropy = log_s + m - reduce_sum(torch.linalg.vecdot(p, z_finite)) if with_entropy else logp.new_empty(0)
         ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(e.div_(s.unsqueeze(-1)), index, mine)  # e becomes the softmax
+        ctx.save_for_backward(p, index, mine)
         ctx.shape = (vocab, kept, temperature, logits.dtype)
         return logp, entropy
 

@@ -73,7 +73,7 @@ def tp_logprobs(
     cutoff_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) under softmax(logits / T) over the true vocabulary from this TP rank's vocabulary slice
-    (``megarl.algos.vocab_parallel_logprobs``: one pass, no logits gathered, the padded rows excluded);
+    (``megarl.algos.vocab_parallel_logprobs``: the slice's softmax, no logits gathered, the padded rows excluded);
     differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient).
     ``cutoff_BS`` (``tp_truncation_cutoff``): the softmax over the sampler's kept tokens only."""
     from megatron.core import parallel_state as ps

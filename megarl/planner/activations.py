@@ -43,10 +43,11 @@ backward recomputes it, when that one layer holds its whole set again. Under PP,
 ``PP - stage`` micro-batches in flight on a stage; the planner counts all of them.
 
 Not saved, and planned as their own line (``logits_transient_bytes``): the model-dtype logits and their fp32 copies
-(the upcast, the shifted logits before ``exp``, the gradient on its way back) alive around the loss. Transformer
-Engine's layers save what its fused kernels keep; they are planned with the sdpa row and the norms' (an estimate,
-not counted on CPU). In fp32 on CUDA the sdpa module repeats K/V to the query heads (``megarl.models.attention``),
-which keeps ``2 (a - g) d`` more per token than the sdpa row says: fp32 is not a GPU production dtype.
+(the upcast, the entropy metric's product with the softmax, the gradient on its way back) alive around the loss.
+Transformer Engine's layers save what its fused kernels keep; they are planned with the sdpa row and the norms' (an
+estimate, not counted on CPU). In fp32 on CUDA the sdpa module repeats K/V to the query heads
+(``megarl.models.attention``), which keeps ``2 (a - g) d`` more per token than the sdpa row says: fp32 is not a GPU
+production dtype.
 """
 
 from __future__ import annotations
@@ -171,6 +172,6 @@ def stage_activation_bytes(
 
 def logits_transient_bytes(model: Model, mb: MicroBatchShape) -> int:
     """The actor's logits around the loss, not saved for backward: the model-dtype logits and two fp32 copies
-    (the upcast and the shifted logits in the forward; the gradient and its cast in the backward) on the last
+    (the upcast and the entropy metric's product in the forward; the gradient and its cast in the backward) on the last
     stage. An estimate: the allocator's order decides which of them meet."""
     return mb.tokens * model._per_rank(model.spec.padded_vocab_size) * (model.dtype_bytes + 2 * FP32)
