@@ -248,7 +248,15 @@ def hf_step(hf_dir: str, args, cuda: bool):
     return step, params
 
 
-def _row(v: Variant, args) -> dict:
+def _paired(v: Variant, hf: Variant) -> tuple[float, float, float]:
+    """The median and quartiles of this variant's step time over the hf step's of the same round (the machine's speed
+    drifts: a pair of neighbouring steps shares it)."""
+    ratios = [a / b for a, b in zip(v.times, hf.times)]
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), low, high
+
+
+def _row(v: Variant, args, hf: Variant) -> dict:
     step_s, params = statistics.median(v.times), v.params
     tokens = args.sequences * args.length
     tflops = _peak_tflops()
@@ -260,6 +268,7 @@ def _row(v: Variant, args) -> dict:
         "mfu": flops / step_s / (tflops * 1e12) if tflops else None,
         "peak_gb": v.peak / 1e9 if v.cuda else None,
         "grad_norm_first_step": v.first_grad_norm,
+        "vs_hf_paired": _paired(v, hf),
         "params": params,
         "steps": len(v.times),
     }
@@ -293,7 +302,7 @@ def measure(hf_dir: str, args) -> list[dict]:
     for _ in range(args.steps):  # round robin: a drift of the machine's speed hits every variant alike
         for v in variants:
             v.timed_step()
-    return [_row(v, args) for v in variants]
+    return [_row(v, args, variants[-1]) for v in variants]  # hf is last
 
 
 def table(rows: list[dict], args, device: str) -> str:
@@ -302,13 +311,16 @@ def table(rows: list[dict], args, device: str) -> str:
         f"actor update step on {device}: {args.sequences} x {args.length} tokens"
         f"{f' (the first {args.prompt} a prompt)' if args.prompt else ''}, micro-batches of {args.micro}, "
         f"{rows[0]['params'] / 1e6:.1f}M parameters; median of {args.steps} steps after {args.warmup} warm-up",
-        f"{'variant':<22}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'grad norm (1st)':>17}",
+        f"{'variant':<22}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'peak GB':>9}{'vs hf':>8}{'per round (IQR)':>24}"
+        f"{'grad norm (1st)':>17}",
     ]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
+        paired = "{:.3f}x ({:.3f}-{:.3f})".format(*r["vs_hf_paired"])
         lines.append(f"{r['name']:<22}{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}{mfu:>8}{peak:>9}"
-                     f"{r['step_s'] / hf['step_s']:>7.2f}x{r['grad_norm_first_step']:>17.4f}")  # fmt: skip
+                     f"{r['step_s'] / hf['step_s']:>7.2f}x{paired:>24}{r['grad_norm_first_step']:>17.4f}")  # fmt: skip
+    lines.append("per round: the median of each step's time over the hf step's in the same round, and its quartiles")
     return "\n".join(lines)
 
 
