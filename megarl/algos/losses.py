@@ -219,8 +219,9 @@ def vocab_parallel_entropy(
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     """log p(target) under softmax(logits / T) from this rank's vocabulary slice: the slice's softmax (torch's fused
-    kernel, one [B, T, V] buffer written) and its max, rescaled to the whole vocabulary's where there are other
-    slices; the entropy of the same softmax when asked (not differentiated). Saves the softmax only."""
+    kernel, one [B, T, V] buffer written), its max and its sum, the softmax rescaled in place to the whole
+    vocabulary's (and to an accurately summed one); the entropy of the same softmax when asked (not differentiated).
+    Saves the softmax only."""
 
     @staticmethod
     def forward(
@@ -232,22 +233,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         z = z / temperature if temperature != 1 else z
         if cutoff is not None:  # the sampler's truncation: the scores below the cutoff have probability 0
             z = mask_below(z, cutoff)
-        if kept:  # this slice's softmax in one fused kernel; its sum is 1 / its largest p (exp(0) / sum)
+        if kept:  # this slice's softmax from torch's fused kernel: exp(z - local_max) / the kernel's sum
             local_max = z.amax(-1)
             p = torch.softmax(z, -1)
             if cutoff is not None:  # a row with none of its scores in this slice: softmax's 0 / 0
                 p.nan_to_num_(0.0)
-            local_sum = p.amax(-1).reciprocal()
+            fused_sum = p.amax(-1).reciprocal()  # p is exp(0) / the kernel's sum at the max
+            # the kernel sums a row in a few vector lanes (on CPU ~60 eps off at 150k tokens): the sum, accurately
+            local_sum = p.sum(-1) * fused_sum
         else:  # a slice of padding only
             local_max, p = z.new_full(z.shape[:-1], -math.inf), z.new_empty(z.shape)
-            local_sum = torch.zeros_like(local_max)
+            fused_sum = local_sum = torch.zeros_like(local_max)
         m = reduce_max(local_max)
-        if reduce_sum is _identity:  # one slice: its softmax is the whole one
-            s = local_sum
-        else:  # this slice's share of the whole sum of exp(z - m); p rescaled to the whole softmax
-            share = torch.where(local_max > -math.inf, local_sum * torch.exp(local_max - m), 0.0)
-            s = reduce_sum(share)
-            p.mul_((share / s).unsqueeze(-1))
+        here = local_max > -math.inf  # the row has scores in this slice
+        to_m = torch.exp(local_max - m)
+        s = reduce_sum(torch.where(here, local_sum * to_m, 0.0))  # sum of exp(z - m) over the whole vocabulary
+        p.mul_(torch.where(here, fused_sum * to_m / s, 0.0).unsqueeze(-1))  # the whole vocabulary's softmax
         mine = (targets >= vocab_start) & (targets < vocab_start + kept)
         index = (targets - vocab_start).clamp(0, max(kept - 1, 0)).unsqueeze(-1)
         target_z = z.gather(-1, index).squeeze(-1) if kept else torch.zeros_like(m)
