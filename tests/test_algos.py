@@ -848,6 +848,18 @@ def test_logprobs_one_pass_vs_log_softmax_with_padding_and_temperature(temperatu
     assert low.dtype == torch.float32  # bf16 logits: fp32 log-probs, and a bf16 gradient for the logits
 
 
+def test_logprobs_and_entropy_are_accurate_at_a_large_vocabulary():
+    """Against float64 at Qwen's vocabulary: the softmax kernel's own row sum (added up in a few vector lanes on CPU)
+    is not the one the log-probs and the entropy use."""
+    torch.manual_seed(23)
+    logits, targets = torch.randn(1, 16, 152064) * 3, torch.randint(0, 152064, (1, 16))
+    logp, ent = vocab_parallel_logprobs(logits, targets, temperature=0.7, with_entropy=True)
+    exact = logits.double() / 0.7
+    want = torch.log_softmax(exact, -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert (logp.double() - want).abs().max() < 1e-5
+    assert (ent.double() - torch.distributions.Categorical(logits=exact).entropy()).abs().max() < 5e-5
+
+
 @pytest.mark.parametrize(
     "vocab, true_vocab, truncated",
     [(10, 7, False), (12, 6, False), (8, 8, False), (8, 8, True)],  # (12, 6): shard 1 is all padding
