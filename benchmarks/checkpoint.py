@@ -1,9 +1,11 @@
 """Training-checkpoint save and load on 2 spawned ranks (TP=2, fp32, Adam): size, save and load time, and what the
 SHA-256 manifest costs (hashing on save, verification on load), side by side in one run.
 
-For each model: one warm-up save (the first save in a process starts megatron's writer helpers, reported
-separately), then per repeat a save (its manifest time reported apart), a load with hash verification and a load
-with sizes only (``trainer.verify_checkpoint=false``); medians.
+For each model: one warm-up save with megarl's writer and one with megatron's own (``megarl/compat/checkpoint_writer``:
+threads of the rank against forked writer processes, multiprocessing queues and a spawned Manager, which starts at a
+process's first save; both first saves reported separately), then per repeat a save with each writer, alternated
+(megarl's manifest time reported apart), a load with hash verification and a load with sizes only
+(``trainer.verify_checkpoint=false``); medians.
 
     python benchmarks/checkpoint.py            # ~2 minutes here
 """
@@ -11,6 +13,7 @@ with sizes only (``trainer.verify_checkpoint=false``); medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -22,6 +25,20 @@ MODELS = {
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, ffn_hidden_size=2048, vocab_size=32000
     ),  # fmt: skip
 }
+
+
+@contextlib.contextmanager
+def _megatron_writer():
+    """Saves inside use megatron-core's own writer (forked processes): megarl's patch out, its install a no-op."""
+    from megarl.compat import checkpoint_writer
+
+    install = checkpoint_writer.install
+    checkpoint_writer.uninstall()
+    checkpoint_writer.install = lambda: False
+    try:
+        yield
+    finally:
+        checkpoint_writer.install = install
 
 
 def _worker(hf_dir: str, root: str, repeats: int) -> dict:
@@ -47,10 +64,18 @@ def _worker(hf_dir: str, root: str, repeats: int) -> dict:
     t = time.perf_counter()
     first = save_training(root, 1, models, {"step": 1})
     out = {"params": params, "first_save": time.perf_counter() - t, "bytes": first["bytes"], "save": [], "hash": [],
-           "load_verified": [], "verify": [], "load_sizes_only": []}  # fmt: skip
+           "load_verified": [], "verify": [], "load_sizes_only": [], "save_megatron": []}  # fmt: skip
+    with _megatron_writer():
+        t = time.perf_counter()
+        save_training(f"{root}-megatron", 1, models, {"step": 1}, keep_last=1)
+        out["first_save_megatron"] = time.perf_counter() - t
     for i in range(repeats):
         r = save_training(root, 2 + i, models, {"step": 2 + i}, keep_last=1)
         out["save"].append(r["seconds"])
+        with _megatron_writer():
+            out["save_megatron"].append(
+                save_training(f"{root}-megatron", 2 + i, models, {"step": 2 + i}, keep_last=1)["seconds"]
+            )
         out["hash"].append(r["hash_seconds"])
         path = r["path"]
         loaded = load_training(path, models, verify_hashes=True, restore_rng=True)
@@ -76,13 +101,15 @@ def main() -> None:
         rows.append((name, r, med))
     print(f"\n2 ranks (TP=2), fp32 weights + Adam state, medians of {args.repeats}; hashing split over the ranks")
     print(
-        "| model | params | checkpoint | first save | save | of which manifest | load (hashes) | of which verify "
-        "| load (sizes only) | hashing overhead save / load |"
+        "| model | params | checkpoint | first save (megatron's writer) | save | megatron's writer | ratio "
+        "| of which manifest | load (hashes) | of which verify | load (sizes only) | hashing overhead save / load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r, m in rows:
         print(f"| {name} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 1e6:.1f} MB | {r['first_save']:.2f} s "
-              f"| {m['save']:.2f} s | {m['hash']:.2f} s | {m['load_verified']:.2f} s | {m['verify']:.2f} s "
+              f"({r['first_save_megatron']:.2f} s) | {m['save']:.2f} s | {m['save_megatron']:.2f} s "
+              f"| {m['save'] / m['save_megatron']:.2f}x | {m['hash']:.2f} s | {m['load_verified']:.2f} s "
+              f"| {m['verify']:.2f} s "
               f"| {m['load_sizes_only']:.2f} s | {m['hash'] / (m['save'] - m['hash']):.0%} / "
               f"{(m['load_verified'] - m['load_sizes_only']) / m['load_sizes_only']:.0%} |")  # fmt: skip
 

@@ -9,7 +9,7 @@ rank.
 Liveness, held by the kernel (so a SIGKILL releases it):
 - ``megarl-<id>.lock``: every member of the run (the supervising parent and every rank) holds a shared lock on it for
   its whole life. The locks are POSIX record locks (``lockf``): they belong to the process and are not inherited by
-  a forked child, so a helper a rank forks (a checkpoint writer) never keeps a finished run's files alive. Whoever
+  a forked child, so a helper a rank forks (a multiprocessing helper) never keeps a finished run's files alive. Whoever
   gets it exclusively knows the run is gone and removes its ``megarl-<id>*`` entries: the last member out, or the
   next run's sweep. A live run's entries are never touched;
 - ``megarl-<id>.rank<N>``: rank N holds it exclusively while it runs and unlinks it when it finishes cleanly. A rank
@@ -78,7 +78,7 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a checkpoint writer, a multiprocessing manager) is not a member of the run (record locks are
+    """A forked child (a multiprocessing helper or manager) is not a member of the run (record locks are
     not inherited): it forgets the parent's membership; with ``forks_die`` it dies with the thread that forked it."""
     lease, rank_file = _process["lease"], _process["rank_file"]
     _process["lease"] = _process["rank_file"] = None
@@ -92,7 +92,7 @@ def _after_fork_in_child() -> None:
 
 
 def forks_die_with_this_process() -> None:
-    """Every process this one forks from now on (megatron's checkpoint writers, multiprocessing helpers) gets SIGKILL
+    """Every process this one forks from now on (multiprocessing helpers, a library's forked workers) gets SIGKILL
     when the forking thread ends. (``subprocess`` children are exec'ed without fork hooks: start them with
     ``preexec_fn=child_dies_with_parent(...)``.)"""
     _register_fork_hook()

@@ -4,6 +4,8 @@ uninterrupted step with all of them on (TP=1 x DP=2, the distributed optimizer, 
 
 from __future__ import annotations
 
+import multiprocessing.synchronize
+import os
 import types
 
 import torch
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from megarl.backend.setup import make_scheduler, wrap_for_training
 from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.checkpoint.training import OPTIM_METADATA, _sharded_state, load_training, save_training
-from megarl.compat import megatron_fixes, megatron_mode
+from megarl.compat import checkpoint_writer, megatron_fixes, megatron_mode
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.models.spec import read_hf_config, spec_from_hf_config
@@ -46,6 +48,27 @@ def _error(fn) -> str:
     return "no error"
 
 
+def _counting_semaphores_and_forks(save) -> dict:
+    """The named semaphores (``sem_open``: a file in /dev/shm while it is created) and the forks of one ``save()``."""
+    seen = {"semaphores": 0, "forks": 0}
+    init = multiprocessing.synchronize.SemLock.__init__
+
+    def counted(self, *args, **kwargs):
+        seen["semaphores"] += 1
+        init(self, *args, **kwargs)
+
+    def forked():
+        seen["forks"] += 1
+
+    os.register_at_fork(before=forked)  # cannot be unregistered: counted only while `seen` is read below
+    multiprocessing.synchronize.SemLock.__init__ = counted
+    try:
+        save()
+    finally:
+        multiprocessing.synchronize.SemLock.__init__ = init
+    return dict(seen)
+
+
 def run(hf_dir: str, root: str) -> dict:
     layout = ParallelLayout(tp=1, pp=1, dp=2)
     init_distributed(layout)
@@ -61,7 +84,16 @@ def run(hf_dir: str, root: str) -> dict:
     saved = _models(spec, layout)  # steps 1, 2, then a checkpoint
     for i, b in enumerate(batches[:2]):
         _step(saved, b, i + 1)
-    save_training(root, 2, saved, {"step": 2})
+    from megatron.core import dist_checkpointing
+
+    def megatron_writer():  # megatron's own writer: forked processes joined by multiprocessing queues
+        checkpoint_writer.uninstall()
+        with megatron_mode():
+            dist_checkpointing.save(_sharded_state(saved, loading=False, rng=True), f"{root}/megatron_writer")
+
+    os.makedirs(f"{root}/megatron_writer", exist_ok=True)
+    out["megatron_writer"] = _counting_semaphores_and_forks(megatron_writer)
+    out["megarl_writer"] = _counting_semaphores_and_forks(lambda: save_training(root, 2, saved, {"step": 2}))
     path = f"{root}/iter_0000002"
 
     # (a) a never-stepped distributed optimizer cannot build its loading template
@@ -73,8 +105,6 @@ def run(hf_dir: str, root: str) -> dict:
         )
 
     # (b) with (a) worked around, the parameter-state load copies 'step' (fully_reshardable: KeyError)
-    from megatron.core import dist_checkpointing
-
     def load_unpatched():
         with megatron_mode():
             state = dist_checkpointing.load(_sharded_state(fresh, loading=True, rng=False), path)

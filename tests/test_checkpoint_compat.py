@@ -31,3 +31,11 @@ def test_with_the_workarounds_the_resumed_step_is_bitwise_the_uninterrupted_one(
     assert result["fused_after_load"] and all(result["fused_after_load"])  # torch's fused Adam on CPU, after the load
     assert result["lr"][0] == result["lr"][1]
     assert [k for k in result["straight"] if not torch.equal(result["resumed"][k], result["straight"][k])] == []
+
+
+def test_a_save_creates_no_process_and_no_named_semaphore(result):
+    """megarl/compat/checkpoint_writer.py: megatron's writer forks per file and creates named semaphores (a SIGKILL
+    mid-``sem_open`` leaves ``/dev/shm/sem.XXXXXX``, which no sweep can attribute to the run); megarl's writes the
+    same files from threads. The save it wrote is the one the bitwise resume above loads."""
+    assert result["megatron_writer"]["semaphores"] > 0 and result["megatron_writer"]["forks"] > 0, result
+    assert result["megarl_writer"] == {"semaphores": 0, "forks": 0}, result

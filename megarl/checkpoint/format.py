@@ -15,7 +15,7 @@ import shutil
 
 import torch.distributed as dist
 
-from megarl.compat import megatron_mode
+from megarl.compat import checkpoint_writer, megatron_mode
 
 FORMAT_VERSION = 1
 META_FILE = "megarl_checkpoint.json"
@@ -81,6 +81,7 @@ def save_model(root: str, model_chunk, iteration: int = 0) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    checkpoint_writer.install()
     with megatron_mode():
         dist_checkpointing.save(
             model_chunk.sharded_state_dict(), tmp, content_metadata={"megarl_format_version": FORMAT_VERSION}

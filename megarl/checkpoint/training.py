@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.manifest import ManifestError, read_manifest, verify_manifest, write_manifest
-from megarl.compat import megatron_mode
+from megarl.compat import checkpoint_writer, megatron_mode
 from megarl.compat.megatron_fixes import fix_parameter_state_load, prime_optimizer_state, unshare_optimizer_steps
 from megarl.compat.megatron_speed import fused_adam
 
@@ -255,6 +255,7 @@ def _write_models(models, target: str, *, fresh: bool, rng: dict | None) -> None
             shutil.rmtree(target, ignore_errors=True)
             os.makedirs(target)
         dist.barrier()  # the directory exists before the pool's ranks write into it
+    checkpoint_writer.install()
     with megatron_mode():
         dist_checkpointing.save(
             _sharded_state(models, loading=False, rng=rng or True),

@@ -8,6 +8,8 @@
   into ``main_grad``, torch's fused Adam on CPU (``megarl.backend.setup``).
 - ``dm_math``: DeepMind's mathematics_dataset 1.0.1 under sympy 1.14 (a moved import), and its global RNGs kept.
 - ``host_memory``: freed host memory kept in a CPU rank for reuse (glibc mallopt; installed by the trainer).
+- ``checkpoint_writer``: megatron's checkpoint writer in threads of the rank, not forked processes joined by
+  multiprocessing queues (named semaphores a SIGKILL can leave in /dev/shm); installed by ``megarl.checkpoint``.
 - ``vllm_shm``: vLLM's shared-memory names carry the run's identity (installed by the vLLM engine).
 """
 

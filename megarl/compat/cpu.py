@@ -10,8 +10,6 @@ Process-wide (module attributes, so they hold in every thread):
   * ``torch.cuda.{get,set}_rng_state``, ``manual_seed``, ``manual_seed_all`` (and ``torch.cuda.random.*``) -> the CPU
     default generator. ``manual_seed`` must call ``torch.default_generator.manual_seed``; ``torch.manual_seed`` would
     call back into ``torch.cuda.manual_seed_all`` and recurse.
-  * megatron's checkpoint-writer results queue is served by a forked, not a spawned, Manager (first save 3-7 s
-    faster per process).
   * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below (autograd
     runs backward functions outside any mode entered around ``backward()``).
   * ``fused_softmax.get_{default,sliding_window}_causal_mask`` (the unfused attention's, ``device="cuda"``) run in
@@ -36,7 +34,7 @@ Scoped (``megatron_mode()``, a thread-local ``TorchFunctionMode``):
     around the forward, 1.09x without it; 1.03x -> 1.00x with the loss out of it too (~150 torch calls per
     micro-batch, ~1.2 us each in the mode).
 
-Spawned children (megatron's checkpoint writers, vLLM workers) re-import modules but never run ``main``:
+Spawned children (vLLM workers, ``run_on_ranks``' ranks) re-import modules but never run ``main``:
 ``install`` sets ``MEGARL_CPU_SHIM=1`` and ``import megarl`` re-installs the stubs when it sees it.
 
 Placement guard (tests): with ``MEGARL_FAKE_DEVICE=meta`` "the GPU" is the ``meta`` device instead of the CPU:
@@ -128,7 +126,6 @@ def install() -> None:
 
     for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):  # the forward's CUDA requests
         setattr(fused_softmax, name, _in_megatron_mode(getattr(fused_softmax, name)))
-    _fork_checkpoint_results_queue()
     os.environ[ENV_VAR] = "1"
     _state["installed"] = True
 
@@ -142,23 +139,6 @@ def _in_megatron_mode(function):
             return function(*args, **kwargs)
 
     return in_mode
-
-
-def _fork_checkpoint_results_queue() -> None:
-    """megatron's checkpoint writer collects results through a queue served by a ``spawn``-context Manager process,
-    created on a process's first save: the spawned child re-imports the main module (torch, megatron, this shim),
-    3-7 s per process here. Without CUDA there is nothing that makes ``fork`` unsafe (the writers themselves are
-    forked), so serve the queue from a forked Manager (~0.05 s)."""
-    import multiprocessing as mp
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    def results_queue():
-        if fa._results_queue is None:
-            fa._results_queue = mp.get_context("fork").Manager().Queue()
-        return fa._results_queue
-
-    fa._get_write_results_queue = results_queue
 
 
 def _is_cuda(device) -> bool:

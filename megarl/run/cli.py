@@ -96,7 +96,7 @@ def _dry_run(cfg, spec) -> int:
 def _train_here(train, cfg, spec, source, stopped: str) -> int:
     """One rank, in this process: 0 after a clean end, 1 with one line for a run that cannot go on, EXIT_PREEMPTED
     after a stop."""
-    lifetime.forks_die_with_this_process()  # this process is the rank: its checkpoint writers die with it
+    lifetime.forks_die_with_this_process()  # this process is the rank: what it forks dies with it
     stop = installed_stop_requests()
     try:
         in_here = "RANK" not in os.environ  # run_on_ranks runs it in this process (else it spawns one)

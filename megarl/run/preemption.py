@@ -148,7 +148,7 @@ class StopRequests:
 
 
 def _forget_in_child() -> None:
-    """A forked child (a checkpoint writer) keeps the default stop signals and no wakeup pipe: a signal sent to it
+    """A forked child (a multiprocessing helper) keeps the default stop signals and no wakeup pipe: a signal sent to it
     alone must not reach its parent's watcher as the parent's stop."""
     if _installed["count"]:
         try:
