@@ -12,7 +12,8 @@ Here (``install``, idempotent, megatron-core 0.16.x, on CPU and GPU alike):
 - ``FileSystemWriterAsync.write_preloaded_data_multiproc`` runs megatron's own per-file writer
   (``write_preloaded_data``, unchanged) in one thread per file, with ``queue.Queue`` in place of the process queues
   (the threads' file writes and ``fsync`` release the GIL; torch's own ``FileSystemWriter`` writes in threads too);
-- the results queue is a ``queue.Queue`` of this process, not a Manager's.
+- the results queue is a new ``queue.Queue`` of this process per save (the writer object keeps it from its write
+  plan to ``retrieve_write_results``), not one Manager's queue for the process's life.
 No process, semaphore or Manager is created by a save. The write plan, the files and their bytes are megatron's.
 megatron's asynchronous save (a persistent worker process) is not used by megarl and would not work with this
 patch; ``megarl.checkpoint`` saves synchronously.
@@ -26,8 +27,6 @@ import threading
 from megarl.compat.megatron_fixes import _applies  # the same megatron-core versions
 
 _state = {"original": None}
-_RESULTS: queue.Queue = queue.Queue()
-"""What megatron's ``retrieve_write_results`` reads after a save: one item per save (as its Manager queue held)."""
 
 
 def _write_in_threads(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
@@ -73,7 +72,7 @@ def install() -> bool:
     writer = fa.FileSystemWriterAsync
     _state["original"] = (writer.__dict__["write_preloaded_data_multiproc"], fa._get_write_results_queue)
     fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_threads)
-    fa._get_write_results_queue = lambda: _RESULTS
+    fa._get_write_results_queue = queue.Queue  # one per save: a failed save leaves nothing for the next to read
     return True
 
 
