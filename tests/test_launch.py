@@ -290,10 +290,11 @@ def _until(what: str, check, timeout_s: float, log_dir, job_id: str, env: dict):
     job ended first."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        found = check()
+        ended = _job(job_id, env).get("JobState") in ENDED  # looked at first: a job that ends between the two looks
+        found = check()  # is seen by the check (CI once failed "no end" on a job already COMPLETED)
         if found:
             return found
-        if _job(job_id, env).get("JobState") in ENDED:
+        if ended:
             break
         time.sleep(0.2)
     pytest.fail(f"SLURM job {job_id}: no {what} after {timeout_s:.0f} s ({_job(job_id, env)})\n{_logs(log_dir)}")
