@@ -146,7 +146,9 @@ class Run:
 def _run(cmd, fault=None, kill_launcher_after=None):
     """Run one `megarl train` (output to a file: a process left behind would hold a pipe open) and look at `ps` and
     /dev/shm right after. ``kill_launcher_after=(line, max_delay_s)``: SIGKILL the `megarl train` process itself (not
-    its ranks) a random moment up to ``max_delay_s`` after ``line`` appears in its output."""
+    its ranks) a random moment up to ``max_delay_s`` after ``line`` (``[megarl] step N/M``) appears in its output, and
+    at most one step's time after it (the time from step N-1's line to step N's): the run is still in step N + 1 then,
+    however fast its steps and saves are (CI once killed a run that had already finished all of its steps)."""
     tag = uuid.uuid4().hex
     before = _shm()
     with tempfile.NamedTemporaryFile("w+") as log:
@@ -155,8 +157,12 @@ def _run(cmd, fault=None, kill_launcher_after=None):
         killed = False
         if kill_launcher_after is not None:
             line, max_delay_s = kill_launcher_after
+            step, total = map(int, re.fullmatch(r"\[megarl\] step (\d+)/(\d+)", line).groups())
+            _wait_for(log.name, f"[megarl] step {step - 1}/{total}", 300)
+            t_before = time.time()
             if _wait_for(log.name, line, 300) and p.poll() is None:
-                time.sleep(random.uniform(0, max_delay_s))  # a different moment every run
+                one_step = time.time() - t_before
+                time.sleep(random.uniform(0, min(max_delay_s, one_step)))  # a different moment every run
                 p.kill()
                 killed = True
         try:
