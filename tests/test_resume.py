@@ -121,6 +121,19 @@ def _shm():
     return set(os.listdir("/dev/shm"))
 
 
+def _wait_for_line_after(path, text, previous, timeout_s):
+    """Wait for ``text``; the time ``previous`` was first seen (True if never): None on a timeout."""
+    deadline, seen = time.time() + timeout_s, True
+    while time.time() < deadline:
+        out = open(path).read()
+        if seen is True and previous in out:
+            seen = time.time()
+        if text in out:
+            return seen
+        time.sleep(0.05)
+    return None
+
+
 def _wait_for(path, text, timeout_s):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -158,10 +171,9 @@ def _run(cmd, fault=None, kill_launcher_after=None):
         if kill_launcher_after is not None:
             line, max_delay_s = kill_launcher_after
             step, total = map(int, re.fullmatch(r"\[megarl\] step (\d+)/(\d+)", line).groups())
-            _wait_for(log.name, f"[megarl] step {step - 1}/{total}", 300)
-            t_before = time.time()
-            if _wait_for(log.name, line, 300) and p.poll() is None:
-                one_step = time.time() - t_before
+            seen = _wait_for_line_after(log.name, line, f"[megarl] step {step - 1}/{total}", 300)
+            if seen and p.poll() is None:
+                one_step = max_delay_s if seen is True else time.time() - seen  # a resumed run may start at N
                 time.sleep(random.uniform(0, min(max_delay_s, one_step)))  # a different moment every run
                 p.kill()
                 killed = True
