@@ -3,7 +3,8 @@
 Every ``torch_dist`` save, synchronous ones included, goes through ``FileSystemWriterAsync``: per save and rank it
 forks one writer process per file and joins them with a ``multiprocessing`` Queue and JoinableQueue, and it reports
 through a queue served by a Manager process (``spawn``: 3-7 s at a process's first save). Those queues are POSIX
-named semaphores, 12 ``sem_open`` calls per rank and save (counted with ``strace``). Each creates a file in
+named semaphores, 11 ``sem_open`` calls per rank and save (counted with ``strace``, and by
+``tests/test_checkpoint_compat.py``). Each creates a file in
 ``/dev/shm`` under a random name (glibc's ``sem.XXXXXX``, linked to ``sem.mp-...``) and unlinks it microseconds later.
 A rank SIGKILLed inside one of them (a node failure, or ``megarl train`` killed: its ranks die with it) leaves that
 file behind, named by nothing that ties it to the run, so no sweep can remove it. It happened once in CI.
@@ -71,7 +72,7 @@ def install() -> bool:
 
     writer = fa.FileSystemWriterAsync
     _state["original"] = (writer.__dict__["write_preloaded_data_multiproc"], fa._get_write_results_queue)
-    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_threads)
+    writer.write_preloaded_data_multiproc = staticmethod(_write_in_threads)
     fa._get_write_results_queue = queue.Queue  # one per save: a failed save leaves nothing for the next to read
     return True
 
