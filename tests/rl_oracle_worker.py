@@ -320,6 +320,7 @@ def run(hf_dir: str) -> dict:
     restore(models.actor, saved)
     out["critic"] = critic_case(hf, base, spec, models, seqs, msg)
     out["empty_minibatch"] = empty_minibatch_case(hf_dir, spec, layout, msg, cur)
+    out["pinned_dp1"] = {dtype: pinned_step(hf_dir, 1, dtype) for dtype in ("float32", "bfloat16")}
     return out
 
 
@@ -460,6 +461,138 @@ def critic_case(hf, base, spec, models, seqs, msg) -> dict:
         "oracle": {"vf_loss": loss.item(), "clipped": clipped, "grads": {f"model.{n}": g for n, g in oracle.items()},
                    "head": (w.grad.clone(), b.grad.clone())},
     }  # fmt: skip
+
+
+# ---- the pinned step: one GRPO update with Adam and clipping, the trainer's ``learn`` against the formulas -------
+
+PINNED_REWARDS = [1.0, 0.0, 0.5, 0.2, 0.9, 0.1]
+"""The fixed batch's rewards, in 2 groups of 3 samples (``fixed_sequences``: prompts 0 and 1)."""
+PINNED_GROUP = 3
+PINNED_ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, clip=0.5)
+"""Adam as the recipes use it (no weight decay, no warm-up); the gradient's norm (8.56 here) is clipped to 0.5."""
+
+
+def pinned_overrides(hf_dir: str, dp: int, dtype: str) -> list[str]:
+    a = PINNED_ADAM
+    return [
+        f"model.path={hf_dir}",
+        f"model.dtype={dtype}",
+        "algorithm.adv_estimator=grpo",
+        f"rollout.sampling.n={PINNED_GROUP}",
+        f"rollout.sampling.temperature={TEMPERATURE}",
+        f"data.train_batch_size={len(PINNED_REWARDS) // PINNED_GROUP}",
+        f"actor.global_batch_size={len(PINNED_REWARDS)}",
+        "actor.micro_batch_size=2",
+        f"actor.parallel.dp={dp}",
+        "actor.optim.optimizer=adam",
+        f"actor.optim.lr={a['lr']}",
+        f"actor.optim.adam_beta1={a['beta1']}",
+        f"actor.optim.adam_beta2={a['beta2']}",
+        f"actor.optim.adam_eps={a['eps']}",
+        f"actor.optim.clip_grad={a['clip']}",
+    ]
+
+
+def pinned_step(hf_dir: str, dp: int, dtype: str = "float32") -> dict:
+    """Collective (a process group of ``dp`` ranks at TP=PP=1 exists): in ``model.dtype=dtype``, the trainer's
+    ``learn`` (GRPO advantages from the rewards, the clipped PPO loss with old = current, Megatron's clipping and Adam
+    step) on the fixed batch; its metrics, advantages, gradient (as Megatron holds it after the step: clipped) and
+    weights before and after, by HF name."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algos import kl_controller
+    from megarl.backend.models import build_rl_models
+    from megarl.config.loader import load_config
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.models.adapter import tensor_maps, to_hf
+    from megarl.models.source import model_source
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.rl.collect import Collected
+    from megarl.rl.roles import make_roles
+    from megarl.rl.step import learn
+    from megarl.rl.timer import PhaseTimer
+    from megarl.rollout.protocol import Sample
+
+    cfg = load_config(None, pinned_overrides(hf_dir, dp, dtype))
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    models = build_rl_models(cfg, spec, ParallelLayout(dp=dp), model_source(hf_dir), dist.get_rank(), roles=("actor",))
+
+    def by_hf_name(tensors: dict) -> dict:
+        out = {}
+        for tmap in tensor_maps(spec):
+            if tmap.megatron in tensors:
+                out.update(zip(tmap.hf, to_hf(tmap, tensors[tmap.megatron], spec)))
+        return out
+
+    params = dict(models.actor.module.named_parameters())
+    initial = by_hf_name({n: p.detach().float().clone() for n, p in params.items()})
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = Collected()
+    for i, (seq, p) in enumerate(fixed_sequences(spec.vocab_size)):
+        with torch.no_grad():  # the engine's log-probs: the policy's own (on-policy)
+            engine = token_logp(hf_response_logits(hf, seq, p), seq[p:]).tolist()
+        batch.samples.append(Sample(i // PINNED_GROUP, i % PINNED_GROUP, seq[:p], seq[p:], engine, "stop",
+                                    [0] * (len(seq) - p)))  # fmt: skip
+    batch.rewards = batch.scores = list(PINNED_REWARDS)
+    learned = learn(cfg, make_roles(cfg, spec, models), batch, kl_ctrl=kl_controller("fixed", 0.0, 0.1, 1000),
+                    skip_old_logprob=True, timer=PhaseTimer())  # fmt: skip
+    return {
+        "metrics": learned.actor,
+        "advantages": [a.clone() for a in learned.advantages],
+        "grads": by_hf_name({n: p.main_grad.detach().clone() for n, p in params.items()}),
+        "initial": initial,
+        "weights": by_hf_name({n: p.detach().float().clone() for n, p in params.items()}),
+    }
+
+
+def pinned_step_on_ranks(hf_dir: str) -> dict:
+    """``pinned_step`` at DP = the world size in fp32 and in bf16 (for ``run_on_ranks``)."""
+    import torch.distributed as dist
+
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    dp = int(__import__("os").environ["WORLD_SIZE"])
+    init_distributed(ParallelLayout(dp=dp), seed=1)
+    out = {dtype: pinned_step(hf_dir, dp, dtype) for dtype in ("float32", "bfloat16")}
+    dist.barrier()
+    return out
+
+
+def grpo_advantages(rewards: list[float], group: int) -> list[float]:
+    """GRPO (Shao et al. 2024): (r - mean of its group) / (the group's unbiased std + 1e-6)."""
+    out = []
+    for g in range(0, len(rewards), group):
+        r = torch.tensor(rewards[g : g + group], dtype=torch.float64)
+        out += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+    return out
+
+
+def oracle_pinned_step(hf, seqs) -> dict:
+    """The formulas: token-mean of -A_i ratio_t with ratio = pi / sg(pi) = 1 (old = current) over the batch's
+    response tokens; its gradient g on the HF parameters; clipped as Megatron does, g * min(1, c / (|g| + 1e-6)) with
+    |g| the global norm; one Adam step from m = v = 0 (``steps``, subtracted from the weights): m = (1 - b1) g,
+    v = (1 - b2) g^2, step = lr (m / (1 - b1)) / (sqrt(v / (1 - b2)) + eps)."""
+    a = PINNED_ADAM
+    adv = grpo_advantages(PINNED_REWARDS, PINNED_GROUP)
+    hf.zero_grad()
+    terms = []
+    for (seq, p), A in zip(seqs, adv):
+        logp = token_logp(hf_response_logits(hf, seq, p), seq[p:])
+        terms.append(-A * torch.exp(logp - logp.detach()))
+    loss = agg(terms, "token-mean")
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    coeff = min(1.0, a["clip"] / (norm + 1e-6))
+    steps = {}
+    for n, g in grads.items():
+        g = g.double() * coeff
+        m, v = (1 - a["beta1"]) * g, (1 - a["beta2"]) * g * g
+        steps[n] = a["lr"] * (m / (1 - a["beta1"])) / ((v / (1 - a["beta2"])).sqrt() + a["eps"])
+    return {"pg_loss": loss.item(), "grad_norm": norm, "advantages": adv, "steps": steps,
+            "clipped_grads": {n: (g.double() * coeff).float() for n, g in grads.items()}}  # fmt: skip
 
 
 def main() -> None:

@@ -7,18 +7,23 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from megarl.models.tiny import make_tiny_hf_model
-from tests.rl_oracle_worker import ACTOR_CASES
+from megarl.parallel.spawn import run_on_ranks
+from tests.rl_oracle_worker import ACTOR_CASES, fixed_sequences, oracle_pinned_step, pinned_step_on_ranks
 
 REL = 2e-4  # fp32, two implementations: observed ~1e-6; a wrong term, sign or denominator is O(1)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rl-oracle")
-    hf_dir = make_tiny_hf_model(str(tmp / "llama"), "llama", seed=4, init_std=0.08)
-    out = tmp / "out.pt"
+def hf_dir(tmp_path_factory):
+    return make_tiny_hf_model(str(tmp_path_factory.mktemp("rl-oracle") / "llama"), "llama", seed=4, init_std=0.08)
+
+
+@pytest.fixture(scope="module")
+def results(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl-oracle-out") / "out.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "tests.rl_oracle_worker", hf_dir, str(out)], check=True, env=env,
                    timeout=600)  # fmt: skip
@@ -114,3 +119,55 @@ def test_a_mini_batch_with_every_sequence_rejected_takes_no_optimizer_step(resul
     assert len(skipped["optimizer"]) == len(without["optimizer"]) > 0
     assert all(torch.equal(a, b) for a, b in zip(skipped["optimizer"], without["optimizer"]))
     assert skipped["sched_steps"] == without["sched_steps"] == 1 and skipped["lr"] == without["lr"]
+
+
+# ---- the pinned step: a change of the update's scale or direction fails here ----------------------------------------
+
+WEIGHT_REL = 2e-3
+"""fp32: |w - w_oracle| / |w_oracle - w_0| per tensor, after one Adam step (observed <= 1.5e-4: Adam divides each
+element's gradient by its own size, so an element whose gradient is near eps carries the two gradients' fp32
+difference into its update at full size); a wrong scale, sign or term moves it by O(1)."""
+BF16_REL = 3e-2
+"""bf16 against the fp32 formulas: the loss, the gradient norm and each tensor's gradient (observed: 0, 6e-4, <= 2.3e-2
+per tensor) within bf16's resolution over a few roundings (tests/test_rl_update.py's BF16_RTOL)."""
+
+
+@pytest.fixture(scope="module")
+def pinned(results, hf_dir):
+    """The trainer's GRPO step (Adam, clipping) on the fixed batch at DP=1 (the oracle worker's process) and DP=2 (a
+    spawned pair of ranks), each in fp32 and bf16, and the oracle's values from the formulas."""
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    oracle = oracle_pinned_step(hf, fixed_sequences(hf.config.vocab_size))
+    return {"dp1": results["pinned_dp1"], "dp2": run_on_ranks(pinned_step_on_ranks, 2, hf_dir)}, oracle
+
+
+@pytest.mark.parametrize("dp", ["dp1", "dp2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_grpo_step_is_pinned_to_the_formulas(pinned, dp, dtype):
+    """Loss, advantages, gradient norm, the clipped gradient and the weights after one Adam step, against
+    ``oracle_pinned_step``: a gradient scaled by a factor (a DP or micro-batch denominator), a flipped or dropped
+    term, another clipping or optimizer rule fails here."""
+    runs, o = pinned
+    r, bf16 = runs[dp][dtype], dtype == "bfloat16"
+    m = r["metrics"]
+    assert _close(m["actor/pg_loss"], o["pg_loss"], BF16_REL if bf16 else 1e-5), (m["actor/pg_loss"], o["pg_loss"])
+    assert _close(m["grad_norm"], o["grad_norm"], BF16_REL if bf16 else 1e-5), (m["grad_norm"], o["grad_norm"])
+    assert o["grad_norm"] > 2 * 0.5  # the clip (0.5) is active: Megatron's clipped gradient is compared below
+    adv = torch.tensor([a[0].item() for a in r["advantages"]], dtype=torch.float64)
+    torch.testing.assert_close(adv, torch.tensor(o["advantages"], dtype=torch.float64), rtol=0, atol=1e-5)
+    for name, g in r["grads"].items():
+        ref = o["clipped_grads"][name]
+        err = ((g.float() - ref).norm() / ref.norm()).item()
+        assert err <= (BF16_REL if bf16 else REL), f"{name}: |g - g_oracle| / |g_oracle| = {err:.2e}"
+    for name, w in r["weights"].items():
+        w0, step = r["initial"][name].double(), o["steps"][name]
+        if not bf16:
+            err = ((w.double() - (w0 - step)).norm() / step.norm()).item()
+            assert err <= WEIGHT_REL, f"{name}: |w - w_oracle| / |w_oracle - w_0| = {err:.2e}"
+            continue
+        # bf16 weights: the fp32 main weight moves by the oracle's step, then rounds to bf16 once (observed: >= 99.2%
+        # of the elements equal, the others one rounding step apart where the bf16 gradient's sign or size differs)
+        ref = (w0 - step).bfloat16().float()
+        ulp = 2.0 ** (torch.frexp(ref.abs().max()).exponent.item() - 8)
+        assert (w == ref).float().mean() >= 0.97 and (w - ref).abs().max() <= 2 * ulp, name
+    assert any(not torch.equal(w, r["initial"][n]) for n, w in r["weights"].items())
