@@ -28,7 +28,8 @@ REPO = learning.REPO
 
 
 def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
-    """Samples (prompt ids, response ids incl. EOS, their log-probs under the sampler) and rewards, by this checkout."""
+    """Samples (prompt ids, response ids incl. EOS, their log-probs under the sampler), their texts, ground truths and
+    rewards, by this checkout."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.data.dataset import PromptDataset
@@ -47,9 +48,9 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
     for pi, p in enumerate(prompts):
         ids = torch.tensor([p.prompt_ids] * s["n"])
         with torch.inference_mode():
-            g = model.generate(input_ids=ids, do_sample=True, temperature=s["temperature"], top_k=0, top_p=1.0,
-                               max_new_tokens=s["max_new_tokens"], output_scores=True, return_dict_in_generate=True,
-                               pad_token_id=tok.eos_token_id)  # fmt: skip
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0,
+                               temperature=s["temperature"], max_new_tokens=s["max_new_tokens"], output_scores=True,
+                               return_dict_in_generate=True, pad_token_id=tok.eos_token_id)  # fmt: skip
         new = g.sequences[:, ids.shape[1] :]
         logp = torch.stack([torch.log_softmax(sc.float(), -1) for sc in g.scores], 1)  # [n, T, V], T-scaled
         for si in range(s["n"]):
@@ -64,7 +65,8 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
     rewards = fn([prompts[x["prompt_index"]].prompt_text for x in samples], texts,
                  [prompts[x["prompt_index"]].ground_truth for x in samples],
                  [prompts[x["prompt_index"]].extras for x in samples])  # fmt: skip
-    batch = {"samples": samples, "rewards": [float(r) for r in rewards]}
+    batch = {"samples": samples, "rewards": [float(r) for r in rewards], "texts": texts,
+             "ground_truths": [prompts[x["prompt_index"]].ground_truth for x in samples]}  # fmt: skip
     with open(out, "w") as f:
         json.dump(batch, f)
     return batch
@@ -170,9 +172,7 @@ def main() -> None:
     args = ap.parse_args()
     import yaml
 
-    sys.path.insert(0, REPO)
-    recipe = yaml.safe_load(open(os.path.join(REPO, args.recipe)))
-    recipe["model"]["path"] = os.path.abspath(os.path.join(REPO, recipe["model"]["path"]))
+    recipe = learning.load_recipe(args.recipe, [])
     os.makedirs(args.work, exist_ok=True)
     train_path, _ = learning.write_data(recipe, args.work)
     batch_path = os.path.join(args.work, "grad_batch.json")

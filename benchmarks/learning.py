@@ -112,6 +112,22 @@ def for_commit(flat: dict, paths: dict[str, bool]) -> tuple[dict, list[str]]:
     return kept, sorted(set(flat) - set(kept))
 
 
+def load_recipe(path: str, overrides: list[str]) -> dict:
+    """The recipe (relative to the repository) with ``KEY=VALUE`` overrides (YAML values) and an absolute model
+    path (checked: the benchmarks never fetch)."""
+    import yaml
+
+    sys.path.insert(0, REPO)
+    recipe = yaml.safe_load(open(os.path.join(REPO, path)))
+    for kv in overrides:
+        k, _, v = kv.partition("=")
+        recipe = unflatten({**flatten(recipe), k: yaml.safe_load(v)})
+    model = recipe["model"]["path"] = os.path.abspath(os.path.join(REPO, recipe["model"]["path"]))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        sys.exit(f"no model at {model}: run `megarl fetch-model smollm2-135m-instruct --out {model}` first")
+    return recipe
+
+
 # ---- data and validation, by this checkout ------------------------------------------------------------------------
 
 
@@ -285,16 +301,8 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(REPO, ".cache", "learning"), help="worktrees, data and runs")
     ap.add_argument("--json", default=None, help="write every run's numbers here")
     args = ap.parse_args()
-    import yaml
-
-    sys.path.insert(0, REPO)
-    recipe = yaml.safe_load(open(os.path.join(REPO, args.recipe)))
-    for kv in args.set:
-        k, _, v = kv.partition("=")
-        recipe = unflatten({**flatten(recipe), k: yaml.safe_load(v)})
-    model = os.path.abspath(os.path.join(REPO, recipe["model"]["path"]))
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        sys.exit(f"no model at {model}: run `megarl fetch-model smollm2-135m-instruct --out {model}` first")
+    recipe = load_recipe(args.recipe, args.set)
+    model = recipe["model"]["path"]
     os.makedirs(args.work, exist_ok=True)
     train_path, val_path = write_data(recipe, args.work)
     new_tokens = (recipe["rollout"].get("val_sampling") or {}).get("max_new_tokens") or \
