@@ -15,7 +15,11 @@ reward, and of the first 5 steps' gradient norms; then the last validation step'
     python benchmarks/learning.py --commits e3c066e HEAD        # configs/demo_real.yaml, 20 steps, 3 seeds
     python benchmarks/learning.py --commits A B --steps 10 --val-every 5 --seeds 2 --json out.json
 
-Time on 2 CPU cores: ~7-9 minutes per run of demo_real's 20 steps (its exports and validations included).
+Time on 2 CPU cores (2026-11-29): 10 steps of demo_real took 330-410 s at fb69ed6 and 426-472 s at e3c066e, each
+export and validation ~45 s; 3 seeds x 2 commits x 10 steps: 47 minutes. Commits before the one-pass log-probs hold
+~8 GB per rank on SmolLM2 at demo_real's 4,096-token micro-batches, and e3c066e's checkpoint writer forks at every
+save: on a 24 GiB machine give both commits ``--set actor.max_tokens_per_micro_batch=1024`` (the loss normalisation
+is global: the split does not change the gradient) and some swap.
 """
 
 from __future__ import annotations
