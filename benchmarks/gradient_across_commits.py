@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -25,6 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import learning  # noqa: E402  (this folder's: worktrees, the recipe per commit, data)
 
 REPO = learning.REPO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
@@ -62,11 +69,11 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
                             "logprobs": [logp[si, t, toks[t]].item() for t in range(end)]})  # fmt: skip
     texts = [tok.decode(x["token_ids"], skip_special_tokens=True) for x in samples]
     fn = load_reward_fn(recipe["reward"]["function"])
-    rewards = fn([prompts[x["prompt_index"]].prompt_text for x in samples], texts,
-                 [prompts[x["prompt_index"]].ground_truth for x in samples],
-                 [prompts[x["prompt_index"]].extras for x in samples])  # fmt: skip
+    of = [prompts[x["prompt_index"]] for x in samples]
+    rewards = fn([p.prompt_text for p in of], texts, [p.ground_truth for p in of], [p.extras for p in of])
     batch = {"samples": samples, "rewards": [float(r) for r in rewards], "texts": texts,
-             "ground_truths": [prompts[x["prompt_index"]].ground_truth for x in samples]}  # fmt: skip
+             "prompts": [p.prompt_text for p in of], "ground_truths": [p.ground_truth for p in of],
+             "extras": [p.extras for p in of]}  # fmt: skip
     with open(out, "w") as f:
         json.dump(batch, f)
     return batch
@@ -141,11 +148,11 @@ def compare(a: dict, b: dict, names: tuple[str, str]) -> str:
     common = sorted(set(ga) & set(gb))
     flat_a = torch.cat([ga[n].flatten().double() for n in common])
     flat_b = torch.cat([gb[n].flatten().double() for n in common])
-    lines = [f"{'':<12}{names[0][:12]:>14}{names[1][:12]:>14}"]
+    lines = [f"{'':<16}{names[0][:12]:>14}{names[1][:12]:>14}"]
     for key in ("actor/pg_loss", "actor/grad_norm", "pg_loss", "grad_norm"):
         if key in a["metrics"] and key in b["metrics"]:
-            lines.append(f"{key:<12}{a['metrics'][key]:>14.6g}{b['metrics'][key]:>14.6g}")
-    lines.append(f"{'|g| (read)':<12}{flat_a.norm().item():>14.6g}{flat_b.norm().item():>14.6g}")
+            lines.append(f"{key:<16}{a['metrics'][key]:>14.6g}{b['metrics'][key]:>14.6g}")
+    lines.append(f"{'|g| (read)':<16}{flat_a.norm().item():>14.6g}{flat_b.norm().item():>14.6g}")
     adv_a = torch.tensor([x for s in a["advantages"] for x in s[:1]])
     adv_b = torch.tensor([x for s in b["advantages"] for x in s[:1]])
     lines.append(f"advantages: max |difference| {(adv_a - adv_b).abs().max().item():.2e}")
@@ -187,7 +194,9 @@ def main() -> None:
     for c in args.commits:
         sha = learning.git("rev-parse", c)
         wt = learning.worktree(sha, args.work)
-        kept, _ = learning.for_commit(flat, learning.known_paths(wt))
+        kept, dropped = learning.for_commit(flat, learning.known_paths(wt))
+        if dropped:
+            print(f"{c}: keys it does not know, dropped: {dropped}")
         recipe_path = os.path.join(args.work, f"grad_recipe_{sha[:12]}.yaml")
         with open(recipe_path, "w") as f:
             yaml.safe_dump(learning.unflatten(kept), f)
@@ -195,7 +204,8 @@ def main() -> None:
         ranks = recipe["actor"]["parallel"]["dp"] * recipe["actor"]["parallel"].get("tp", 1) * \
             recipe["actor"]["parallel"].get("pp", 1)  # fmt: skip
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-                        "--master-port=29533", os.path.abspath(__file__), "--worker", recipe_path, batch_path, out],
+                        f"--master-port={free_port()}", os.path.abspath(__file__), "--worker", recipe_path,
+                        batch_path, out],
                        cwd=wt, env=learning._env(wt), check=True)  # fmt: skip
         outs[c] = torch.load(out, weights_only=False)
     print(compare(outs[args.commits[0]], outs[args.commits[1]], tuple(args.commits)))

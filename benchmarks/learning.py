@@ -39,6 +39,7 @@ import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAD_STEPS = 5  # the first steps' gradient norms are compared (before the runs' batches diverge much)
+TRAIN_STEPS = 5  # the training reward is the mean of the last steps' (one step's 64 samples are noisy)
 
 
 def git(*args: str) -> str:
@@ -218,8 +219,10 @@ def validate_checkpoints(wt: str, run_dir: str, steps: list[int], recipe: dict, 
     for step in steps:
         with open(os.path.join(ckpt, "latest"), "w") as f:
             f.write(f"iter_{step:07d}")
-        subprocess.run([sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt, "--out", hf,
-                        "--overwrite"], cwd=wt, env=_env(wt), check=True, capture_output=True)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", ckpt, "--out",
+                               hf, "--overwrite"], cwd=wt, env=_env(wt), capture_output=True, text=True)  # fmt: skip
+        if proc.returncode:
+            raise RuntimeError(f"the export of step {step} at {wt} failed: {proc.stderr[-3000:]}")
         out[step] = validate(hf, recipe, val_path, new_tokens)
         log(f"  step {step}: val reward {out[step]:.3f}")
     shutil.rmtree(hf, ignore_errors=True)
@@ -240,15 +243,16 @@ def pm(xs: list[float]) -> str:
 
 
 def welch(a: list[float], b: list[float]) -> dict:
-    """Welch's two-sided t-test of mean(a) != mean(b): t, degrees of freedom, p (Student's t via the regularised
-    incomplete beta function: p = I_{df/(df+t^2)}(df/2, 1/2))."""
+    """Welch's two-sided t-test of mean(b) != mean(a): t (of b - a), degrees of freedom, p (Student's t via the
+    regularised incomplete beta function: p = I_{df/(df+t^2)}(df/2, 1/2)); all NaN where it is undefined (fewer
+    than 2 seeds a side, or no spread on either side)."""
     import mpmath
 
     (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
     va, vb = sa**2 / len(a), sb**2 / len(b)
-    if va + vb == 0:
-        return {"t": math.inf if ma != mb else 0.0, "df": math.nan, "p": 0.0 if ma != mb else 1.0}
-    t = (ma - mb) / math.sqrt(va + vb)
+    if min(len(a), len(b)) < 2 or va + vb == 0:
+        return {"t": math.nan, "df": math.nan, "p": math.nan}
+    t = (mb - ma) / math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     p = float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
     return {"t": t, "df": df, "p": p}
@@ -270,7 +274,7 @@ def permutation_p(a: list[float], b: list[float]) -> float:
 def report(results: dict, commits: list[str], val_steps: list[int]) -> str:
     lines = []
     head = f"{'commit':<14}{'seeds':>6}" + "".join(f"{'val@' + str(s):>15}" for s in val_steps)
-    head += f"{'train reward':>15}{'grad_norm 1-' + str(GRAD_STEPS):>16}"
+    head += f"{'train reward':>15}{'grad_norm 1-' + str(GRAD_STEPS):>16}"  # train reward: the last TRAIN_STEPS
     lines.append(head)
     for c in commits:
         runs = results[c]["runs"]
@@ -304,7 +308,13 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for both commits")
     ap.add_argument("--work", default=os.path.join(REPO, ".cache", "learning"), help="worktrees, data and runs")
     ap.add_argument("--json", default=None, help="write every run's numbers here")
+    ap.add_argument("--report", default=None, metavar="JSON", help="only print the table of a run's --json file")
     args = ap.parse_args()
+    if args.report:
+        results = json.load(open(args.report))
+        steps = sorted(int(s) for s in results[args.commits[0]]["runs"][0]["val"])
+        print(report(results, args.commits, steps))
+        return
     recipe = load_recipe(args.recipe, args.set)
     model = recipe["model"]["path"]
     os.makedirs(args.work, exist_ok=True)
@@ -320,7 +330,6 @@ def main() -> None:
     step0 = validate(model, recipe, val_path, new_tokens)
     log(f"step 0 (the recipe's model, {time.time() - t0:.0f}s): val reward {step0:.3f}")
     flat = flatten(recipe)
-    flat.pop("rollout.val_sampling", None)
     flat = {k: v for k, v in flat.items() if not k.startswith("rollout.val_sampling.")}
     flat.update({"model.path": model, "data.train_files": [train_path], "data.val_files": [],
                  "trainer.total_steps": args.steps, "trainer.val_every": 0, "trainer.save_every": args.val_every,
@@ -328,18 +337,19 @@ def main() -> None:
                  "logging.wandb.mode": "disabled", "logging.progress_bar": False})  # fmt: skip
     shas = [git("rev-parse", c) for c in args.commits]
     results = {c: {"sha": sha, "runs": []} for c, sha in zip(args.commits, shas)}
+    schemas = {sha: known_paths(worktree(sha, args.work)) for sha in shas}
     for seed in range(1, args.seeds + 1):  # seeds outermost: a drift of the machine's speed hits both commits
         for c, sha in zip(args.commits, shas):
             wt = worktree(sha, args.work)
             run_dir = os.path.join(args.work, "runs", sha[:12], f"seed{seed}")
-            kept, dropped = for_commit({**flat, "trainer.seed": seed, "trainer.output_dir": run_dir}, known_paths(wt))
+            kept, dropped = for_commit({**flat, "trainer.seed": seed, "trainer.output_dir": run_dir}, schemas[sha])
             log(f"{c} ({sha[:12]}) seed {seed}" + (f"; keys it does not know, dropped: {dropped}" if dropped else ""))
             rows = run_one(wt, kept, run_dir, log)
             val = validate_checkpoints(wt, run_dir, val_steps[1:], recipe, val_path, new_tokens, log)
             results[c]["runs"].append({
                 "seed": seed,
                 "val": {"0": step0, **{str(s): v for s, v in val.items()}},
-                "train_reward": statistics.fmean(r["reward/mean"] for r in rows[-5:]),
+                "train_reward": statistics.fmean(r["reward/mean"] for r in rows[-TRAIN_STEPS:]),
                 "grad_norm": [r["actor/grad_norm"] for r in rows[:GRAD_STEPS]],
                 "rows": [{k: r.get(k) for k in ("step", "reward/mean", "actor/grad_norm", "actor/pg_loss")}
                          for r in rows],  # fmt: skip

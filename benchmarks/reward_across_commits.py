@@ -24,8 +24,7 @@ import learning  # noqa: E402
 SCORE = """import json, sys
 from megarl.rewards import load_reward_fn
 b = json.load(open(sys.argv[2]))
-print(json.dumps(load_reward_fn(sys.argv[1])(["" for _ in b["texts"]], b["texts"], b["ground_truths"],
-                                             [{} for _ in b["texts"]])))"""
+print(json.dumps(load_reward_fn(sys.argv[1])(b["prompts"], b["texts"], b["ground_truths"], b["extras"])))"""
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from functools import partial
 
@@ -553,7 +554,7 @@ def pinned_step_on_ranks(hf_dir: str) -> dict:
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    dp = int(__import__("os").environ["WORLD_SIZE"])
+    dp = int(os.environ["WORLD_SIZE"])
     init_distributed(ParallelLayout(dp=dp), seed=1)
     out = {dtype: pinned_step(hf_dir, dp, dtype) for dtype in ("float32", "bfloat16")}
     dist.barrier()
