@@ -14,6 +14,7 @@ norm, the two gradients' cosine and norm ratio, the tensors that differ most, an
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -82,23 +83,30 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
 # ---- the worker: one commit's ``learn`` on the batch (runs with that commit's megarl on the path) ----------------
 
 
-def _imports():
-    """The trainer's pieces at this commit (the package recut moved them)."""
-    try:  # after the recut
-        from megarl.backend.models import build_rl_models
-        from megarl.models.source import model_source
-        from megarl.rl.collect import Collected
-        from megarl.rl.roles import make_roles
-        from megarl.rl.step import learn
-        from megarl.rl.timer import PhaseTimer
-    except ImportError:  # before it
-        from megarl.trainer.collect import Collected
-        from megarl.trainer.loop import learn
-        from megarl.trainer.models import build_rl_models
-        from megarl.trainer.roles import make_roles
-        from megarl.trainer.timer import PhaseTimer
-        from megarl.training.init_weights import model_source
-    return build_rl_models, model_source, Collected, make_roles, learn, PhaseTimer
+TRAINER_HOMES = {
+    "build_rl_models": ("megarl.backend.models", "megarl.trainer.models"),
+    "model_source": ("megarl.models.source", "megarl.training.init_weights"),
+    "Collected": ("megarl.rl.collect", "megarl.trainer.collect"),
+    "make_roles": ("megarl.rl.roles", "megarl.trainer.roles"),
+    "learn": ("megarl.rl.step", "megarl.trainer.loop"),
+    "PhaseTimer": ("megarl.rl.timer", "megarl.trainer.timer"),
+}
+"""Where the trainer's pieces live: after the package recut (27 Nov 2026), and before it (e3c066e's layout). The
+worker runs against another commit's megarl, so it looks them up by name rather than importing this checkout's."""
+
+
+def _imports() -> list:
+    found = []
+    for name, homes in TRAINER_HOMES.items():
+        for home in homes:
+            try:
+                found.append(getattr(importlib.import_module(home), name))
+                break
+            except ModuleNotFoundError:
+                continue
+        else:
+            raise ImportError(f"{name} is in none of {homes} at this commit: add its module to TRAINER_HOMES")
+    return found
 
 
 def worker(recipe_path: str, batch_path: str, out: str) -> None:
