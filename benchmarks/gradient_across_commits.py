@@ -96,16 +96,15 @@ worker runs against another commit's megarl, so it looks them up by name rather 
 
 
 def _imports() -> list:
+    """The pieces from the modules of the megarl on the path (by file: the editable install of this checkout would
+    answer for a module an older commit does not have)."""
+    root = os.path.dirname(importlib.import_module("megarl").__file__)
     found = []
     for name, homes in TRAINER_HOMES.items():
-        for home in homes:
-            try:
-                found.append(getattr(importlib.import_module(home), name))
-                break
-            except ModuleNotFoundError:
-                continue
-        else:
+        here = [h for h in homes if os.path.isfile(os.path.join(root, *h.split(".")[1:]) + ".py")]
+        if not here:
             raise ImportError(f"{name} is in none of {homes} at this commit: add its module to TRAINER_HOMES")
+        found.append(getattr(importlib.import_module(here[0]), name))
     return found
 
 
