@@ -40,16 +40,10 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
     rewards, by this checkout."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.data.dataset import PromptDataset
-    from megarl.rewards import load_reward_fn
-
-    d, s = recipe["data"], recipe["rollout"]["sampling"]
+    s = recipe["rollout"]["sampling"]
     path = recipe["model"]["path"]
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = PromptDataset.from_files([train_path], tokenizer=tok, prompt_key=d["prompt_key"],
-                                       answer_key=d["answer_key"], max_prompt_length=d["max_prompt_length"],
-                                       on_overlong="drop")  # fmt: skip
-    prompts = [prompts[i] for i in range(d["train_batch_size"])]
+    prompts = learning.recipe_prompts(recipe, train_path, tok, "train")[: recipe["data"]["train_batch_size"]]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch.manual_seed(seed)
     samples = []
@@ -63,16 +57,14 @@ def make_batch(recipe: dict, train_path: str, out: str, seed: int) -> dict:
         logp = torch.stack([torch.log_softmax(sc.float(), -1) for sc in g.scores], 1)  # [n, T, V], T-scaled
         for si in range(s["n"]):
             toks = new[si].tolist()
-            end = toks.index(tok.eos_token_id) + 1 if tok.eos_token_id in toks else len(toks)
+            stopped = tok.eos_token_id in toks
+            end = toks.index(tok.eos_token_id) + 1 if stopped else len(toks)
             samples.append({"prompt_index": pi, "sample_index": si, "prompt_ids": p.prompt_ids,
-                            "token_ids": toks[:end], "finish_reason": "stop" if end < len(toks) or
-                            toks[-1] == tok.eos_token_id else "length",
+                            "token_ids": toks[:end], "finish_reason": "stop" if stopped else "length",
                             "logprobs": [logp[si, t, toks[t]].item() for t in range(end)]})  # fmt: skip
     texts = [tok.decode(x["token_ids"], skip_special_tokens=True) for x in samples]
-    fn = load_reward_fn(recipe["reward"]["function"])
     of = [prompts[x["prompt_index"]] for x in samples]
-    rewards = fn([p.prompt_text for p in of], texts, [p.ground_truth for p in of], [p.extras for p in of])
-    batch = {"samples": samples, "rewards": [float(r) for r in rewards], "texts": texts,
+    batch = {"samples": samples, "rewards": learning.recipe_rewards(recipe, of, texts), "texts": texts,
              "prompts": [p.prompt_text for p in of], "ground_truths": [p.ground_truth for p in of],
              "extras": [p.extras for p in of]}  # fmt: skip
     with open(out, "w") as f:

@@ -151,25 +151,40 @@ def write_data(recipe: dict, out: str) -> tuple[str, str]:
     return paths
 
 
+def recipe_prompts(recipe: dict, path: str, tokenizer, split: str) -> list:
+    """The prompts of a JSONL file as the recipe's data section renders them (this checkout's chat rendering)."""
+    from megarl.data.dataset import PromptDataset
+
+    d = recipe["data"]
+    ds = PromptDataset.from_files([path], split=split, tokenizer=tokenizer, prompt_key=d["prompt_key"],
+                                  answer_key=d["answer_key"], max_prompt_length=d["max_prompt_length"],
+                                  on_overlong="drop")  # fmt: skip
+    return [ds[i] for i in range(len(ds))]
+
+
+def recipe_rewards(recipe: dict, prompts: list, responses: list[str]) -> list[float]:
+    """This checkout's ``reward.function`` of the recipe on one response per prompt."""
+    from megarl.rewards import load_reward_fn
+
+    fn = load_reward_fn(recipe["reward"]["function"])
+    scores = fn([p.prompt_text for p in prompts], responses, [p.ground_truth for p in prompts],
+                [p.extras for p in prompts])  # fmt: skip
+    return [float(x) for x in scores]
+
+
 def validate(hf_dir: str, recipe: dict, val_path: str, max_new_tokens: int) -> float:
     """Mean reward of transformers' greedy decoding of the validation prompts (this checkout's reward and chat
     rendering)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.data.dataset import PromptDataset
-    from megarl.rewards import load_reward_fn
-
-    d = recipe["data"]
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    prompts = PromptDataset.from_files([val_path], split="val", tokenizer=tok, prompt_key=d["prompt_key"],
-                                       answer_key=d["answer_key"], max_prompt_length=d["max_prompt_length"],
-                                       on_overlong="drop")  # fmt: skip
+    prompts = recipe_prompts(recipe, val_path, tok, "val")
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     responses = []
     for start in range(0, len(prompts), 64):
-        batch = [prompts[i].prompt_ids for i in range(start, min(start + 64, len(prompts)))]
+        batch = [p.prompt_ids for p in prompts[start : start + 64]]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -177,9 +192,7 @@ def validate(hf_dir: str, recipe: dict, val_path: str, max_new_tokens: int) -> f
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                  pad_token_id=pad)  # fmt: skip
         responses += tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    fn = load_reward_fn(recipe["reward"]["function"])
-    ps = [prompts[i] for i in range(len(prompts))]
-    scores = fn([p.prompt_text for p in ps], responses, [p.ground_truth for p in ps], [p.extras for p in ps])
+    scores = recipe_rewards(recipe, prompts, responses)
     return sum(scores) / len(scores)
 
 

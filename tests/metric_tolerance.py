@@ -23,3 +23,10 @@ def token_share(lengths: list[int], mini_batch: int) -> float:
     response tokens (the smallest mini-batch's token is the largest step)."""
     batches = [lengths[i : i + mini_batch] for i in range(0, len(lengths), mini_batch)]
     return 1.0 / (len(batches) * min(sum(b) for b in batches))
+
+
+def bf16_ulp(w) -> float:
+    """The spacing of bf16 numbers at the tensor's largest magnitude (8 significant bits)."""
+    import torch
+
+    return 2.0 ** (torch.frexp(w.float().abs().max()).exponent.item() - 8)

@@ -245,16 +245,20 @@ def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
 # ---- megarl: the trainer's update path -----------------------------------------------------------------------------
 
 
-def megatron_grads_as_hf(model, spec) -> dict[str, torch.Tensor]:
-    """Each parameter's ``main_grad`` (the gradient of the optimizer step just taken) under its HF name(s)."""
+def as_hf(tensors: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """Megatron-named tensors (one per parameter) under their HF name(s)."""
     from megarl.models.adapter import tensor_maps, to_hf
 
-    grads = {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
     out = {}
     for tmap in tensor_maps(spec):
-        if tmap.megatron in grads:
-            out.update(zip(tmap.hf, to_hf(tmap, grads[tmap.megatron], spec)))
+        if tmap.megatron in tensors:
+            out.update(zip(tmap.hf, to_hf(tmap, tensors[tmap.megatron], spec)))
     return out
+
+
+def megatron_grads_as_hf(model, spec) -> dict[str, torch.Tensor]:
+    """Each parameter's ``main_grad`` (the gradient of the optimizer step just taken) under its HF name(s)."""
+    return as_hf({n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}, spec)
 
 
 def restore(model, saved: list[torch.Tensor]) -> None:
@@ -506,7 +510,6 @@ def pinned_step(hf_dir: str, dp: int, dtype: str = "float32") -> dict:
     from megarl.backend.models import build_rl_models
     from megarl.config.loader import load_config
     from megarl.models import read_hf_config, spec_from_hf_config
-    from megarl.models.adapter import tensor_maps, to_hf
     from megarl.models.source import model_source
     from megarl.parallel.layout import ParallelLayout
     from megarl.rl.collect import Collected
@@ -518,16 +521,8 @@ def pinned_step(hf_dir: str, dp: int, dtype: str = "float32") -> dict:
     cfg = load_config(None, pinned_overrides(hf_dir, dp, dtype))
     spec = spec_from_hf_config(read_hf_config(hf_dir))
     models = build_rl_models(cfg, spec, ParallelLayout(dp=dp), model_source(hf_dir), dist.get_rank(), roles=("actor",))
-
-    def by_hf_name(tensors: dict) -> dict:
-        out = {}
-        for tmap in tensor_maps(spec):
-            if tmap.megatron in tensors:
-                out.update(zip(tmap.hf, to_hf(tmap, tensors[tmap.megatron], spec)))
-        return out
-
     params = dict(models.actor.module.named_parameters())
-    initial = by_hf_name({n: p.detach().float().clone() for n, p in params.items()})
+    initial = as_hf({n: p.detach().float().clone() for n, p in params.items()}, spec)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     batch = Collected()
     for i, (seq, p) in enumerate(fixed_sequences(spec.vocab_size)):
@@ -541,9 +536,9 @@ def pinned_step(hf_dir: str, dp: int, dtype: str = "float32") -> dict:
     return {
         "metrics": learned.actor,
         "advantages": [a.clone() for a in learned.advantages],
-        "grads": by_hf_name({n: p.main_grad.detach().clone() for n, p in params.items()}),
+        "grads": megatron_grads_as_hf(models.actor, spec),
         "initial": initial,
-        "weights": by_hf_name({n: p.detach().float().clone() for n, p in params.items()}),
+        "weights": as_hf({n: p.detach().float().clone() for n, p in params.items()}, spec),
     }
 
 

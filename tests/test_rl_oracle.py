@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
+from tests.metric_tolerance import bf16_ulp
 from tests.rl_oracle_worker import (
     ACTOR_CASES,
     PINNED_ADAM,
@@ -177,7 +178,6 @@ def test_one_grpo_step_is_pinned_to_the_formulas(pinned, dp, dtype):
         # of the elements equal, the others one rounding step apart where the bf16 gradient's sign or size differs;
         # a sign that flips moves an element by 2 lr)
         ref = (w0 - step).bfloat16().float()
-        ulp = 2.0 ** (torch.frexp(ref.abs().max()).exponent.item() - 8)
         assert (w == ref).float().mean() >= 0.97, name
-        assert (w - ref).abs().max() <= 2 * ulp + 2 * PINNED_ADAM["lr"], name
+        assert (w - ref).abs().max() <= 2 * bf16_ulp(ref) + 2 * PINNED_ADAM["lr"], name
     assert any(not torch.equal(w, r["initial"][n]) for n, w in r["weights"].items())

@@ -11,7 +11,7 @@ import torch
 
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
-from tests.metric_tolerance import far_apart
+from tests.metric_tolerance import bf16_ulp, far_apart
 from tests.rl_update_worker import lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
@@ -121,13 +121,8 @@ def _assert_same_update(case: dict, ref: dict, bf16: bool = False):
                 # the actor from its initial weights (LoRA: none, its base is frozen), the critic from zero
                 start = ref.get("initial", ref[key])[name] if key == "weights" else torch.zeros_like(w_ref)
                 update = (w_ref.float() - start.float()).abs().max().item()
-                tol = BF16_WEIGHT_ULPS * _bf16_ulp(w_ref) + BF16_RTOL * update
+                tol = BF16_WEIGHT_ULPS * bf16_ulp(w_ref) + BF16_RTOL * update
             assert diff <= tol, f"{key} {name}: max |w - w_ref| = {diff} > {tol}"
-
-
-def _bf16_ulp(w: torch.Tensor) -> float:
-    """The spacing of bf16 numbers at the tensor's largest magnitude (8 significant bits)."""
-    return 2.0 ** (torch.frexp(w.float().abs().max()).exponent.item() - 8)
 
 
 def test_the_update_really_moves_the_weights(world2):
