@@ -91,7 +91,7 @@ def measure_exact_parts(recipe: str, overrides: list[str]) -> dict:
 
     from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER
     from megarl.backend.setup import wrap_for_training
-    from megarl.compat import megatron_mode
+    from megarl.compat.cpu import megatron_mode
     from megarl.config import load_config, validate
     from megarl.models.builder import build_model_chunk
     from megarl.parallel.init import init_distributed

@@ -112,7 +112,7 @@ def graph_nodes(output: torch.Tensor) -> list[str]:
 
 def _lm_losses(spec, layout, dtype: str) -> torch.Tensor | None:
     """Megatron's own per-token cross-entropy (``labels=``) of two sequences in one micro-batch (last stage)."""
-    from megarl.compat import megatron_mode
+    from megarl.compat.cpu import megatron_mode
 
     c = layout.coords(dist.get_rank())
     chunk = build_model_chunk(spec, layout, dtype=dtype)

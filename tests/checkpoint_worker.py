@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megarl.backend.setup import make_scheduler, wrap_for_training
 from megarl.backend.step import lm_loss, make_lm_micro_batches, train_step
 from megarl.checkpoint.training import OPTIM_METADATA, _sharded_state, load_training, save_training
-from megarl.compat import checkpoint_writer, megatron_fixes, megatron_mode
+from megarl.compat import checkpoint_writer, megatron_fixes
+from megarl.compat.cpu import megatron_mode
 from megarl.config.schema import OptimConfig
 from megarl.models.builder import build_model_chunk
 from megarl.models.spec import read_hf_config, spec_from_hf_config

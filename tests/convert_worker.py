@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl.checkpoint import load_model, read_meta
+from megarl.checkpoint import read_meta
+from megarl.checkpoint.weights import load_model
 from megarl.convert.hf_to_megatron import convert_hf_to_megatron
 from megarl.convert.megatron_to_hf import convert_megatron_to_hf
 from megarl.convert.verify import verify_checkpoint

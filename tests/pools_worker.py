@@ -10,7 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.pools import Pool, init_pool_group, pool_rank_env
+from megarl.parallel.layout import Pool
+from megarl.parallel.pools import init_pool_group, pool_rank_env
 
 POOLS = [Pool("train", range(0, 2), ("actor",)), Pool("rollout", range(2, 4), ("rollout",))]
 

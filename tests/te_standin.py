@@ -102,7 +102,7 @@ def te_case(hf_dir: str, adapter_dir: str, tp: int) -> dict:
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     for key, chunk in (("local", local), ("te", te)):  # the adapters' gradients flow through TE's normed output
         chunk.zero_grad()
-        from megarl.compat import megatron_mode
+        from megarl.compat.cpu import megatron_mode
 
         with megatron_mode():
             chunk(tokens, position_ids, None).float().pow(2).mean().backward()

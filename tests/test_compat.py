@@ -69,7 +69,8 @@ def test_megatron_mode_maps_cuda_to_cpu_only_inside():
     assert (
         _run("""
         import torch
-        from megarl.compat import cpu, megatron_mode
+        from megarl.compat import cpu
+        from megarl.compat.cpu import megatron_mode
         cpu.install()
         x = torch.ones(2)
         with megatron_mode():
@@ -98,7 +99,8 @@ def test_megatron_needs_the_mode():
     assert (
         _run("""
         import torch
-        from megarl.compat import cpu, megatron_mode
+        from megarl.compat import cpu
+        from megarl.compat.cpu import megatron_mode
         cpu.install()
         try:
             torch.tensor([1.0], device="cuda")      # what FP32Optimizer.__init__ does

@@ -91,7 +91,7 @@ def test_missing_model_section():
     "overrides, world, message",
     [
         ([], 4, "tp x pp x dp = 2 x 1 x 1 = 2, but 4 ranks were launched"),
-        (["actor.parallel.tp=8"], None, "does not divide the model's 4 attention heads; use a tp in [1, 2, 4]"),
+        (["actor.parallel.tp=8"], None, "4 attention heads, 2 key/value heads (query groups); use a tp in [1, 2]"),
         (["actor.parallel.tp=4"], None, "does not divide the model's 2 key/value heads"),
         (["actor.parallel.pp=3"], None, "actor.parallel.pp=3 does not divide the model's 2 layers"),
         (["actor.parallel.tp=1", "actor.parallel.dp=3"], None, "actor.global_batch_size=8 is not divisible by"),

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megarl.convert.checks import ConversionError, check_output_dir
 from megarl.convert.hf_io import HFWeights
-from megarl.convert.hf_to_megatron import ConversionError, check_hf_source, check_output_dir
+from megarl.convert.hf_to_megatron import check_hf_source
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
 from tests.convert_worker import LOAD_LAYOUTS, run_conversions

@@ -84,7 +84,7 @@ def test_torchrun_refuses_before_starting_anything(capsys, args, message):
         args = [*args, "--node-rank", "0"]
     rc, out, err = _launch(capsys, "torchrun", RECIPE, "--master-addr", "node0", *args)
     assert rc == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl launch torchrun: "), err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl: launch torchrun: "), err
     assert message in err, err
 
 
@@ -208,7 +208,7 @@ def test_sbatch_script_cpu_nodes_request_no_gpus():
 def test_slurm_refuses_bad_input(capsys, tmp_path, args, message):
     rc, out, err = _launch(capsys, "slurm", RECIPE, *args, "--output", str(tmp_path))
     assert rc == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl launch slurm: "), err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("megarl: launch slurm: "), err
     assert message in err, err
 
 

@@ -270,7 +270,7 @@ def _timeout_worker():
 
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.run.cli import run_rank as _rank
+    from megarl.run.rank import run_rank as _rank
 
     init_distributed(ParallelLayout(tp=2, pp=1, dp=1), timeout_s=3)  # Megatron's groups: whole minutes
     tp = dist.new_group([0, 1], timeout=__import__("datetime").timedelta(seconds=3), group_desc="TEST_TP_GROUP")

@@ -10,8 +10,7 @@ from megarl.cli import main
 from megarl.config import load_config, validate
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.megatron_shards import REPLICATED, tp_split
-from megarl.planner import Hardware, PlanError, format_plan, make_plan
-from megarl.planner.job import apply
+from megarl.planner.job import Hardware, PlanError, apply, format_plan, make_plan
 from megarl.planner.memory import Param, grad_buffer, model_params
 from megarl.reshard.layout import megatron_layout
 

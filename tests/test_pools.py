@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf_model
-from megarl.parallel.pools import Pool, parse_ranks, pool_of
+from megarl.parallel.layout import Pool, parse_ranks, pool_of
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import TOKEN_FRACTIONS, far_apart
 from tests.pools_worker import run_pools

@@ -94,7 +94,7 @@ def test_launch_refuses_what_train_would_refuse(capsys, tiny_llama_dir, tmp_path
     recipe = [QUICKSTART, f"model.path={tiny_llama_dir}", *overrides]
     rc, stdout, stderr = _launch(capsys, "slurm", *recipe, *SLURM, "--output", str(tmp_path / "logs"))
     assert rc == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, stderr
-    assert stderr.startswith("megarl launch slurm: config error: ") and message in stderr, stderr
+    assert stderr.startswith("megarl: launch slurm: config error: ") and message in stderr, stderr
     node = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "localhost", "--dry-run"]
     rc, stdout, stderr = _launch(capsys, "torchrun", *recipe, *node)
     assert rc == 2 and stdout == "" and message in stderr, stderr
@@ -107,7 +107,7 @@ def test_launch_warns_about_paths_this_host_cannot_see(capsys, tmp_path):
     assert rc == 0 and stdout.startswith("#!/bin/bash\n"), stderr
     warning, lead = stderr.strip().splitlines()
     assert warning == (
-        "megarl launch slurm: warning: /data/rlhf/train.parquet is not visible on this host (no /data here): not "
+        "megarl: launch slurm: warning: /data/rlhf/train.parquet is not visible on this host (no /data here): not "
         "checked; the nodes must see it (--strict-paths makes this an error)"
     )
     assert lead.startswith("[megarl] SIGUSR1 lead (--signal-secs): 300 s = max(300, an update in progress"), lead

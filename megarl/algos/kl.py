@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megarl.config.schema import K1_LOSS_REFUSED, KL_LOSSES  # the recipe's vocabulary: the schema refuses the rest
+
 
 def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp
@@ -32,17 +34,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
     return KL_ESTIMATORS[kind](logp.float(), ref_logp.float())
-
-
-KL_LOSSES = ("k2", "k3", "k3_is")
-"""Estimators usable as a loss term, by the gradient they give in expectation over the sampled tokens:
-k2 -> grad KL(pi || ref) (on-policy samples); k3 -> grad KL(ref || pi), the *reverse* KL; k3_is -> grad KL(pi || ref)
-also on samples of the pre-update policy pi_old (later mini-batches and epochs). k1 is not one: E_pi[grad log pi] = 0
-(Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
-K1_LOSS_REFUSED = (
-    "k1 as a KL loss has expected gradient 0 (E_pi[grad log pi] = 0): it regularises nothing and only adds noise; "
-    "use k3_is (or k2) for KL(pi || ref) as a loss, or k1 in the reward (algorithm.kl_in_reward)"
-)
 
 
 def kl_loss_terms(

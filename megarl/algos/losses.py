@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from megarl.algos.sampling import mask_below
+from megarl.config.schema import ROLLOUT_IS_LEVELS
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is numerical noise; keeps exp() finite
 
@@ -154,7 +155,6 @@ def _is_seq_mask(log_ratio_BT, keep_BT, cap, level):
 
 
 ROLLOUT_IS = {"off": _is_off, "token_truncate": _is_token_truncate, "seq_mask": _is_seq_mask}
-ROLLOUT_IS_LEVELS = ("sequence", "geometric")
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ streamed into each rank's Megatron chunk (actor, reference, and the critic's bod
 
 from __future__ import annotations
 
-from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.weights import load_model
 from megarl.models.source import ModelSource
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
@@ -17,7 +17,7 @@ def load_initial_weights(
 ) -> None:
     """Fill this rank's chunk from ``source`` (collective for checkpoints). A critic keeps its zero value head."""
     if source.is_checkpoint:
-        ckpt.load_model(source.path, chunk, skip_prefixes=(VALUE_HEAD_PREFIX,) if value_head else ())
+        load_model(source.path, chunk, skip_prefixes=(VALUE_HEAD_PREFIX,) if value_head else ())
         return
     from megarl.convert.hf_to_megatron import load_hf_into_chunk  # here: convert imports the backend (verify)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.compat import megatron_mode
+from megarl.compat.cpu import megatron_mode
 from megarl.compat.megatron_speed import fused_adam, multi_tensor_fallbacks_in_place, weight_gradients_into_main_grad
 from megarl.config.schema import OptimConfig
 

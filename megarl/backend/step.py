@@ -16,8 +16,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megarl.compat import megatron_mode
-from megarl.compat.cpu import outside_megatron_mode
+from megarl.compat.cpu import megatron_mode, outside_megatron_mode
 from megarl.compat.megatron_speed import logits_from
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -11,8 +11,6 @@ import hashlib
 import json
 import os
 
-import torch.distributed as dist
-
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
 
@@ -37,6 +35,9 @@ def _files(root: str) -> list[str]:
 
 
 def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist  # here: only writing is collective (reading a manifest, as the pre-launch
+    # checks do, loads no torch)
+
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -44,6 +45,8 @@ def _gather(mine: dict) -> dict:
     rank, world = _rank_world()
     if world == 1:
         return mine
+    import torch.distributed as dist  # here: see _rank_world
+
     parts = [None] * world
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}

@@ -1,4 +1,5 @@
-"""The only package that patches torch, megatron-core or vLLM.
+"""The only package that patches torch, megatron-core or vLLM. Its modules are imported by name (this file imports
+none: a config check that needs one of them loads no torch).
 
 - ``cpu``: the CPU shim for megatron-core (installed only when CUDA is absent; see its docstring).
 - ``megatron_fixes``: workarounds for megatron-core bugs on every platform, gated by version.
@@ -12,7 +13,3 @@
   multiprocessing queues (named semaphores a SIGKILL can leave in /dev/shm); installed by ``megarl.checkpoint``.
 - ``vllm_shm``: vLLM's shared-memory names carry the run's identity (installed by the vLLM engine).
 """
-
-from megarl.compat.cpu import install_if_needed, megatron_mode
-
-__all__ = ["install_if_needed", "megatron_mode"]

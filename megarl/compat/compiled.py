@@ -33,13 +33,14 @@ def compiled_kernel(fn: Callable) -> Callable:
     return kernel
 
 
-def check_compile_elementwise(device: torch.device, transformer_impl: str = "local") -> None:
-    """Refuse ``model.compile_elementwise`` where its kernels cannot run, in one line, before a model is built."""
+def check_compile_elementwise(device_type: str, transformer_impl: str = "local") -> None:
+    """Refuse ``model.compile_elementwise`` where its kernels cannot run (``device_type``: 'cpu', 'cuda'), in one
+    line, before a model is built."""
     if transformer_impl != "local":
         raise ValueError("model.compile_elementwise applies to transformer_impl=local only; turn it off")
-    if device.type != "cpu":
+    if device_type != "cpu":
         raise ValueError(
-            f"model.compile_elementwise runs on CPU only (its kernels were not run on {device.type}); turn it off"
+            f"model.compile_elementwise runs on CPU only (its kernels were not run on {device_type}); turn it off"
         )
     from torch._inductor.cpp_builder import get_cpp_compiler
 

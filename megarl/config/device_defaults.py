@@ -14,16 +14,59 @@ the cache when it starts; ``RolloutConfig``'s reader is ``kv_cache_bytes``). ``m
 
 from __future__ import annotations
 
-import torch
+import ast
+import ctypes
+import importlib.util
+import os
+import sys
 
 AUTO = "auto"
 CPU_KV_CACHE_MB = 1024
 """The KV cache on CPU with ``rollout.kv_cache_mb: auto`` (host memory; vLLM-CPU needs an explicit size)."""
 
 
+LIBCUDA = "libcuda.so.1"
+"""The CUDA driver library that ``on_cuda`` asks before torch is loaded."""
+
+
 def on_cuda() -> bool:
-    """Whether this process trains on CUDA."""
-    return torch.cuda.is_available()
+    """Whether this process trains on CUDA: ``torch.cuda.is_available()``. Until something has imported torch (2 s on
+    a small CPU box, before any config error could be said) the same question goes to what torch would ask: is torch
+    a CUDA build, and does the CUDA driver see a device (``cuDeviceGetCount``, after ``CUDA_VISIBLE_DEVICES``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.is_available()
+    return torch_cuda_build() and driver_devices() > 0
+
+
+def torch_cuda_build() -> bool:
+    """Whether the installed torch was built with CUDA (``torch.version.cuda``, read from its file, not imported)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        tree = ast.parse(open(path).read())
+    except OSError:
+        return False
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "cuda" for t in targets):
+                return isinstance(node.value, ast.Constant) and bool(node.value.value)
+    return False
+
+
+def driver_devices(library: str | None = None) -> int:
+    """The CUDA devices the driver ``library`` (default ``LIBCUDA``) sees; 0 without a driver or a device."""
+    try:
+        lib = ctypes.CDLL(library or LIBCUDA)
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def resolve(cfg, cuda: bool) -> list[str]:
@@ -63,6 +106,8 @@ def apply_tf32(cuda: bool) -> list[str]:
     """On CUDA, fp32 matmuls (an fp32 model, fp32 heads and losses) run on TF32 tensor cores."""
     if not cuda:
         return []
+    import torch  # here: only a process that trains on CUDA sets it (the config checks load no torch)
+
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
     return ["fp32 matmuls on TF32"]

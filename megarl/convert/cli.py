@@ -1,4 +1,6 @@
-"""Command lines of the three conversion tools (checkpoints_tools/*.py and `megarl convert ...` call these)."""
+"""Command lines of the three conversion tools (checkpoints_tools/*.py and `megarl convert ...` call these). Each
+checks its arguments with file names and JSON first (a bad path, layout or output folder is one line, before torch
+loads), then imports the conversion."""
 
 from __future__ import annotations
 
@@ -7,13 +9,9 @@ import sys
 
 from megarl.checkpoint.format import CheckpointError, latest_iteration_dir, read_meta
 from megarl.config.validate import layout_errors
-from megarl.convert.hf_to_megatron import ConversionError, check_hf_source, check_output_dir, convert_hf_to_megatron
-from megarl.convert.megatron_to_hf import check_export_dir, convert_megatron_to_hf
-from megarl.convert.verify import verify_checkpoint
-from megarl.lora.export import checkpoint_lora, export_adapter, export_merged
-from megarl.models.spec import spec_from_hf_config
+from megarl.convert.checks import ConversionError, check_export_dir, check_output_dir
+from megarl.models.spec import read_hf_config, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
-from megarl.parallel.spawn import run_on_ranks
 
 
 def _layout_args(parser: argparse.ArgumentParser, what: str) -> None:
@@ -21,8 +19,8 @@ def _layout_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size used to {what} (default 1)")
 
 
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+def _fail(tool: str, message: str) -> int:
+    print(f"megarl: {tool}: {message}", file=sys.stderr)
     return 2
 
 
@@ -36,24 +34,23 @@ def hf_to_megatron_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the HF config's)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     args = p.parse_args(argv)
-    try:
-        _, spec = check_hf_source(args.hf_dir)  # refuse bad input before any process starts
+    try:  # refuse bad input before any process starts
+        spec = spec_from_hf_config(read_hf_config(args.hf_dir))
         check_output_dir(args.out, args.overwrite)
         if args.tp < 1 or args.pp < 1:
             raise ConversionError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
         errors = layout_errors(spec, args.tp, args.pp, option="--{}")
         if errors:
             raise ConversionError("; ".join(errors))
-    except ConversionError as e:
-        return _fail(str(e))
+        from megarl.convert import hf_to_megatron  # here: the checks above passed (this loads torch and megatron)
+
+        hf_to_megatron.check_hf_source(args.hf_dir)  # the tensors and the tokenizer
+    except (ConversionError, FileNotFoundError, ValueError) as e:
+        return _fail("hf-to-megatron", str(e))
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
-    meta = run_on_ranks(_convert, layout.world_size, args.hf_dir, args.out, layout, args.dtype, args.overwrite)
+    meta = hf_to_megatron.convert_on_ranks(args.hf_dir, args.out, layout, args.dtype, args.overwrite)
     print(f"wrote {meta['family']} checkpoint to {args.out} (dtype {meta['dtype']}, written at {layout})")
     return 0
-
-
-def _convert(hf_dir, out, layout, dtype, overwrite):
-    return convert_hf_to_megatron(hf_dir, out, layout, dtype=dtype, overwrite=overwrite)
 
 
 def megatron_to_hf_main(argv: list[str] | None = None) -> int:
@@ -70,29 +67,29 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
         meta = read_meta(args.ckpt)
         latest_iteration_dir(args.ckpt)
         check_export_dir(args.out, args.overwrite)
-        lora = checkpoint_lora(meta)
+        from megarl.lora import export as lora_export  # here: the checks above passed (this loads torch)
+
+        lora = lora_export.checkpoint_lora(meta)
         if lora is not None and not (args.lora or args.merge):
             raise ConversionError(f"{args.ckpt} holds LoRA adapters: export them with --lora (a PEFT adapter) or "
                                   "--merge (the base with the adapters merged in)")  # fmt: skip
         if lora is None and (args.lora or args.merge):
             raise ConversionError(f"{args.ckpt} is a whole model, not LoRA adapters: export it without --lora/--merge")
         if args.lora:
-            export_adapter(args.ckpt, args.out)
+            lora_export.export_adapter(args.ckpt, args.out)
             print(f"wrote PEFT adapter to {args.out}")
             return 0
         if args.merge:
-            export_merged(args.ckpt, args.out)
+            lora_export.export_merged(args.ckpt, args.out)
             print(f"wrote merged HF model to {args.out}")
             return 0
     except (CheckpointError, ConversionError) as e:
-        return _fail(str(e))
-    run_on_ranks(_export, 1, args.ckpt, args.out, args.overwrite, int(args.max_shard_gb * 2**30))
+        return _fail("megatron-to-hf", str(e))
+    from megarl.convert import megatron_to_hf  # here: after the checks (this loads torch and megatron)
+
+    megatron_to_hf.export_on_a_rank(args.ckpt, args.out, args.overwrite, int(args.max_shard_gb * 2**30))
     print(f"wrote HF model to {args.out}")
     return 0
-
-
-def _export(ckpt, out, overwrite, max_shard_bytes):
-    return convert_megatron_to_hf(ckpt, out, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
 
 def verify_main(argv: list[str] | None = None) -> int:
@@ -102,13 +99,16 @@ def verify_main(argv: list[str] | None = None) -> int:
     _layout_args(p, "load the checkpoint")
     args = p.parse_args(argv)
     try:
+        read_hf_config(args.hf_dir)
         errors = layout_errors(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args.tp, args.pp, "--{}")
         if errors:
             raise CheckpointError("; ".join(errors))
-    except CheckpointError as e:
-        return _fail(str(e))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        return _fail("verify", str(e))
+    from megarl.convert import verify  # here: after the checks (this loads torch, megatron and transformers)
+
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
-    r = run_on_ranks(verify_checkpoint, layout.world_size, args.hf_dir, args.ckpt, layout)
+    r = verify.verify_on_ranks(args.hf_dir, args.ckpt, layout)
     verdict = "PASS" if r["passed"] else "FAIL"
     print(
         f"{verdict}: max abs logit diff {r['max_abs_diff']:.3e}, max rel diff {r['max_rel_diff']:.3e} "

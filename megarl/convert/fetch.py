@@ -122,6 +122,9 @@ def fetch_model(name: str, out: str, find_links: str | None = None, say=print) -
         say(f"[megarl] copied the HF folder {name} to {out}")
         return out
     if model is None:
+        if os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1:  # a path, not org/name
+            raise FetchError(f"{name}: no such folder (a local HF folder, an HF hub id org/name or one of "
+                             f"{', '.join(sorted(REGISTRY_MODELS))})")  # fmt: skip
         if "/" not in name:
             known = ", ".join(sorted(REGISTRY_MODELS))
             raise FetchError(f"unknown model {name!r}: one of {known}, an HF hub id (org/name) or a local HF folder")

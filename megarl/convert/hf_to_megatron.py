@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -10,6 +11,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.weights import save_model
+from megarl.convert.checks import ConversionError, check_output_dir
 from megarl.convert.hf_io import HFWeights, copy_tokenizer_files
 from megarl.models.adapter import local_spec_names, tensor_maps, to_megatron
 from megarl.models.builder import DTYPES, build_model_chunk
@@ -17,10 +20,7 @@ from megarl.models.spec import ModelSpec, read_hf_config, spec_from_hf_config
 from megarl.parallel import megatron_shards as shards
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-
-
-class ConversionError(ValueError):
-    """Input or output refused before anything is written."""
+from megarl.parallel.spawn import run_on_ranks
 
 
 def hf_dtype(hf_config: dict) -> str:
@@ -61,17 +61,6 @@ def check_hf_source(hf_dir: str) -> tuple[dict, ModelSpec]:
                 "tokenizer and weights do not belong together"
             )
     return hf_config, spec
-
-
-def check_output_dir(out_dir: str, overwrite: bool) -> None:
-    if not os.path.exists(out_dir):
-        return
-    if ckpt.holds_checkpoint(out_dir):
-        if not overwrite:
-            raise ConversionError(f"{out_dir} already holds a checkpoint; pass --overwrite to replace it")
-        return
-    if os.listdir(out_dir):
-        raise ConversionError(f"{out_dir} exists, is not empty and is not a megarl checkpoint; choose another --out")
 
 
 def load_hf_into_chunk(
@@ -124,7 +113,7 @@ def convert_hf_to_megatron(
     dist.barrier()
     chunk = build_model_chunk(spec, layout, dtype=dtype, init_weights=False, device="cpu")
     load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=rank == 0)
-    ckpt.save_model(tmp, chunk, iteration=0)
+    save_model(tmp, chunk, iteration=0)
     meta = {
         "family": spec.family,
         "hf_config": hf_config,
@@ -140,3 +129,9 @@ def convert_hf_to_megatron(
         ckpt.replace_dir(tmp, out_dir)
     dist.barrier()
     return meta
+
+
+def convert_on_ranks(hf_dir: str, out_dir: str, layout: ParallelLayout, dtype: str | None, overwrite: bool) -> dict:
+    """``convert_hf_to_megatron`` on ``layout``'s ranks, started here (one rank: in this process); rank 0's meta."""
+    convert = functools.partial(convert_hf_to_megatron, dtype=dtype, overwrite=overwrite)
+    return run_on_ranks(convert, layout.world_size, hf_dir, out_dir, layout)

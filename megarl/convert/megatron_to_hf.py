@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -10,19 +11,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megarl.checkpoint import format as ckpt
+from megarl.checkpoint.weights import load_model
+from megarl.convert.checks import check_export_dir
 from megarl.convert.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
-from megarl.convert.hf_to_megatron import ConversionError
 from megarl.models.adapter import tensor_maps, to_hf
 from megarl.models.builder import build_model_chunk
 from megarl.models.family import FAMILIES
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
-
-
-def check_export_dir(out_dir: str, overwrite: bool) -> None:
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ConversionError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+from megarl.parallel.spawn import run_on_ranks
 
 
 def convert_megatron_to_hf(
@@ -43,7 +41,7 @@ def convert_megatron_to_hf(
     spec = spec_from_hf_config(hf_config)
     init_distributed(layout)
     chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False, device="cpu")
-    ckpt.load_model(ckpt_dir, chunk)
+    load_model(ckpt_dir, chunk)
     if dist.get_rank() == 0:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -64,3 +62,9 @@ def convert_megatron_to_hf(
         ckpt.replace_dir(tmp, out_dir)
     dist.barrier()
     return hf_config
+
+
+def export_on_a_rank(ckpt_dir: str, out_dir: str, overwrite: bool, max_shard_bytes: int) -> dict:
+    """``convert_megatron_to_hf`` on one rank (in this process); the HF config."""
+    export = functools.partial(convert_megatron_to_hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    return run_on_ranks(export, 1, ckpt_dir, out_dir)

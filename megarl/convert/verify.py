@@ -7,11 +7,13 @@ import torch.distributed as dist
 
 from megarl.backend.step import run_schedule
 from megarl.checkpoint import format as ckpt
-from megarl.compat import megatron_mode
+from megarl.checkpoint.weights import load_model
+from megarl.compat.cpu import megatron_mode
 from megarl.models.builder import DTYPES, build_model_chunk
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.init import init_distributed
 from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.spawn import run_on_ranks
 
 # max |logit difference| allowed, per dtype: fp32 differs only by summation order.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
@@ -63,7 +65,7 @@ def verify_checkpoint(hf_dir: str, ckpt_dir: str, layout: ParallelLayout) -> dic
     spec = spec_from_hf_config(meta["hf_config"])
     init_distributed(layout)
     chunk = build_model_chunk(spec, layout, dtype=meta["dtype"], init_weights=False, device="cpu")
-    ckpt.load_model(ckpt_dir, chunk)
+    load_model(ckpt_dir, chunk)
     chunk.eval()
     tokens = verification_tokens(spec.vocab_size)
     logits = megatron_logits(chunk, tokens, spec.vocab_size, spec.score_head)
@@ -85,3 +87,8 @@ def verify_checkpoint(hf_dir: str, ckpt_dir: str, layout: ParallelLayout) -> dic
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     return next(r for r in gathered if r is not None)
+
+
+def verify_on_ranks(hf_dir: str, ckpt_dir: str, layout: ParallelLayout) -> dict:
+    """``verify_checkpoint`` on ``layout``'s ranks, started here (one rank: in this process); rank 0's result."""
+    return run_on_ranks(verify_checkpoint, layout.world_size, hf_dir, ckpt_dir, layout)

@@ -105,8 +105,8 @@ def main(launcher: str, argv: list[str]) -> int:
     try:
         return LAUNCHERS[launcher](argv)
     except ConfigError as e:
-        print(f"megarl launch {launcher}: config error: {e}", file=sys.stderr)
+        print(f"megarl: launch {launcher}: config error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
-        print(f"megarl launch {launcher}: {e}", file=sys.stderr)
+        print(f"megarl: launch {launcher}: {e}", file=sys.stderr)
         return 2

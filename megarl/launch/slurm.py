@@ -17,9 +17,6 @@ import launch as templates
 from megarl.config import MegarlConfig, load_config
 from megarl.config.topology import LaunchError, check_nodes, positive, train_args
 from megarl.config.validate import validate
-from megarl.planner import Hardware, PlanError, make_plan
-from megarl.planner.step_time import MIN_SIGNAL_LEAD_S
-from megarl.planner.step_time import signal_lead as planned_lead
 from megarl.run.preflight import preflight
 from megarl.run.resume import STOPPED_FILE
 
@@ -293,11 +290,15 @@ def submit(script: str, path: str, passed: dict[str, str]) -> str:
 def signal_lead(opts: SlurmOptions, cfg: MegarlConfig) -> tuple[int, str]:
     """The SIGUSR1 lead from the plan on these nodes (``megarl.planner.step_time.signal_lead``) and how it was derived;
     the minimum when the job cannot be planned here (its model's config.json unreadable on this host)."""
+    from megarl.planner import job, step_time  # here: after the recipe's checks (the planner loads torch)
+
     try:
-        plan = make_plan(cfg, validate(cfg), Hardware(opts.nodes, opts.gpus_per_node, fs_gb_s=opts.fs_gb_s))
-    except (PlanError, ValueError, OSError) as e:
-        return MIN_SIGNAL_LEAD_S, f"{MIN_SIGNAL_LEAD_S} s (the minimum: the job could not be planned here: {e})"
-    lead, how = planned_lead(cfg, plan.step, plan.save)
+        hw = job.Hardware(opts.nodes, opts.gpus_per_node, fs_gb_s=opts.fs_gb_s)
+        plan = job.make_plan(cfg, validate(cfg), hw)
+    except (ValueError, OSError) as e:  # PlanError among them
+        least = step_time.MIN_SIGNAL_LEAD_S
+        return least, f"{least} s (the minimum: the job could not be planned here: {e})"
+    lead, how = step_time.signal_lead(cfg, plan.step, plan.save)
     return lead, f"{how}; save at --fs-gb-s {opts.fs_gb_s:g} GB/s per node"
 
 
@@ -306,7 +307,7 @@ def launch(opts: SlurmOptions) -> int:
     cfg = load_config(opts.recipe, opts.overrides)
     check(opts, cfg)
     for warning in preflight(cfg, opts.nodes * opts.gpus_per_node, strict_paths=opts.strict_paths):
-        print(f"megarl launch slurm: warning: {warning}", file=sys.stderr)
+        print(f"megarl: launch slurm: warning: {warning}", file=sys.stderr)
     if opts.signal_secs is None:
         lead, how = signal_lead(opts, cfg)
         print(f"[megarl] SIGUSR1 lead (--signal-secs): {how}", file=sys.stderr)
@@ -318,7 +319,7 @@ def launch(opts: SlurmOptions) -> int:
     if not opts.submit:
         print(script, end="")
         if passed:
-            print(f"megarl launch slurm: note: export {' '.join(sorted(passed))} before sbatch (--env values are not "
+            print(f"megarl: launch slurm: note: export {' '.join(sorted(passed))} before sbatch (--env values are not "
                   "in the script)", file=sys.stderr)  # fmt: skip
         return 0
     path = os.path.join(logs, f"{opts.name()}.sbatch")

@@ -83,7 +83,7 @@ def launch(opts: TorchrunOptions) -> int:
     cfg = load_config(opts.recipe, opts.overrides)
     cmd = torchrun_command(opts, cfg)
     for warning in preflight(cfg, opts.nnodes * ranks_per_node(opts, cfg), strict_paths=opts.strict_paths):
-        print(f"megarl launch torchrun: warning: {warning}", file=sys.stderr)
+        print(f"megarl: launch torchrun: warning: {warning}", file=sys.stderr)
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0

@@ -7,6 +7,11 @@ import json
 import math
 import os
 
+TIMELINE_FILE = "timeline.jsonl"
+"""With pools: per step, when each pool learned and generated (``time.monotonic`` spans; the leader writes it)."""
+SAMPLES_DIR = "samples"
+"""``trainer.save_samples``: one ``step_<N>.jsonl`` per step in it."""
+
 
 def _clean(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from megarl.compat import cpu as cpu_compat
-from megarl.compat import megatron_mode
 from megarl.compat.compiled import check_compile_elementwise
+from megarl.compat.cpu import megatron_mode
 from megarl.compat.megatron_fixes import restore_tp_attributes
 from megarl.compat.megatron_speed import (
     batch_major_logits,
@@ -28,12 +28,12 @@ from megarl.compat.megatron_speed import (
     rms_norm_on_cpu,
     rope_in_four_ops,
 )
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import DTYPE_BYTES, ModelSpec
 from megarl.models.swiglu import CompiledSwiGLU, SwiGLU
 from megarl.models.value_head import ValueHead
 from megarl.parallel.layout import ParallelLayout
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
 def transformer_engine_available() -> bool:
@@ -152,7 +152,7 @@ def build_model_chunk(
 
     device = torch.device(device) if device is not None else rank_device()
     if compile_elementwise:
-        check_compile_elementwise(device, transformer_impl)
+        check_compile_elementwise(device.type, transformer_impl)
     config = transformer_config(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
         cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,

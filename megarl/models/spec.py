@@ -12,6 +12,10 @@ DEFAULT_VOCAB_PAD_MULTIPLE = 128
 """megarl pads the vocabulary to a multiple that does not depend on TP, so checkpoints keep one global shape."""
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The parameter dtypes a model is built in (``model.dtype``), with their bytes per element."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer (Llama/Qwen2/Mistral style), independent of any parallel layout."""

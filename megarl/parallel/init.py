@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import cpu as cpu_compat
-from megarl.compat import megatron_mode
+from megarl.compat.cpu import megatron_mode
 from megarl.parallel.layout import ParallelLayout
 
 

@@ -7,6 +7,9 @@ Rank order is Megatron's default ``"tp-cp-ep-dp-pp"`` (TP innermost, PP outermos
 so a TP group is a block of ``tp`` consecutive ranks. vLLM's TP groups are also blocks of consecutive ranks, which is
 why a rollout TP equal to the actor TP gives identical groups. Context and expert parallelism would add factors
 between TP and DP here; they are not built yet.
+
+A launch's pools (``Pool``: contiguous rank ranges, their roles) are rank arithmetic too; their process groups live
+in ``megarl.parallel.pools``. No torch here: the config checks use this module.
 """
 
 from __future__ import annotations
@@ -138,3 +141,40 @@ def prompt_slice(num_prompts: int, engine: int, engines: int) -> range:
     base, extra = divmod(num_prompts, engines)
     start = engine * base + min(engine, extra)
     return range(start, start + base + (1 if engine < extra else 0))
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool: its global ranks (contiguous) and the roles it hosts."""
+
+    name: str
+    ranks: range
+    roles: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def local(self, rank: int) -> int:
+        """``rank``'s index inside this pool."""
+        return self.ranks.index(rank)
+
+
+def parse_ranks(text) -> range:
+    """'a-b' (inclusive) or a single rank, as a range."""
+    text = str(text).strip()
+    lo, sep, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"ranks: {text!r} is not 'a-b' or a single rank") from None
+    if first < 0 or last < first:
+        raise ValueError(f"ranks: {text!r} is not an increasing range of ranks >= 0")
+    return range(first, last + 1)
+
+
+def pool_of(pools: list[Pool], rank: int) -> Pool:
+    for p in pools:
+        if rank in p.ranks:
+            return p
+    raise ValueError(f"rank {rank} is in no pool")

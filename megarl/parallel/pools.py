@@ -19,45 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.comm import GroupComm, WorldComm
+from megarl.parallel.layout import Pool, pool_of
 
 _launch = {"store": None, "joins": 0}  # torchrun's store, once this process joined its pool; not a cache
-
-
-@dataclass(frozen=True)
-class Pool:
-    """One pool: its global ranks (contiguous) and the roles it hosts."""
-
-    name: str
-    ranks: range
-    roles: tuple[str, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def local(self, rank: int) -> int:
-        """``rank``'s index inside this pool."""
-        return self.ranks.index(rank)
-
-
-def parse_ranks(text) -> range:
-    """'a-b' (inclusive) or a single rank, as a range."""
-    text = str(text).strip()
-    lo, sep, hi = text.partition("-")
-    try:
-        first, last = int(lo), int(hi) if sep else int(lo)
-    except ValueError:
-        raise ValueError(f"ranks: {text!r} is not 'a-b' or a single rank") from None
-    if first < 0 or last < first:
-        raise ValueError(f"ranks: {text!r} is not an increasing range of ranks >= 0")
-    return range(first, last + 1)
-
-
-def pool_of(pools: list[Pool], rank: int) -> Pool:
-    for p in pools:
-        if rank in p.ranks:
-            return p
-    raise ValueError(f"rank {rank} is in no pool")
 
 
 def init_pool_group(pools: list[Pool], backend: str, timeout_s: float = 600.0) -> Pool:

@@ -17,10 +17,9 @@ from megarl.config.validate import (
     rollout_tp,
     vllm_tp_fits,
 )
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import DTYPE_BYTES, ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner.memory import (
-    DTYPE_BYTES,
     MiB,
     RankMemory,
     lora_params,
@@ -80,6 +79,20 @@ def default_hardware(world: int, nodes: int | None, gpus_per_node: int | None, *
     if nodes is None:
         nodes = -(-world // gpus_per_node)
     return Hardware(nodes, gpus_per_node, **{k: v for k, v in links.items() if v is not None})
+
+
+def plan_for(cfg: MegarlConfig, spec: ModelSpec, options=None, sync: bool = True) -> JobPlan:
+    """The plan of ``cfg`` on the hardware ``options`` names (`megarl plan`'s hardware options as attributes:
+    ``nodes``, ``gpus_per_node``, ``gpu_mem_gb``, ...; defaults for what it does not name; None: all defaults)."""
+    par = cfg.actor.parallel
+    links = ("gpu_mem_gb", "ib_gbps", "nvlink_gbps", "peak_tflops", "hbm_gb_s", "fs_gb_s")
+    hw = default_hardware(
+        par.tp * par.pp * par.dp,
+        getattr(options, "nodes", None),
+        getattr(options, "gpus_per_node", None),
+        **{name: getattr(options, name, None) for name in links},
+    )
+    return make_plan(cfg, spec, hw, sync=sync)
 
 
 @dataclass

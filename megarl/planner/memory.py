@@ -27,16 +27,14 @@ from megarl.config.recipe import needs_critic, needs_reference, needs_reward_mod
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import layout_config, pool_layout_role, pools_of, rollout_tp
 from megarl.lora.adapters import hf_shape
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import DTYPE_BYTES, ModelSpec
 from megarl.parallel import megatron_shards as ms
-from megarl.parallel.layout import ParallelLayout
-from megarl.parallel.pools import Pool
+from megarl.parallel.layout import ParallelLayout, Pool
 from megarl.planner.activations import Kernels, MicroBatchShape, Model, logits_transient_bytes, stage_activation_bytes
 from megarl.reshard.layout import hf_layout, megatron_adapter_layout, megatron_layout, vllm_layout
 
 GiB = 1024**3
 MiB = 1024**2
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAD_BYTES = 4  # megarl's DDP reduces gradients in fp32 (grad_reduce_in_fp32=True)
 RESERVE_BYTES = 2 * GiB
 """Estimate: CUDA context, NCCL communicators and caching-allocator slack per GPU."""

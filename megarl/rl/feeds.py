@@ -17,7 +17,7 @@ import time
 import torch.distributed as dist
 
 from megarl import faults
-from megarl.checkpoint.training import ROLLOUT_BATCH, ROLLOUT_STREAM
+from megarl.checkpoint.locate import ROLLOUT_BATCH, ROLLOUT_STREAM
 from megarl.parallel.pools import launch_store
 from megarl.reshard.sync import SyncReport
 from megarl.rl.bounded import Op, Requests, RolloutServer

@@ -26,7 +26,7 @@ import torch
 from megarl import faults
 from megarl.algos import rollout_is_weights
 from megarl.backend.batch import Sequence
-from megarl.logging.jsonl import write_rows
+from megarl.logging.jsonl import SAMPLES_DIR, TIMELINE_FILE, write_rows
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
 from megarl.rl.collect import Collected, combine_rewards, combined_scores, sequences_of
@@ -40,10 +40,6 @@ from megarl.rollout.protocol import rollout
 if TYPE_CHECKING:
     from megarl.run.job import Job
 
-TIMELINE_FILE = "timeline.jsonl"
-"""With pools: per step, when each pool learned and generated (``time.monotonic`` spans; the leader writes it)."""
-SAMPLES_DIR = "samples"
-"""``trainer.save_samples``: one ``step_<N>.jsonl`` per step in it."""
 
 
 class StepAbandoned(Exception):  # noqa: N818 -- a decision, not an error

@@ -33,6 +33,7 @@ from megarl import lifetime
 from megarl.compat import vllm_shm
 from megarl.config.device_defaults import enforce_eager, kv_cache_bytes
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
+from megarl.config.validate import VLLM_LORA_RANKS
 from megarl.models.builder import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.layout import SideLayout
@@ -84,10 +85,6 @@ def _memory_args(cfg) -> dict:
         return {"kv_cache_memory_bytes": kv}
     free, total = torch.cuda.mem_get_info()
     return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": max(0.01, 0.95 * free / total)}
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py MaxLoRARanks)."""
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -1,28 +1,19 @@
-"""`megarl train`: the recipe checked before any process starts, then the run in this process (one rank), under
-torchrun (several ranks on this node) or as one of torchrun's ranks, with one line and an exit status for what ends it
-(``EXIT_PREEMPTED`` after a stop with a checkpoint: requeue)."""
+"""`megarl train`: the recipe checked before any process starts (no torch, megatron-core or vLLM is loaded until its
+checks pass: a bad recipe is one line), then the run in this process (one rank), under torchrun (several ranks on
+this node) or as one of torchrun's ranks (``megarl.run.rank``)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
-from megarl import faults, lifetime
+from megarl import faults
 from megarl.compat.host_memory import HUGE_PAGES_ENV
 from megarl.config import ConfigError, validate
-from megarl.config.device_defaults import apply_tf32, on_cuda
+from megarl.config.device_defaults import on_cuda
 from megarl.config.loader import load_config_and_defaults
 from megarl.config.validate import launch_world_size
 from megarl.lifetime import supervise
-from megarl.models.source import model_source
-from megarl.parallel.init import describe_collective_timeout
-from megarl.parallel.spawn import run_on_ranks
-from megarl.planner import PlanError, verdict_line
-from megarl.planner.cli import plan_for
-from megarl.rewards import RewardFailure
-from megarl.rl.collect import DynamicSamplingExhausted
-from megarl.run.preemption import installed_stop_requests
 from megarl.run.preflight import check_inputs
 from megarl.run.resume import EXIT_PREEMPTED, STOPPED_FILE, ResumeError, RunComplete, plan_start
 
@@ -43,14 +34,9 @@ def train_command(args, stop=None) -> int:
         env = {**HUGE_PAGES_ENV, **os.environ} if cpu_ranks else None  # read by torch when a rank starts
         rc = _relaunch_under_torchrun(launch_world_size(cfg), ["train", args.config, *args.overrides], env=env)
         return EXIT_PREEMPTED if rc == 0 and os.path.isfile(stopped) else rc
-    from megarl.run.train import train  # here: a config error or a relaunch does not import the whole trainer
+    from megarl.run.rank import train_checked  # here: a config error or a relaunch does not import the trainer
 
-    source = model_source(cfg.model.path)
-    _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
-    if launched is not None:
-        return run_rank(functools.partial(train, stop=stop), cfg, spec, source)  # a rank under torchrun: the
-        # relaunching parent reports a stop
-    return _train_here(train, cfg, spec, source, stopped)
+    return train_checked(cfg, spec, chosen, stop)
 
 
 def _checked_recipe(args, launched: int | None):
@@ -80,6 +66,9 @@ def _checked_recipe(args, launched: int | None):
 
 def _dry_run(cfg, spec) -> int:
     """`megarl train --dry-run`: what would run, and the memory plan's verdict."""
+    from megarl.planner.job import PlanError, plan_for, verdict_line  # here: after the checks (the planner loads
+    # torch)
+
     par = cfg.actor.parallel
     print(
         f"[megarl] dry run: config, model ({spec.family} {spec.num_layers}x{spec.hidden_size}), data and reward "
@@ -90,56 +79,6 @@ def _dry_run(cfg, spec) -> int:
         print(f"[megarl] {verdict_line(plan_for(cfg, spec, sync=False))}")
     except PlanError as e:
         print(f"[megarl] memory plan: {e}")
-    return 0
-
-
-def _train_here(train, cfg, spec, source, stopped: str) -> int:
-    """One rank, in this process: 0 after a clean end, 1 with one line for a run that cannot go on, EXIT_PREEMPTED
-    after a stop."""
-    lifetime.forks_die_with_this_process()  # this process is the rank: what it forks dies with it
-    stop = installed_stop_requests()
-    try:
-        in_here = "RANK" not in os.environ  # run_on_ranks runs it in this process (else it spawns one)
-        run_on_ranks(functools.partial(train, stop=stop) if in_here else train, 1, cfg, spec, source)
-    except RunComplete as e:
-        print(f"[megarl] {e}", flush=True)
-        return 0
-    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:
-        print(f"megarl: {e}", file=sys.stderr, flush=True)
-        return 1
-    return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
-
-
-def _device_defaults(chosen: list[str], say: bool) -> None:
-    """The training process's device settings: TF32 on CUDA, and one line naming what 'auto' chose."""
-    chosen = chosen + apply_tf32(on_cuda())
-    if say and chosen:
-        print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
-
-
-def run_rank(train, *args) -> int:
-    """One torchrun rank's run: 0 after a clean end (also a stop after a save); 1 with one line when a collective
-    timed out (a peer died or hangs), or with rank 0's account of a broken reward function (every rank stops on the
-    same gathered scores); any other error propagates (its traceback is the report)."""
-    try:
-        train(*args)
-    except RunComplete as e:  # a requeued job whose run already ended: completed, not failed
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[megarl] {e}", flush=True)
-        lifetime.finish_rank()
-        return 0
-    except (RewardFailure, DynamicSamplingExhausted, ResumeError) as e:  # decided on gathered data: all ranks alike
-        if os.environ.get("RANK", "0") == "0":
-            print(f"megarl: {e}", file=sys.stderr, flush=True)
-        lifetime.finish_rank()  # an agreed stop, not a death: the other ranks are not killed
-        return 1
-    except RuntimeError as e:
-        line = describe_collective_timeout(e)
-        if line is None:
-            raise
-        print(f"megarl: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
-        return 1
-    lifetime.finish_rank()
     return 0
 
 

@@ -21,15 +21,8 @@ from megarl.backend.models import ALL_ROLES, RLModels, build_rl_models
 from megarl.backend.offload import Offloader
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.training import (
-    ROLLOUT_BATCH,
-    ROLLOUT_STREAM,
-    abandon_later,
-    checkpoints_root,
-    load_training,
-    read_trainer_state,
-    set_rng_states,
-)
+from megarl.checkpoint.locate import ROLLOUT_BATCH, ROLLOUT_STREAM, abandon_later, checkpoints_root, read_trainer_state
+from megarl.checkpoint.training import load_training, set_rng_states
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.host_memory import keep_freed_memory
 from megarl.config.loader import to_yaml
@@ -39,7 +32,7 @@ from megarl.config.validate import adapter_slots, layout_config, pool_layout_rol
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
 from megarl.logging import Tracker
-from megarl.logging.jsonl import read_metrics, write_rows
+from megarl.logging.jsonl import TIMELINE_FILE, read_metrics, write_rows
 from megarl.lora.checkpoint import base_fingerprint, same_base
 from megarl.models.source import ModelSource
 from megarl.models.spec import ModelSpec
@@ -58,7 +51,6 @@ from megarl.run.preemption import StopRequests
 from megarl.run.resume import (
     METRICS_FILE,
     STOPPED_FILE,
-    TIMELINE_FILE,
     ResumeError,
     clear_previous_run,
     holds_previous_run,

@@ -14,8 +14,7 @@ import tempfile
 import time
 
 from megarl.checkpoint import format as ckpt
-from megarl.checkpoint.manifest import ManifestError
-from megarl.checkpoint.training import (
+from megarl.checkpoint.locate import (
     TRAINER_STATE,
     Found,
     checkpoints_root,
@@ -24,10 +23,10 @@ from megarl.checkpoint.training import (
     read_trainer_state,
     resolve_path,
 )
+from megarl.checkpoint.manifest import ManifestError
 from megarl.config.schema import MegarlConfig
-from megarl.logging.jsonl import read_metrics
+from megarl.logging.jsonl import SAMPLES_DIR, TIMELINE_FILE, read_metrics
 from megarl.models.spec import ModelSpec, spec_from_hf_config
-from megarl.rl.step import SAMPLES_DIR, TIMELINE_FILE
 
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"

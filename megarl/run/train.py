@@ -12,7 +12,8 @@ import time
 
 from megarl import faults
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.training import checkpoints_root, complete_iterations, rng_states, save_training
+from megarl.checkpoint.locate import checkpoints_root, complete_iterations
+from megarl.checkpoint.training import rng_states, save_training
 from megarl.config.recipe import needs_critic
 from megarl.config.validate import critic_parallel
 from megarl.parallel.layout import ParallelLayout
