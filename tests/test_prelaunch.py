@@ -92,3 +92,34 @@ def test_each_bad_input_is_one_line_and_status_2_before_any_heavy_library(recipe
         if out.returncode != 2 or len(lines) != 1 or not lines[0].startswith("megarl: ") or loaded != ["[]"]:
             failures.append(f"{name}: rc {out.returncode}, loaded {loaded[0]}, stderr {json.dumps(out.stderr)}")
     assert failures == [], "\n".join(failures)
+
+
+def test_on_cuda_asks_the_cuda_driver_until_torch_is_loaded(tmp_path):
+    """Before torch is imported, ``on_cuda`` asks what ``torch.cuda.is_available()`` would: a CUDA build of torch
+    (its version file) and a device the driver counts (a stand-in driver compiled here answers 2, or fails cuInit)."""
+    import torch
+
+    from megarl.config import device_defaults
+
+    assert device_defaults.torch_cuda_build() == (torch.version.cuda is not None)
+    for name, init, count in (("two", 0, 2), ("no-device", 100, 0)):  # 100: CUDA_ERROR_NO_DEVICE
+        (tmp_path / f"{name}.c").write_text(
+            f"int cuInit(unsigned flags) {{ return {init}; }}\n"
+            f"int cuDeviceGetCount(int *n) {{ *n = {count}; return 0; }}\n"
+        )
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / f"lib{name}.so"), str(tmp_path / f"{name}.c")],
+                       check=True)  # fmt: skip
+    assert device_defaults.driver_devices(str(tmp_path / "libtwo.so")) == 2
+    assert device_defaults.driver_devices(str(tmp_path / "libno-device.so")) == 0
+    assert device_defaults.driver_devices(str(tmp_path / "libabsent.so")) == 0
+    ask = (
+        "import sys\n"
+        "from megarl.config import device_defaults as d\n"
+        "d.torch_cuda_build = lambda: True  # a CUDA build of torch, with the stand-in driver below\n"
+        f"d.LIBCUDA = {str(tmp_path / 'libtwo.so')!r}\n"
+        "print(d.on_cuda(), 'torch' in sys.modules)\n"
+    )
+    assert _python("-c", ask).stdout.split() == ["True", "False"]
+    here = "import sys\nfrom megarl.config.device_defaults import on_cuda\nfirst = on_cuda()\nimport torch\n" \
+           "print(first, on_cuda(), torch.cuda.is_available())"  # fmt: skip
+    assert len(set(_python("-c", here).stdout.split())) == 1  # the driver's answer is torch's, on this machine

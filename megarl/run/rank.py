@@ -8,6 +8,7 @@ import os
 import sys
 
 from megarl import lifetime
+from megarl.compat.quiet import implementations
 from megarl.config.device_defaults import apply_tf32, on_cuda
 from megarl.models.source import model_source
 from megarl.parallel.init import describe_collective_timeout
@@ -23,7 +24,7 @@ def train_checked(cfg, spec, chosen: list[str], stop=None) -> int:
     """Train the checked recipe ``cfg`` here, or as a torchrun rank (``stop``: its stop requests, installed first of
     all by ``megarl.cli``); ``chosen``: the device defaults the loader chose, said once."""
     source = model_source(cfg.model.path)
-    _device_defaults(chosen, say=os.environ.get("RANK", "0") == "0")
+    _start_up_lines(cfg, chosen, say=os.environ.get("RANK", "0") == "0")
     if "WORLD_SIZE" in os.environ:
         return run_rank(functools.partial(train, stop=stop), cfg, spec, source)  # a rank under torchrun: the
         # relaunching parent reports a stop
@@ -47,11 +48,14 @@ def _train_here(cfg, spec, source, stopped: str) -> int:
     return EXIT_PREEMPTED if os.path.isfile(stopped) else 0
 
 
-def _device_defaults(chosen: list[str], say: bool) -> None:
-    """The training process's device settings: TF32 on CUDA, and one line naming what 'auto' chose."""
+def _start_up_lines(cfg, chosen: list[str], say: bool) -> None:
+    """The training process's device settings (TF32 on CUDA), and the lines that name what 'auto' chose and which
+    implementations run (megatron-core's own warnings about them are silenced: ``megarl.compat.quiet``)."""
     chosen = chosen + apply_tf32(on_cuda())
     if say and chosen:
         print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
+    if say:
+        print(f"[megarl] implementations: {implementations(cfg.model.transformer_impl)}", flush=True)
 
 
 def run_rank(train, *args) -> int:
