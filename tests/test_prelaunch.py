@@ -123,3 +123,31 @@ def test_on_cuda_asks_the_cuda_driver_until_torch_is_loaded(tmp_path):
     here = "import sys\nfrom megarl.config.device_defaults import on_cuda\nfirst = on_cuda()\nimport torch\n" \
            "print(first, on_cuda(), torch.cuda.is_available())"  # fmt: skip
     assert len(set(_python("-c", here).stdout.split())) == 1  # the driver's answer is torch's, on this machine
+
+
+QUIET = '''
+import logging, warnings
+import megarl
+from megarl.compat import quiet
+import megatron.core.optimizer, megatron.core.optimizer.clip_grads, megatron.core.distributed
+warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "backends.py", 21,
+                       module="megatron.core.models.backends")
+warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "elsewhere.py", 1,
+                       module="elsewhere")  # the same message from another module still shows
+warnings.warn_explicit("another megatron warning", UserWarning, "optimizer.py", 1, module="megatron.core.optimizer")
+quiet.quiet_vllm_logs()
+logging.getLogger("vllm.config.vllm").warning("Model Runner V2 requires Triton; using the V1 model runner instead.")
+logging.getLogger("vllm.config.vllm").warning("a vLLM warning a user can act on")
+print(quiet.implementations("local"))
+'''
+
+
+def test_the_start_up_silences_exactly_the_fallback_notes():
+    out = _python("-c", QUIET)
+    assert out.returncode == 0, out.stderr
+    assert "Transformer Engine and Apex" not in out.stderr and "Model Runner V2" not in out.stderr, out.stderr
+    assert out.stderr.count("Apex is not installed. Falling back to Torch Norm") == 1, out.stderr
+    assert "elsewhere.py" in out.stderr and "another megatron warning" in out.stderr, out.stderr
+    assert "a vLLM warning a user can act on" in out.stderr, out.stderr
+    assert out.stdout.strip() == ("layers: megatron-core local spec (torch norms); optimizer: torch AdamW, local "
+                                  "multi-tensor ops (Transformer Engine and Apex are not installed)")  # fmt: skip

@@ -3,6 +3,8 @@ disabled (wandb is not even initialised; nothing is written)."""
 
 from __future__ import annotations
 
+import os
+
 from megarl.config.schema import WandbConfig
 
 
@@ -12,6 +14,7 @@ def start_wandb(cfg: WandbConfig, output_dir: str, run_config: dict, run_id: str
         return None
     import wandb
 
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # else wandb suggests Weave because vLLM imports openai
     return wandb.init(
         mode=cfg.mode,
         project=cfg.project,

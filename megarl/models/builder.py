@@ -62,6 +62,7 @@ def transformer_config(
 
     params_dtype = DTYPES[dtype]
     return TransformerConfig(
+        cuda_graph_scope=[],  # the whole layer; megatron-core 0.16.1's default "full" warns that it is deprecated
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import lifetime
-from megarl.compat import vllm_shm
+from megarl.compat import quiet, vllm_shm
 from megarl.config.device_defaults import enforce_eager, kv_cache_bytes
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.config.validate import VLLM_LORA_RANKS
@@ -138,6 +138,7 @@ class VLLMEngine:
         if (lora is None) != (adapter_layout is None):
             raise ValueError("VLLMEngine: lora and adapter_layout go together")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quiet.quiet_vllm_logs()  # before vLLM's own import logs its first note
         from vllm import LLM  # imported before vllm_shm patches the shared memory
         from vllm.platforms import current_platform
 
@@ -387,7 +388,7 @@ class VLLMEngine:
             self.asleep = {"weights", "kv_cache"}
             self.weight_version = None
             self.base_loaded = self.base_loaded and keep_base
-        elif not self._said_no_sleep:
+        elif not self._said_no_sleep and dist.get_rank() == 0:  # the same on every rank: said once
             log.warning("vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache in memory")
             self._said_no_sleep = True
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from megarl import lifetime
-from megarl.compat.quiet import implementations
+from megarl.compat import quiet
 from megarl.config.device_defaults import apply_tf32, on_cuda
 from megarl.models.source import model_source
 from megarl.parallel.init import describe_collective_timeout
@@ -52,10 +52,12 @@ def _start_up_lines(cfg, chosen: list[str], say: bool) -> None:
     """The training process's device settings (TF32 on CUDA), and the lines that name what 'auto' chose and which
     implementations run (megatron-core's own warnings about them are silenced: ``megarl.compat.quiet``)."""
     chosen = chosen + apply_tf32(on_cuda())
+    if not on_cuda():
+        quiet.install_for_cpu()
     if say and chosen:
         print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
     if say:
-        print(f"[megarl] implementations: {implementations(cfg.model.transformer_impl)}", flush=True)
+        print(f"[megarl] implementations: {quiet.implementations(cfg.model.transformer_impl)}", flush=True)
 
 
 def run_rank(train, *args) -> int:
