@@ -71,7 +71,7 @@ def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"no HuggingFace config at {path}: model.path must be a HF model directory "
+            f"no HuggingFace config at {path}: not an HF model directory "
             f"(for a tiny local model run `megarl tiny-model --out {model_dir}`)"
         )
     with open(path) as f:
