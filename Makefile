@@ -42,7 +42,7 @@ endif
 	@echo "[make] installing megarl (editable, no further dependencies)"
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	@echo "[make] checking the environment"
-	$(PY) -c "import torch, megatron.core, vllm, transformers, importlib.util as u; \
+	$(PY) -c "import megarl, torch, megatron.core, vllm, transformers, importlib.util as u; \
 	assert torch.__version__.startswith('2.13.0'), torch.__version__; \
 	assert not any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')) or torch.cuda.is_available(); \
 	print('[make] ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__)"
