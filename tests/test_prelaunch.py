@@ -54,6 +54,11 @@ def recipes(tiny_llama_dir, tmp_path_factory):
     (d / "tab.yaml").write_text("trainer:\n\ttotal_steps: 3\n")
     (d / "tiny.yaml").write_text(f"base: {ROOT}/configs/tiny_grpo.yaml\nmodel:\n  path: {tiny_llama_dir}\n")
     (d / "ckpt").mkdir()
+    lora = d / "lora-ckpt"  # a LoRA training checkpoint's metadata and pointer (its weights are not read)
+    (lora / "iter_0000001").mkdir(parents=True)
+    (lora / "iter_0000001" / "metadata.json").write_text("{}")
+    (lora / "latest").write_text("iter_0000001\n")
+    (lora / "megarl_checkpoint.json").write_text(json.dumps({"format_version": 1, "lora": {"rank": 4}}))
     return d
 
 
@@ -79,6 +84,10 @@ def _bad_inputs(d) -> dict[str, list[str]]:
                                                   "--out", str(d / "hf")],  # fmt: skip
         "convert verify: no checkpoint": ["convert", "verify", "--hf-dir", str(d / "no-model"), "--ckpt",
                                           str(d / "ckpt")],  # fmt: skip
+        "convert megatron-to-hf: LoRA without --lora": ["convert", "megatron-to-hf", "--ckpt", str(d / "lora-ckpt"),
+                                                        "--out", str(d / "hf")],  # fmt: skip
+        "convert verify: --tp 0": ["convert", "verify", "--hf-dir", str(d / "no-model"), "--ckpt", str(d / "ckpt"),
+                                   "--tp", "0"],  # fmt: skip
         "fetch-model: missing folder": ["fetch-model", str(d / "no-model"), "--out", str(d / "fetched")],
     }
 
@@ -101,7 +110,7 @@ def test_on_cuda_asks_the_cuda_driver_until_torch_is_loaded(tmp_path):
 
     from megarl.config import device_defaults
 
-    assert device_defaults.torch_cuda_build() == (torch.version.cuda is not None)
+    assert device_defaults.torch_build() == ("cuda" if torch.version.cuda else "other" if torch.version.hip else "cpu")
     for name, init, count in (("two", 0, 2), ("no-device", 100, 0)):  # 100: CUDA_ERROR_NO_DEVICE
         (tmp_path / f"{name}.c").write_text(
             f"int cuInit(unsigned flags) {{ return {init}; }}\n"
@@ -115,7 +124,7 @@ def test_on_cuda_asks_the_cuda_driver_until_torch_is_loaded(tmp_path):
     ask = (
         "import sys\n"
         "from megarl.config import device_defaults as d\n"
-        "d.torch_cuda_build = lambda: True  # a CUDA build of torch, with the stand-in driver below\n"
+        "d.torch_build = lambda: 'cuda'  # a CUDA build of torch, with the stand-in driver below\n"
         f"d.LIBCUDA = {str(tmp_path / 'libtwo.so')!r}\n"
         "print(d.on_cuda(), 'torch' in sys.modules)\n"
     )

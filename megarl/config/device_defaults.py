@@ -32,29 +32,38 @@ LIBCUDA = "libcuda.so.1"
 def on_cuda() -> bool:
     """Whether this process trains on CUDA: ``torch.cuda.is_available()``. Until something has imported torch (2 s on
     a small CPU box, before any config error could be said) the same question goes to what torch would ask: is torch
-    a CUDA build, and does the CUDA driver see a device (``cuDeviceGetCount``, after ``CUDA_VISIBLE_DEVICES``)."""
+    a CUDA build, and does the CUDA driver see a device (``cuDeviceGetCount``, after ``CUDA_VISIBLE_DEVICES``). A ROCm
+    build, or ``PYTORCH_NVML_BASED_CUDA_CHECK`` set, is asked through torch itself."""
     torch = sys.modules.get("torch")
+    if torch is None and torch_build() == "other":
+        import torch  # here: a build or a setting the driver question does not cover
+
     if torch is not None:
         return torch.cuda.is_available()
-    return torch_cuda_build() and driver_devices() > 0
+    return torch_build() == "cuda" and driver_devices() > 0
 
 
-def torch_cuda_build() -> bool:
-    """Whether the installed torch was built with CUDA (``torch.version.cuda``, read from its file, not imported)."""
+def torch_build() -> str:
+    """The installed torch's accelerator build, read from its version file (not imported): 'cpu', 'cuda', or
+    'other' (ROCm, or the NVML-based availability check requested, which the driver question does not answer)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
-        return False
+        return "cpu"
     path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
-        tree = ast.parse(open(path).read())
-    except OSError:
-        return False
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return "other"
+    built = {}
     for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "cuda" for t in targets):
-                return isinstance(node.value, ast.Constant) and bool(node.value.value)
-    return False
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+                    built[target.id] = node.value.value
+    if built.get("hip") or (built.get("cuda") and os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"):
+        return "other"
+    return "cuda" if built.get("cuda") else "cpu"
 
 
 def driver_devices(library: str | None = None) -> int:

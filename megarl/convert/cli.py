@@ -67,21 +67,17 @@ def megatron_to_hf_main(argv: list[str] | None = None) -> int:
         meta = read_meta(args.ckpt)
         latest_iteration_dir(args.ckpt)
         check_export_dir(args.out, args.overwrite)
-        from megarl.lora import export as lora_export  # here: the checks above passed (this loads torch)
-
-        lora = lora_export.checkpoint_lora(meta)
-        if lora is not None and not (args.lora or args.merge):
+        holds_lora = bool(meta.get("lora"))  # the actor.lora it was written with (megarl.lora.export.checkpoint_lora)
+        if holds_lora and not (args.lora or args.merge):
             raise ConversionError(f"{args.ckpt} holds LoRA adapters: export them with --lora (a PEFT adapter) or "
                                   "--merge (the base with the adapters merged in)")  # fmt: skip
-        if lora is None and (args.lora or args.merge):
+        if not holds_lora and (args.lora or args.merge):
             raise ConversionError(f"{args.ckpt} is a whole model, not LoRA adapters: export it without --lora/--merge")
-        if args.lora:
-            lora_export.export_adapter(args.ckpt, args.out)
-            print(f"wrote PEFT adapter to {args.out}")
-            return 0
-        if args.merge:
-            lora_export.export_merged(args.ckpt, args.out)
-            print(f"wrote merged HF model to {args.out}")
+        if args.lora or args.merge:
+            from megarl.lora import export as lora_export  # here: the checks above passed (this loads torch)
+
+            (lora_export.export_adapter if args.lora else lora_export.export_merged)(args.ckpt, args.out)
+            print(f"wrote {'PEFT adapter' if args.lora else 'merged HF model'} to {args.out}")
             return 0
     except (CheckpointError, ConversionError) as e:
         return _fail("megatron-to-hf", str(e))
@@ -99,6 +95,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     _layout_args(p, "load the checkpoint")
     args = p.parse_args(argv)
     try:
+        if args.tp < 1 or args.pp < 1:
+            raise CheckpointError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
         read_hf_config(args.hf_dir)
         errors = layout_errors(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args.tp, args.pp, "--{}")
         if errors:

@@ -16,12 +16,11 @@ def plan_command(args) -> int:
     except (ConfigError, ValueError) as e:
         print(f"megarl: {e}", file=sys.stderr)
         return 2
-    from megarl.planner.job import PlanError, format_plan, plan_for  # here: after the recipe's checks (the planner
-    # loads torch)
+    from megarl.planner.job import format_plan, plan_for  # here: after the recipe's checks (the planner loads torch)
 
     try:
         job = plan_for(cfg, spec, args)
-    except PlanError as e:
+    except ValueError as e:  # PlanError, or hardware options no layout takes (--gpus-per-node -1)
         print(f"megarl: {e}", file=sys.stderr)
         return 2
     print(format_plan(job))
