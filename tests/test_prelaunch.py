@@ -74,6 +74,7 @@ def _bad_inputs(d) -> dict[str, list[str]]:
         "train: layout": ["train", tiny, "actor.parallel.tp=3"],
         "plan: layout": ["plan", tiny, "actor.parallel.pp=3"],
         "plan: unknown key": ["plan", tiny, "actor.paralel.tp=2"],
+        "plan: hardware option": ["plan", tiny, "--gpus-per-node", "-1"],
         "launch torchrun: layout": ["launch", "torchrun", tiny, "--nnodes", "1", "--node-rank", "0",
                                     "--master-addr", "localhost", "actor.parallel.tp=3"],  # fmt: skip
         "launch slurm: missing recipe": ["launch", "slurm", str(d / "nowhere.yaml"), "--nodes", "1",
