@@ -35,12 +35,13 @@ def on_cuda() -> bool:
     a CUDA build, and does the CUDA driver see a device (``cuDeviceGetCount``, after ``CUDA_VISIBLE_DEVICES``). A ROCm
     build, or ``PYTORCH_NVML_BASED_CUDA_CHECK`` set, is asked through torch itself."""
     torch = sys.modules.get("torch")
-    if torch is None and torch_build() == "other":
+    build = None if torch is not None else torch_build()
+    if build == "other":
         import torch  # here: a build or a setting the driver question does not cover
 
     if torch is not None:
         return torch.cuda.is_available()
-    return torch_build() == "cuda" and driver_devices() > 0
+    return build == "cuda" and driver_devices() > 0
 
 
 def torch_build() -> str:

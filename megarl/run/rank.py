@@ -51,11 +51,12 @@ def _train_here(cfg, spec, source, stopped: str) -> int:
 def _start_up_lines(cfg, chosen: list[str], say: bool) -> None:
     """The training process's device settings (TF32 on CUDA), and the lines that name what 'auto' chose and which
     implementations run (megatron-core's own warnings about them are silenced: ``megarl.compat.quiet``)."""
-    chosen = chosen + apply_tf32(on_cuda())
-    if not on_cuda():
+    cuda = on_cuda()
+    chosen = chosen + apply_tf32(cuda)
+    if not cuda:
         quiet.install_for_cpu()
     if say and chosen:
-        print(f"[megarl] device defaults ({'cuda' if on_cuda() else 'cpu'}): {', '.join(chosen)}", flush=True)
+        print(f"[megarl] device defaults ({'cuda' if cuda else 'cpu'}): {', '.join(chosen)}", flush=True)
     if say:
         print(f"[megarl] implementations: {quiet.implementations(cfg.model.transformer_impl)}", flush=True)
 
