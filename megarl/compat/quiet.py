@@ -52,13 +52,16 @@ VLLM_LOG_NOTES = {
 
 def install() -> None:
     """Silence ``WARNINGS`` in this process."""
-    for message, module in WARNINGS:
-        warnings.filterwarnings("ignore", message=message, module=module)
+    _ignore(WARNINGS)
 
 
 def install_for_cpu() -> None:
     """Silence ``CPU_WARNINGS`` in this process (it has no CUDA device)."""
-    for message, module in CPU_WARNINGS:
+    _ignore(CPU_WARNINGS)
+
+
+def _ignore(warnings_: tuple[tuple[str, str], ...]) -> None:
+    for message, module in warnings_:
         warnings.filterwarnings("ignore", message=message, module=module)
 
 

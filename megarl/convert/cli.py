@@ -19,6 +19,15 @@ def _layout_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size used to {what} (default 1)")
 
 
+def _check_layout(spec, args) -> None:
+    """``--tp`` and ``--pp``: at least 1, and dividing the model (``ConversionError`` naming the sizes that do)."""
+    if args.tp < 1 or args.pp < 1:
+        raise ConversionError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
+    errors = layout_errors(spec, args.tp, args.pp, option="--{}")
+    if errors:
+        raise ConversionError("; ".join(errors))
+
+
 def _fail(tool: str, message: str) -> int:
     print(f"megarl: {tool}: {message}", file=sys.stderr)
     return 2
@@ -37,11 +46,7 @@ def hf_to_megatron_main(argv: list[str] | None = None) -> int:
     try:  # refuse bad input before any process starts
         spec = spec_from_hf_config(read_hf_config(args.hf_dir))
         check_output_dir(args.out, args.overwrite)
-        if args.tp < 1 or args.pp < 1:
-            raise ConversionError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
-        errors = layout_errors(spec, args.tp, args.pp, option="--{}")
-        if errors:
-            raise ConversionError("; ".join(errors))
+        _check_layout(spec, args)
         from megarl.convert import hf_to_megatron  # here: the checks above passed (this loads torch and megatron)
 
         hf_to_megatron.check_hf_source(args.hf_dir)  # the tensors and the tokenizer
@@ -95,13 +100,9 @@ def verify_main(argv: list[str] | None = None) -> int:
     _layout_args(p, "load the checkpoint")
     args = p.parse_args(argv)
     try:
-        if args.tp < 1 or args.pp < 1:
-            raise CheckpointError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
         read_hf_config(args.hf_dir)
-        errors = layout_errors(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args.tp, args.pp, "--{}")
-        if errors:
-            raise CheckpointError("; ".join(errors))
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        _check_layout(spec_from_hf_config(read_meta(args.ckpt)["hf_config"]), args)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:  # ConversionError among them
         return _fail("verify", str(e))
     from megarl.convert import verify  # here: after the checks (this loads torch, megatron and transformers)
 

@@ -19,6 +19,7 @@ from megarl.config.validate import (
 )
 from megarl.models.spec import DTYPE_BYTES, ModelSpec
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.cli import HARDWARE_OPTIONS
 from megarl.planner.memory import (
     MiB,
     RankMemory,
@@ -85,13 +86,8 @@ def plan_for(cfg: MegarlConfig, spec: ModelSpec, options=None, sync: bool = True
     """The plan of ``cfg`` on the hardware ``options`` names (`megarl plan`'s hardware options as attributes:
     ``nodes``, ``gpus_per_node``, ``gpu_mem_gb``, ...; defaults for what it does not name; None: all defaults)."""
     par = cfg.actor.parallel
-    links = ("gpu_mem_gb", "ib_gbps", "nvlink_gbps", "peak_tflops", "hbm_gb_s", "fs_gb_s")
-    hw = default_hardware(
-        par.tp * par.pp * par.dp,
-        getattr(options, "nodes", None),
-        getattr(options, "gpus_per_node", None),
-        **{name: getattr(options, name, None) for name in links},
-    )
+    given = {name: getattr(options, name, None) for name in HARDWARE_OPTIONS}
+    hw = default_hardware(par.tp * par.pp * par.dp, given.pop("nodes"), given.pop("gpus_per_node"), **given)
     return make_plan(cfg, spec, hw, sync=sync)
 
 
