@@ -9,7 +9,7 @@ import pytest
 from megarl.cli import main as megarl_main
 from megarl.config.schema import LoggingConfig, WandbConfig
 from megarl.logging import Tracker, read_metrics
-from tests.wandb_reader import history
+from tests.wandb_reader import history, records
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROWS = [{"reward/mean": 0.1 * s, "response_length/mean": 5.0, "actor/pg_loss": -0.01, "timing/step": 0.5}
@@ -51,7 +51,11 @@ def test_wandb_offline_run_holds_every_logged_value(tmp_path):
     _run(tmp_path / "run", "offline")
     runs = [d for d in os.listdir(tmp_path / "run" / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1
-    logged = history(str(next((tmp_path / "run" / "wandb" / runs[0]).glob("run-*.wandb"))))
+    run_file = str(next((tmp_path / "run" / "wandb" / runs[0]).glob("run-*.wandb")))
+    # complete when the tracker returns: the run's exit record is the file's last (CI once read it before the service
+    # had written it: no history rows)
+    assert [r.WhichOneof("record_type") for r in records(run_file)][-1] == "exit"
+    logged = history(run_file)
     assert [h["_step"] for h in logged] == [1, 2, 3]
     for h, row in zip(logged, ROWS):
         assert {k: h[k] for k in row} == pytest.approx(row)

@@ -83,6 +83,11 @@ class Tracker:
             print(f"[megarl] {where}", flush=True)
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
+            # finish() only asks wandb's service to close the run file; teardown waits for the service, so the offline
+            # run is complete on disk when this returns (a reader right after finish() could see no history rows)
+            import wandb
+
+            wandb.teardown(exit_code=exit_code)
         return png
 
     def __enter__(self) -> Tracker:
