@@ -23,12 +23,12 @@ PROMPT_LEN = 3
 """Every sequence's: the loss scores positions >= 2 (``collate``'s ``scored_from``)."""
 
 
-def _padded_batches(spec, n: int = 4) -> list[dict]:
+def _padded_batches(spec) -> list[dict]:
     """Sequences of different lengths, two per micro-batch, right-padded to each micro-batch's longest."""
     gen = torch.Generator().manual_seed(5)
     seqs = [Sequence(torch.randint(0, spec.vocab_size, (ln,), generator=gen).tolist(), prompt_len=PROMPT_LEN)
-            for ln in (17, 9, 12, 5)[:n]]  # fmt: skip
-    batches, _ = micro_batches(seqs, max_tokens=0, micro_batch_size=2)
+            for ln in (17, 9, 12, 5)]  # fmt: skip
+    batches = micro_batches(seqs, [[0, 1], [2, 3]])
     for mb in batches:  # a per-sequence advantage, and the engine's log-probs (unused by the on-policy loss)
         mb["advantages"] = torch.linspace(-1, 1, len(mb["tokens"]))[:, None].expand_as(mb["loss_mask"]).contiguous()
         mb["rollout_logp"] = torch.zeros_like(mb["loss_mask"])

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 
 def run_reward_models(models: dict[str, str], sequences: list[list[int]], out_dir: str) -> None:
+    from megarl.backend.batch import Batching
     from megarl.convert.hf_to_megatron import load_hf_into_chunk
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.models.builder import build_model_chunk
@@ -27,10 +28,8 @@ def run_reward_models(models: dict[str, str], sequences: list[list[int]], out_di
             chunk = build_model_chunk(spec, layout, init_weights=False).eval()
             load_hf_into_chunk(chunk, hf_dir, spec, layout, dist.get_rank(), progress=False)
             out[("params", name, model_name)] = sum(p.numel() for p in chunk.parameters())
-            out[(name, model_name)] = reward_model_scores(
-                chunk, sequences, hf.get("pad_token_id"), global_batch_size=len(sequences), max_tokens=0,
-                micro_batch_size=2,
-            )  # fmt: skip
+            out[(name, model_name)] = reward_model_scores(chunk, sequences, hf.get("pad_token_id"),
+                                                          Batching(len(sequences), 0, 2))  # fmt: skip
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     from megarl.convert.hf_to_megatron import convert_hf_to_megatron
     from megarl.convert.megatron_to_hf import convert_megatron_to_hf

@@ -271,7 +271,7 @@ def run(hf_dir: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from megarl.backend.batch import Sequence
+    from megarl.backend.batch import Batching, Sequence
     from megarl.backend.losses import actor_loss
     from megarl.backend.models import build_rl_models
     from megarl.backend.update import ppo_updates
@@ -309,10 +309,8 @@ def run(hf_dir: str) -> dict:
             msg,
             fields,
             partial(actor_loss, cfg.actor, cfg.algorithm, temperature=TEMPERATURE, true_vocab=spec.vocab_size),
-            global_batch_size=len(msg),
+            Batching(len(msg), 0, 2),
             epochs=1,
-            max_tokens=0,
-            micro_batch_size=2,
             norm_len=NORM_LEN,
             trained=trained,
         )
@@ -343,6 +341,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:
     """Adam with weight decay and LR warmup, mini-batches of 3: an update whose first mini-batch has every sequence
     rejected against an update on the second mini-batch alone, each on a fresh copy of the initial weights."""
+    from megarl.backend.batch import Batching
     from megarl.backend.losses import actor_loss
     from megarl.backend.models import build_rl_models
     from megarl.backend.update import ppo_updates
@@ -360,8 +359,8 @@ def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:
         models = build_rl_models(cfg, spec, layout, model_source(hf_dir), 0, roles=("actor",))
         initial = [p.detach().clone() for p in models.actor.parameters()]
         metrics = ppo_updates(models.actor, models.actor_optim, msg[rows], {k: v[rows] for k, v in fields.items()},
-                              loss, global_batch_size=3, epochs=1, max_tokens=0, micro_batch_size=2,
-                              norm_len=NORM_LEN, scheduler=models.actor_sched, trained=trained)  # fmt: skip
+                              loss, Batching(3, 0, 2), epochs=1, norm_len=NORM_LEN, scheduler=models.actor_sched,
+                              trained=trained)  # fmt: skip
         runs[name] = {
             "metrics": metrics,
             "moved": any(not torch.equal(p, q) for p, q in zip(models.actor.parameters(), initial)),
@@ -420,6 +419,7 @@ def critic_case(hf, base, spec, models, seqs, msg) -> dict:
     """The critic's clipped value loss: values = the HF model's last hidden state (after the final norm) times the
     critic's head (set to random weights here, so gradients reach the body), in plain torch; old values perturbed so
     that some tokens clip, returns of both signs."""
+    from megarl.backend.batch import Batching
     from megarl.backend.losses import critic_loss
     from megarl.backend.update import ppo_updates
 
@@ -451,10 +451,8 @@ def critic_case(hf, base, spec, models, seqs, msg) -> dict:
         msg,
         {"old_values": old, "returns": returns},
         partial(critic_loss, base.critic),
-        global_batch_size=len(msg),
+        Batching(len(msg), 0, 2),
         epochs=1,
-        max_tokens=0,
-        micro_batch_size=2,
         norm_len=NORM_LEN,
     )
     mine = megatron_grads_as_hf(models.critic, spec)

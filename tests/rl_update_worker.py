@@ -31,8 +31,12 @@ from tests.metric_tolerance import token_share
 from tests.parity_worker import _gather_full
 
 ALGOS = {
-    # PPO: critic + GAE, KL loss to the reference, two mini-batches (old log-probs computed), seq-mean-token-mean
+    # PPO: critic + GAE, KL loss to the reference, two mini-batches (old log-probs computed), seq-mean-token-mean.
+    # lr 0.5: at 2.0 the first step moves the policy so far from the reference that the second mini-batch's KL terms
+    # meet the loss's kinks (the ratio's clip, k3's clamp), where fp32 noise between layouts grew to 3e-5 of the grad
+    # norm (2e-8 at 0.5)
     "ppo": [
+        "actor.optim.lr=0.5",
         "algorithm.adv_estimator=gae",
         "algorithm.gamma=0.95",
         "algorithm.lam=0.9",
@@ -62,14 +66,20 @@ SPLITS = {"mbs2": ["actor.micro_batch_size=2", "critic.micro_batch_size=2"],
           "one": ["actor.micro_batch_size=64", "critic.micro_batch_size=64"]}  # fmt: skip
 
 
-def fixed_batch(vocab: int) -> Collected:
-    """4 prompts x 2 samples of different prompt and response lengths, with engine-like log-probs and rewards."""
+SPREAD = ((2, (1, 30)), (5, (12, 35)), (9, (4, 20)), (3, (6, 2)))
+"""(prompt length, its two responses' lengths) of each prompt: sequences of 3 to 40 tokens, long and short mixed."""
+FRONT_LOADED = ((6, (30, 34)), (4, (29, 36)), (2, (1, 3)), (3, (2, 4)))
+"""Every long sequence in the first half of the batch: contiguous DP shares would give one rank nearly all tokens."""
+
+
+def fixed_batch(vocab: int, shape=SPREAD) -> Collected:
+    """4 prompts x 2 samples of the prompt and response lengths ``shape``, with engine-like log-probs and rewards."""
     rng = random.Random(5)
     out = Collected()
-    for p in range(4):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
-        for j in range(2):
-            response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+    for p, (prompt_len, response_lens) in enumerate(shape):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for j, n in enumerate(response_lens):
+            response = [rng.randrange(3, vocab) for _ in range(n)]
             logprobs = [-rng.uniform(4.0, 7.0) for _ in response]
             out.samples.append(Sample(p, j, prompt, response, logprobs, "stop", [0] * len(response)))
             out.rewards.append(rng.random())
@@ -89,7 +99,8 @@ def lora_logits(chunk, vocab: int) -> dict:
 
 
 def run_case(
-    hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = ()
+    hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = (),
+    shape=SPREAD,
 ) -> dict:
     overrides = [
         f"model.path={hf_dir}",
@@ -120,10 +131,18 @@ def run_case(
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
-    batch = fixed_batch(spec.vocab_size)
-    with everything:
+    batch = fixed_batch(spec.vocab_size, shape)
+    passes, micro_batches = [], update.micro_batches
+
+    def counted(seqs, groups, fields=None):  # each pass's micro-batches on this rank, as their sequences' positions
+        passes.append([[len(seqs[i].tokens) - 1 for i in g] for g in groups])
+        return micro_batches(seqs, groups, fields)
+
+    with everything, mock.patch.object(update, "micro_batches", counted):
         learned = learn(cfg, make_roles(cfg, spec, models), batch, kl_ctrl=kl, skip_old_logprob=skip,
                         timer=PhaseTimer())  # fmt: skip
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, passes)
     if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
         for metrics in (learned.actor, learned.critic):
             for k in metrics:
@@ -135,6 +154,10 @@ def run_case(
         "critic": learned.critic,
         "token_share": token_share(lengths, cfg.actor.global_batch_size),  # one token of a token fraction
         "advantages": torch.cat(learned.advantages),
+        "forward": {k: torch.cat(v) for k, v in (("old_logp", learned.old_logp), ("ref_logp", learned.ref_logp),
+                                                 ("values", learned.values)) if v is not None},  # fmt: skip
+        "passes_per_rank": per_rank,
+        "packed": learned.packed,
         "weights": _gather_full(models.actor.module, layout, spec, value_head=False),
     }
     if models.critic is not None:
@@ -158,7 +181,7 @@ def run_case(
             if dist.get_rank() == 0:
                 write_peft_adapter(out["exported"], out["adapters"], cfg.actor.lora, hf_dir)
         out["trainable"] = sum(p.numel() for p in models.actor.parameters() if p.requires_grad)
-    if reference and split == "mbs2" and cfg.actor.lora is None:  # the weights before the update
+    if reference and split == "mbs1" and cfg.actor.lora is None:  # the weights before the update
         from megarl.backend.init_weights import load_initial_weights
         from megarl.models.builder import build_model_chunk
 

@@ -1,6 +1,7 @@
-"""RL-update parity: the trainer's update (``learn``) on fixed rollout samples gives the same metrics and the same
-updated actor/critic weights at every layout and every micro-batch split as on one rank. This is the test that
-proves the loss normalisation is global (over micro-batches and DP ranks).
+"""RL-update parity: the trainer's update (``learn``) on fixed rollout samples (sequences of 3 to 40 tokens) gives the
+same metrics, old / reference log-probs, values and updated actor/critic weights at every layout and every micro-batch
+split (packed by length, and in batch order) as on one rank with one sequence per micro-batch. This is the test that
+proves the loss normalisation is global (over micro-batches and DP ranks) and the packing a pure reordering.
 
 PPO: critic + GAE, KL loss to the reference, two mini-batches, seq-mean-token-mean. GRPO: token-mean with an entropy
 bonus (vocab-parallel entropy under TP), one mini-batch. One spawned group per world size serves all cases.
@@ -12,10 +13,13 @@ import torch
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import bf16_ulp, far_apart
-from tests.rl_update_worker import lora_memory_overrides, memory_overrides, run_cases
+from tests.rl_update_worker import FRONT_LOADED, lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
 ATOL_WEIGHTS = 1e-5
+FORWARD_RTOL = 1e-6
+"""fp32 old / reference log-probs and values at another layout or packing, relative to the largest: the same forward,
+summed in another order (log-probs near -7 differ by up to 5 fp32 steps of 4.8e-7 between micro-batch widths)."""
 BF16_RTOL = 3e-2
 """bf16 against a single rank in bf16: another layout sums in another order and rounds its partial sums (a TP
 all-reduce, a PP hand-over) to bf16's 8 significant bits, 2^-8 = 0.4% relative per rounding; through 2 layers and
@@ -29,18 +33,30 @@ ALGOS = ("ppo", "grpo")
 WORLD2 = [
     (f"ref_{a}_{s}", dict(layout=L(dp=2), algo=a, split=s, reference=True))
     for a in ALGOS
-    for s in ("mbs2", "mbs1", "pack", "one")
+    for s in ("mbs1", "mbs2", "pack", "one")
 ]
 WORLD2 += [
     (f"{n}_{a}", dict(layout=lay, algo=a, split="pack"))
     for n, lay in (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
     for a in ALGOS
 ]
+ADAM = tuple(f"{m}.optim.{k}" for m in ("actor", "critic") for k in ("optimizer=adam", "adam_eps=1.0"))
+"""Megatron's distributed optimizer takes Adam only: its first steps with eps >> |g| are smooth in the gradient
+(lr g / (|g| + eps)), where eps = 1e-8 makes them lr sign(g), which fp32 noise flips on gradients near 0."""
+DISTOPT = (*ADAM, "actor.optim.use_distributed_optimizer=true", "critic.optim.use_distributed_optimizer=true")
+CONSECUTIVE = ("actor.packing=consecutive",)
+WORLD2 += [(f"ref_{a}_adam", dict(layout=L(dp=2), algo=a, split="mbs1", reference=True, extra=ADAM)) for a in ALGOS]
+WORLD2 += [(f"dp2_distopt_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=DISTOPT)) for a in ALGOS]
+WORLD2 += [(f"dp2_consecutive_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=CONSECUTIVE)) for a in ALGOS]
+WORLD2 += [("ref_front_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, shape=FRONT_LOADED)),
+           ("dp2_front_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED)),
+           ("dp2_front_consecutive_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED,
+                                               extra=CONSECUTIVE))]  # fmt: skip
 WORLD2 += [
     (f"ref_gspo_tis_{s}", dict(layout=L(dp=2), algo="gspo_tis", split=s, reference=True)) for s in ("mbs2", "mbs1")
 ]
 LORA_LAYOUTS = (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2)))
-WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", reference=True))]
+WORLD2 += [("ref_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs1", reference=True))]
 WORLD2 += [(f"{n}_lora", dict(layout=lay, algo="grpo_lora", split="pack")) for n, lay in LORA_LAYOUTS]
 RECOMPUTE = ("model.recompute=true",)
 WORLD2 += [("pp2_recompute_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", extra=RECOMPUTE))]
@@ -52,15 +68,15 @@ BF16 = ("model.dtype=bfloat16", "actor.global_batch_size=8")
 """bf16 cases train one mini-batch (the ratio is exactly 1: nothing is clipped). With two, a token whose ratio lies at
 a clip boundary is clipped or not by bf16 noise, a discontinuity (of the loss's gradient, the grad norm, the clip
 fractions) that no tolerance describes; the clipping itself is dtype-free (fp32 losses) and tested in fp32."""
-WORLD2 += [(f"ref_{a}_mbs2_bf16", dict(layout=L(dp=2), algo=a, split="mbs2", reference=True, extra=BF16))
+WORLD2 += [(f"ref_{a}_mbs1_bf16", dict(layout=L(dp=2), algo=a, split="mbs1", reference=True, extra=BF16))
            for a in ALGOS]  # fmt: skip
 WORLD2 += [(f"{n}_{a}_bf16", dict(layout=lay, algo=a, split="pack", extra=BF16))
            for n, lay in (("tp2", L(tp=2)), ("pp2", L(pp=2)), ("dp2", L(dp=2))) for a in ALGOS]  # fmt: skip
-WORLD2 += [("ref_lora_bf16", dict(layout=L(dp=2), algo="grpo_lora", split="mbs2", reference=True, extra=BF16)),
+WORLD2 += [("ref_lora_bf16", dict(layout=L(dp=2), algo="grpo_lora", split="mbs1", reference=True, extra=BF16)),
            ("tp2_lora_bf16", dict(layout=L(tp=2), algo="grpo_lora", split="pack", extra=BF16))]  # fmt: skip
-WORLD4 = [(f"ref_{a}_mbs2", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True)) for a in ALGOS]
+WORLD4 = [(f"ref_{a}_mbs1", dict(layout=L(dp=4), algo=a, split="mbs1", reference=True)) for a in ALGOS]
 WORLD4 += [(f"tp2pp2_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1")) for a in ALGOS]  # fmt: skip
-WORLD4 += [(f"ref_{a}_mbs2_bf16", dict(layout=L(dp=4), algo=a, split="mbs2", reference=True, extra=BF16))
+WORLD4 += [(f"ref_{a}_mbs1_bf16", dict(layout=L(dp=4), algo=a, split="mbs1", reference=True, extra=BF16))
            for a in ALGOS]  # fmt: skip
 WORLD4 += [(f"tp2pp2_{a}_bf16", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1", extra=BF16)) for a in ALGOS]
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
@@ -107,6 +123,10 @@ def _assert_same_update(case: dict, ref: dict, bf16: bool = False):
                         token_share=ref["token_share"])  # fmt: skip
         assert not far, (group, far)
     assert (case["advantages"] - ref["advantages"]).abs().max() <= (BF16_RTOL if bf16 else 1e-5)
+    assert case["forward"].keys() == ref["forward"].keys()
+    for name, ref_values in ref["forward"].items():  # old / reference log-probs, values: before any update
+        diff = (case["forward"][name] - ref_values).abs().max().item()
+        assert diff <= (BF16_RTOL if bf16 else FORWARD_RTOL) * ref_values.abs().max().item(), (name, diff)
     for key in ("weights", "critic_weights", "adapters"):
         if key not in ref:
             continue
@@ -126,46 +146,89 @@ def _assert_same_update(case: dict, ref: dict, bf16: bool = False):
 
 
 def test_the_update_really_moves_the_weights(world2):
-    ref = world2["ref_ppo_mbs2"]
+    ref = world2["ref_ppo_mbs1"]
     moved = max((ref["weights"][n] - ref["initial"][n]).abs().max().item() for n in ref["weights"])
     assert moved > 100 * ATOL_WEIGHTS
     assert ref["actor"]["actor/kl_loss"] > 0 and ref["critic"]["critic/vf_loss"] > 0
-    assert world2["ref_grpo_mbs2"]["actor"]["actor/entropy"] > 1.0
+    assert world2["ref_grpo_mbs1"]["actor"]["actor/entropy"] > 1.0
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("split", ["mbs1", "pack", "one"])
+@pytest.mark.parametrize("split", ["mbs2", "pack", "one"])
 def test_micro_batch_split_does_not_change_the_update(world2, algo, split):
-    _assert_same_update(world2[f"ref_{algo}_{split}"], world2[f"ref_{algo}_mbs2"])
+    _assert_same_update(world2[f"ref_{algo}_{split}"], world2[f"ref_{algo}_mbs1"])
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_layout_matches_single_rank_world2(world2, algo, layout):
-    _assert_same_update(world2[f"{layout}_{algo}"], world2[f"ref_{algo}_mbs2"])
+    _assert_same_update(world2[f"{layout}_{algo}"], world2[f"ref_{algo}_mbs1"])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_dp2_with_the_distributed_optimizer_matches_single_rank(world2, algo):
+    _assert_same_update(world2[f"dp2_distopt_{algo}"], world2[f"ref_{algo}_adam"])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_dp2_in_batch_order_matches_single_rank(world2, algo):
+    _assert_same_update(world2[f"dp2_consecutive_{algo}"], world2[f"ref_{algo}_mbs1"])
+
+
+def _tokens_per_rank(case: dict) -> list[list[int]]:
+    """Per pass (old log-probs, the update...), each DP rank's positions."""
+    per_rank = case["passes_per_rank"]
+    return [[sum(map(sum, rank[k])) for rank in per_rank] for k in range(len(per_rank[0]))]
+
+
+def test_dp_ranks_get_token_balanced_shares_in_a_real_step(world2):
+    """Every long sequence in the batch's first half: contiguous shares give rank 0 nearly every token; the default
+    shares keep the two ranks within the longest sequence of each other, and the update is the single rank's."""
+    longest = max(p + r for p, responses in FRONT_LOADED for r in responses) - 1
+    balanced, contiguous = world2["dp2_front_grpo"], world2["dp2_front_consecutive_grpo"]
+    for tokens in _tokens_per_rank(balanced):
+        assert abs(tokens[0] - tokens[1]) <= longest, tokens
+    assert all(abs(t[0] - t[1]) > 2 * longest for t in _tokens_per_rank(contiguous))
+    for case in (balanced, contiguous):
+        _assert_same_update(case, world2["ref_front_grpo"])
+
+
+@pytest.mark.parametrize("case", ["dp2_ppo", "dp2_consecutive_ppo", "ref_ppo_mbs1", "pp2_ppo"])
+def test_the_step_counts_the_micro_batches_it_ran(world2, case):
+    """``Learned.packed`` (perf/padding_frac, perf/micro_batches) is what the ranks ran: its positions, padded
+    positions and micro-batches equal those of every pass's micro-batches on every DP rank (one PP stage each)."""
+    got = world2[case]
+    per_rank = got["passes_per_rank"][:1] if case == "pp2_ppo" else got["passes_per_rank"]
+    if case.startswith("ref_"):  # every DP replica ran the whole batch: one of them is the single-rank run
+        per_rank = per_rank[:1]
+    groups = [g for rank in per_rank for passes in rank for g in passes]
+    assert got["packed"].micro_batches == len(groups) > 0
+    assert got["packed"].real == sum(map(sum, groups))
+    assert got["packed"].computed == sum(len(g) * max(g) for g in groups)
+    assert (got["packed"].padding_frac == 0) == (case == "ref_ppo_mbs1")  # one sequence per micro-batch: none
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_tp2pp2_matches_single_rank(world4, algo):
-    _assert_same_update(world4[f"tp2pp2_{algo}"], world4[f"ref_{algo}_mbs2"])
+    _assert_same_update(world4[f"tp2pp2_{algo}"], world4[f"ref_{algo}_mbs1"])
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_bf16_layout_matches_single_rank_bf16(world2, algo, layout):
-    _assert_same_update(world2[f"{layout}_{algo}_bf16"], world2[f"ref_{algo}_mbs2_bf16"], bf16=True)
+    _assert_same_update(world2[f"{layout}_{algo}_bf16"], world2[f"ref_{algo}_mbs1_bf16"], bf16=True)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_bf16_tp2pp2_matches_single_rank_bf16(world4, algo):
-    _assert_same_update(world4[f"tp2pp2_{algo}_bf16"], world4[f"ref_{algo}_mbs2_bf16"], bf16=True)
+    _assert_same_update(world4[f"tp2pp2_{algo}_bf16"], world4[f"ref_{algo}_mbs1_bf16"], bf16=True)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_bf16_updates_bf16_weights_and_computes_what_fp32_computes(world2, algo):
     """The bf16 update keeps every weight bf16 and moves every one of them; GRPO (one mini-batch in both dtypes)
     computes the fp32 run's losses within bf16's resolution (its initial weights are the fp32 ones rounded)."""
-    bf16, fp32 = world2[f"ref_{algo}_mbs2_bf16"], world2[f"ref_{algo}_mbs2"]
+    bf16, fp32 = world2[f"ref_{algo}_mbs1_bf16"], world2[f"ref_{algo}_mbs1"]
     assert {w.dtype for w in [*bf16["weights"].values(), *bf16["initial"].values()]} == {torch.bfloat16}
     still = [n for n, w in bf16["weights"].items() if torch.equal(w, bf16["initial"][n])]
     assert still == [] and bf16["critic"].keys() == fp32["critic"].keys()
@@ -253,9 +316,9 @@ def test_updated_adapters_export_to_a_directory_peft_loads(world2, hf_dir):
 
 def test_gspo_with_truncated_importance_sampling_matches_single_rank(world2):
     """GSPO's sequence ratio and TIS's per-token weights under micro-batch splits, TP and PP."""
-    ref = world2["ref_gspo_tis_mbs2"]
+    ref = world2["ref_gspo_tis_mbs1"]
     assert ref["actor"]["rollout/is_masked_frac"] > 0 and ref["actor"]["actor/pg_clipfrac"] > 0  # both bite
-    for case in ("ref_gspo_tis_mbs1", "tp2_gspo_tis", "pp2_gspo_tis"):
+    for case in ("ref_gspo_tis_mbs2", "tp2_gspo_tis", "pp2_gspo_tis"):
         _assert_same_update(world2[case], ref)
 
 

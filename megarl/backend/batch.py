@@ -1,4 +1,5 @@
-"""Training sequences -> Megatron micro-batches, packed by a token budget and right-padded to their own longest.
+"""Training sequences -> Megatron micro-batches: a mini-batch's sequences shared out over the data-parallel ranks by
+tokens, each rank's packed by length under a token budget and right-padded to their own longest.
 
 A training sequence is the exact token ids the engine saw and produced (prompt + response, never re-tokenised).
 Inputs are ``tokens[:-1]`` and targets ``tokens[1:]``, so the output at position ``i`` scores token ``i + 1`` and the
@@ -28,17 +29,38 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
 
-def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size: int) -> list[list[int]]:
-    """Consecutive groups of sequence indices.
+@dataclass(frozen=True)
+class Batching:
+    """How a role cuts the step's sequences: mini-batches of ``global_batch_size`` sequences, micro-batches of
+    ``max_tokens`` padded tokens (0: ``micro_batch_size`` sequences), cut by ``packing`` (``actor.packing``:
+    ``sorted`` or ``consecutive``, see ``plan``)."""
 
-    ``max_tokens > 0``: a group grows while (sequences x its longest sequence) stays within ``max_tokens`` padded
-    tokens (a longer sequence gets a group of its own). ``max_tokens == 0``: groups of ``micro_batch_size``."""
+    global_batch_size: int
+    max_tokens: int
+    micro_batch_size: int
+    packing: str = "sorted"
+
+
+def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size: int, packing: str = "sorted"
+                       ) -> list[list[int]]:  # fmt: skip
+    """Groups of sequence indices, one per micro-batch.
+
+    ``max_tokens > 0``: no group's padded size (sequences x its longest sequence) exceeds ``max_tokens`` unless it is
+    one sequence longer than the budget. ``max_tokens == 0``: groups of ``micro_batch_size``.
+    ``packing="sorted"``: the sequences longest first (ties in batch order), cut into the fewest groups the budget
+    allows and, among those cuts, the one with the least padding (``_tightest_cut``), so each group holds sequences
+    of similar length. ``"consecutive"``: in batch order, each group grown while it fits."""
+    order = list(range(len(lengths)))
+    if packing == "sorted":
+        order.sort(key=lambda i: -lengths[i])
     if max_tokens <= 0:
-        return [
-            list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)
-        ]
+        return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    if packing == "sorted":
+        cuts = _tightest_cut([lengths[i] for i in order], max_tokens)
+        return [order[a:b] for a, b in zip(cuts, cuts[1:])]
     groups, current, longest = [], [], 0
-    for i, n in enumerate(lengths):
+    for i in order:
+        n = lengths[i]
         if current and (len(current) + 1) * max(longest, n) > max_tokens:
             groups.append(current)
             current, longest = [], 0
@@ -47,6 +69,100 @@ def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size:
     if current:
         groups.append(current)
     return groups
+
+
+def _tightest_cut(descending: list[int], budget: int) -> list[int]:
+    """Where to cut lengths sorted longest first into groups of padded size ``(b - a) x descending[a] <= budget``
+    (or one sequence): the fewest groups, then the fewest padded positions. Dynamic programming over the cut points
+    (a group starting at ``a`` holds at most ``budget // descending[a]`` sequences); returns ``[0, ..., n]``."""
+    n = len(descending)
+    best: list[tuple[int, int] | None] = [None] * (n + 1)  # (groups, padded size) of the first j sequences
+    best[0], back = (0, 0), [0] * (n + 1)
+    for a in range(n):
+        groups, size = best[a]
+        longest = descending[a]
+        for b in range(a + 1, min(n, a + max(1, budget // max(longest, 1))) + 1):
+            cand = (groups + 1, size + (b - a) * longest)
+            if best[b] is None or cand < best[b]:
+                best[b], back[b] = cand, a
+    cuts = [n]
+    while cuts[-1]:
+        cuts.append(back[cuts[-1]])
+    return cuts[::-1]
+
+
+def share_out(lengths: list[int], ranks: int, packing: str = "sorted") -> list[list[int]]:
+    """Each data-parallel rank's indices (in batch order) of one mini-batch's sequences. ``sorted``: longest first,
+    each to the rank with the fewest tokens so far (then the smallest sum of squared lengths, attention's cost; then
+    the lowest rank), so any two ranks' tokens differ by at most the longest sequence, and with at least ``ranks``
+    sequences every rank gets one. A pure function of the lengths: every rank computes the same shares, no
+    collective. ``consecutive``: contiguous slices whose sizes differ by at most one."""
+    if packing == "consecutive":
+        base, extra = divmod(len(lengths), ranks)
+        starts = [r * base + min(r, extra) for r in range(ranks + 1)]
+        return [list(range(starts[r], starts[r + 1])) for r in range(ranks)]
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [(0, 0, r) for r in range(ranks)]  # (tokens, sum of squares, rank)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        tokens, squares, r = min(load)
+        shares[r].append(i)
+        load[r] = (tokens + lengths[i], squares + lengths[i] ** 2, r)
+    return [sorted(s) for s in shares]
+
+
+FILLER = Sequence([0, 0], 2)
+"""What a rank runs to keep pace with ranks that have more micro-batches (``plan``'s ``lockstep``): one position, no
+response token, so it weighs nothing in any loss."""
+
+
+def plan(lengths: list[int], ranks: int, batching: Batching, *, lockstep: bool = False) -> list[list[list[int]]]:
+    """One mini-batch on ``ranks`` data-parallel ranks: each rank's micro-batches as groups of indices into
+    ``lengths`` (positions: tokens - 1; ``share_out``, then ``pack_micro_batches``). ``lockstep``: every rank gets as
+    many micro-batches as the rank with the most, the others topped up with empty groups (``FILLER``s), for layouts
+    whose ranks must run the same number of passes (an expert-parallel group's all-to-alls)."""
+    out = []
+    for share in share_out(lengths, ranks, batching.packing):
+        groups = pack_micro_batches([lengths[i] for i in share], max_tokens=batching.max_tokens,
+                                    micro_batch_size=batching.micro_batch_size, packing=batching.packing)  # fmt: skip
+        out.append([[share[j] for j in g] for g in groups])
+    if lockstep:
+        most = max(len(groups) for groups in out)
+        out = [groups + [[] for _ in range(most - len(groups))] for groups in out]
+    return out
+
+
+@dataclass
+class PackStats:
+    """What a role's passes computed, over all its data-parallel ranks: positions in micro-batches (padding
+    included), positions of real tokens, micro-batches."""
+
+    computed: int = 0
+    real: int = 0
+    micro_batches: int = 0
+
+    def count(self, groups: list[list[int]], positions, passes: int = 1) -> None:
+        """Add ``passes`` passes over micro-batches ``groups`` of sequences of ``positions[i]`` positions each
+        (tokens - 1; an empty group is a ``FILLER``)."""
+        for g in groups:
+            width = max((positions[i] for i in g), default=len(FILLER.tokens) - 1)
+            self.computed += passes * max(len(g), 1) * width
+            self.real += passes * sum(positions[i] for i in g)
+            self.micro_batches += passes
+
+    def add(self, other: PackStats) -> None:
+        self.computed += other.computed
+        self.real += other.real
+        self.micro_batches += other.micro_batches
+
+    def take(self) -> PackStats:
+        """These counts; zero them."""
+        out = PackStats(self.computed, self.real, self.micro_batches)
+        self.computed = self.real = self.micro_batches = 0
+        return out
+
+    @property
+    def padding_frac(self) -> float:
+        return 1.0 - self.real / self.computed if self.computed else 0.0
 
 
 def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
@@ -80,19 +196,15 @@ def response_values(values_BS: torch.Tensor, seqs: list[Sequence]) -> list[torch
 
 
 def micro_batches(
-    seqs: list[Sequence],
-    fields: dict[str, list[torch.Tensor]] | None = None,
-    *,
-    max_tokens: int,
-    micro_batch_size: int,
-) -> tuple[list[dict], list[list[int]]]:
-    """Pack ``seqs`` (with their response-aligned ``fields``) into collated micro-batches; also returns the groups
-    of indices, to map per-micro-batch outputs back to sequences."""
+    seqs: list[Sequence], groups: list[list[int]], fields: dict[str, list[torch.Tensor]] | None = None
+) -> list[dict]:
+    """``groups`` (indices into ``seqs``, as ``plan`` gives them) of ``seqs`` with their response-aligned ``fields``,
+    collated; an empty group is a ``FILLER``."""
     fields = fields or {}
-    groups = pack_micro_batches(
-        [len(s.tokens) - 1 for s in seqs], max_tokens=max_tokens, micro_batch_size=micro_batch_size
-    )
-    batches = [
-        collate([seqs[i] for i in g], {name: [values[i] for i in g] for name, values in fields.items()}) for g in groups
+    filler = {name: [values[0][:0]] for name, values in fields.items()}
+    return [
+        collate([seqs[i] for i in g], {name: [values[i] for i in g] for name, values in fields.items()})
+        if g
+        else collate([FILLER], filler)
+        for g in groups
     ]
-    return batches, groups

@@ -163,6 +163,9 @@ def _check_update_shape(cfg, allow_empty: bool = False) -> None:
     _require(cfg.loss_agg_mode in modes, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
 
 
+PACKINGS = ("sorted", "consecutive")
+"""``actor.packing``'s values (``megarl.backend.batch``)."""
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -220,6 +223,10 @@ class ActorConfig:
     sequence); 0 uses micro_batch_size sequences per micro-batch instead."""
     global_batch_size: int = 8
     """Sequences per optimizer step (a PPO mini-batch) over all data-parallel ranks."""
+    packing: str = "sorted"
+    """How every role's passes cut a mini-batch: 'sorted' shares its sequences out over the data-parallel ranks by
+    tokens and packs each rank's longest first (little padding when lengths vary); 'consecutive' takes them in batch
+    order (contiguous shares, micro-batches of neighbours: kept to compare with)."""
     ppo_epochs: int = 1
     """Passes over the step's samples."""
     seq_length: int = 1024
@@ -271,6 +278,7 @@ class ActorConfig:
             "(seq-mean-token-mean); leave loss_agg_mode unset or set seq-mean-token-mean",
         )
         _require(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
+        _require(self.packing in PACKINGS, "packing", f"must be one of {PACKINGS}, got {self.packing!r}")
         _require(self.seq_length >= 2, "seq_length", "must be >= 2")
         losses = ("ppo", "gspo")
         _require(self.policy_loss in losses, "policy_loss", f"must be one of {losses}, got {self.policy_loss!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.backend.batch import Sequence
+from megarl.backend.batch import Batching, PackStats, Sequence
 from megarl.backend.losses import critic_values
 from megarl.backend.update import forward_fields
 
@@ -27,19 +27,10 @@ def scored_sequence(token_ids: list[int], pad_token_id: int | None) -> Sequence:
     return Sequence(list(token_ids[: pos + 1]) + [token_ids[pos]], pos + 1)
 
 
-def reward_model_scores(
-    model, sequences: list[list[int]], pad_token_id: int | None, *, global_batch_size: int, max_tokens: int,
-    micro_batch_size: int,
-) -> list[float]:  # fmt: skip
+def reward_model_scores(model, sequences: list[list[int]], pad_token_id: int | None, batching: Batching,
+                        stats: PackStats | None = None) -> list[float]:  # fmt: skip
     """Collective over the model's ranks: one score per sequence (prompt + response token ids), in fp32."""
     seqs = [scored_sequence(s, pad_token_id) for s in sequences]
     with torch.no_grad():
-        values = forward_fields(
-            model,
-            seqs,
-            critic_values,
-            global_batch_size=global_batch_size,
-            max_tokens=max_tokens,
-            micro_batch_size=micro_batch_size,
-        )
+        values = forward_fields(model, seqs, critic_values, batching, stats)
     return [float(v[0]) for v in values]

@@ -126,6 +126,8 @@ def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float
     step_seconds = timer.seconds["step"]
     tokens = sum(len(s.tokens) for s in seqs)
     m["perf/tokens_per_s"] = tokens / step_seconds
+    m["perf/padding_frac"] = learned.packed.padding_frac  # padded positions / computed, over the step's passes
+    m["perf/micro_batches"] = float(learned.packed.micro_batches)
     peak = _peak_flops()
     if peak and job.models is not None and job.models.actor is not None:  # the actor's pool (it logs)
         params = sum(p.numel() for p in job.models.actor.parameters()) * job.layout.tp * job.layout.pp

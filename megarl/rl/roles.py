@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from megarl.backend.batch import Sequence
+from megarl.backend.batch import Batching, PackStats, Sequence
 from megarl.backend.logprobs import logprobs_from_logits
 from megarl.backend.losses import actor_loss, critic_loss, critic_values
 from megarl.backend.models import RLModels, reference_policy
@@ -34,16 +34,6 @@ class Update:
     """Why the update was not applied ("non-finite pg_loss"), or None."""
 
 
-@dataclass
-class Batching:
-    """How a role cuts the step's sequences: mini-batches of ``global_batch_size`` sequences, micro-batches of
-    ``max_tokens`` tokens (0: ``micro_batch_size`` sequences)."""
-
-    global_batch_size: int
-    max_tokens: int
-    micro_batch_size: int
-
-
 class Role:
     """A model of the step on the pool that hosts ``name``."""
 
@@ -53,47 +43,53 @@ class Role:
         self.place = place
         self.busy_s = 0.0
         """Seconds this rank computed for the role (``pool/<name>/busy_s``); reset by the step."""
+        self.packed = PackStats()
+        """The micro-batches its passes ran (``perf/padding_frac``, ``perf/micro_batches``); reset by the step."""
 
     @property
     def here(self) -> bool:
         return self.place.hosts(self.name)
 
     def _on_host(self, compute):
-        """``compute()`` on the hosting pool's ranks; its result (the pool's first rank's) on every rank."""
+        """``compute(stats)`` on the hosting pool's ranks; its result (the pool's first rank's) on every rank, and
+        the micro-batches it counted into ``stats`` added to ``packed``."""
 
         def timed():
-            start = time.perf_counter()
+            start, stats = time.perf_counter(), PackStats()
             try:
-                return compute()
+                return compute(stats), stats
             finally:
                 self.busy_s += time.perf_counter() - start
 
-        return self.place.compute_on(self.name, timed)
+        result, stats = self.place.compute_on(self.name, timed)
+        self.packed.add(stats)
+        return result
 
     def _update(self, run) -> Update:
-        def guarded() -> Update:
+        def guarded(stats: PackStats) -> Update:
             try:
-                return Update(run())
+                return Update(run(stats))
             except NonFiniteUpdate as e:
                 return Update(skipped=str(e))
 
         return self._on_host(guarded)
 
 
-def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, *, truncated: bool) -> list[torch.Tensor]:
+def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, stats: PackStats, *, truncated: bool
+              ) -> list[torch.Tensor]:  # fmt: skip
     """Per response token, log p at the rollout's temperature; ``truncated``: over the sampler's top-k / top-p."""
     s = cfg.rollout.sampling
     top_k, top_p = (s.top_k, s.top_p) if truncated else (0, 1.0)
     per_token = lambda mb, logits: logprobs_from_logits(logits, mb["targets"], s.temperature, spec.vocab_size,
                                                         top_k, top_p)  # fmt: skip
-    return forward_fields(
-        model,
-        seqs,
-        per_token,
-        global_batch_size=batching.global_batch_size,
-        max_tokens=batching.max_tokens,
-        micro_batch_size=batching.micro_batch_size,
-    )
+    return forward_fields(model, seqs, per_token, batching, stats)
+
+
+def batching_of(cfg, role) -> Batching:
+    """How ``role`` (the actor's, critic's or reward model's config) cuts the step's sequences: its micro-batch
+    size and token budget, the actor's mini-batches and packing."""
+    a = cfg.actor
+    return Batching(a.global_batch_size, role.max_tokens_per_micro_batch, role.micro_batch_size, a.packing)
 
 
 class _PolicyRole(Role):
@@ -103,7 +99,7 @@ class _PolicyRole(Role):
         super().__init__(place)
         a = cfg.actor
         self.cfg, self.spec, self.models = cfg, spec, models
-        self.batching = Batching(a.global_batch_size, a.max_tokens_per_micro_batch, a.micro_batch_size)
+        self.batching = batching_of(cfg, a)
 
 
 class Actor(_PolicyRole):
@@ -115,7 +111,7 @@ class Actor(_PolicyRole):
         """Per response token, log pi(token) under the current weights: the sampler's policy (the rollout's
         temperature, top-k and top-p)."""
         return self._on_host(
-            lambda: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, truncated=True)
+            lambda stats: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, stats, truncated=True)
         )
 
     def update(self, seqs: list[Sequence], fields: dict, *, trained: list[bool] | None = None) -> Update:
@@ -126,19 +122,18 @@ class Actor(_PolicyRole):
         loss = partial(actor_loss, a, cfg.algorithm, temperature=s.temperature, true_vocab=self.spec.vocab_size,
                        top_k=s.top_k, top_p=s.top_p)  # fmt: skip
         return self._update(
-            lambda: ppo_updates(
+            lambda stats: ppo_updates(
                 self.models.actor,
                 self.models.actor_optim,
                 seqs,
                 fields,
                 loss,
-                global_batch_size=a.global_batch_size,
+                self.batching,
                 epochs=a.ppo_epochs,
-                max_tokens=a.max_tokens_per_micro_batch,
-                micro_batch_size=a.micro_batch_size,
                 norm_len=a.loss_agg_norm_len or cfg.rollout.sampling.max_new_tokens,
                 scheduler=self.models.actor_sched,
                 trained=trained,
+                stats=stats,
             )
         )
 
@@ -150,9 +145,9 @@ class Reference(_PolicyRole):
     name = "reference"
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        def compute():
+        def compute(stats: PackStats):
             with reference_policy(self.models) as reference:
-                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching, truncated=False)
+                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching, stats, truncated=False)
 
         return self._on_host(compute)
 
@@ -166,38 +161,28 @@ class Critic(Role):
         super().__init__(place)
         c = cfg.critic
         self.cfg, self.models = cfg, models
-        self.batching = Batching(cfg.actor.global_batch_size, c.max_tokens_per_micro_batch, c.micro_batch_size)
+        self.batching = batching_of(cfg, c)
 
     def values(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Per response token, V(state before it)."""
-        b = self.batching
-        return self._on_host(
-            lambda: forward_fields(
-                self.models.critic,
-                seqs,
-                critic_values,
-                global_batch_size=b.global_batch_size,
-                max_tokens=b.max_tokens,
-                micro_batch_size=b.micro_batch_size,
-            )
-        )
+        critic = self.models.critic if self.models is not None else None
+        return self._on_host(lambda stats: forward_fields(critic, seqs, critic_values, self.batching, stats))
 
     def update(self, seqs: list[Sequence], fields: dict) -> Update:
         """``critic.ppo_epochs`` passes on the clipped value loss against ``fields['returns']``."""
-        c, b = self.cfg.critic, self.batching
+        c = self.cfg.critic
         return self._update(
-            lambda: ppo_updates(
+            lambda stats: ppo_updates(
                 self.models.critic,
                 self.models.critic_optim,
                 seqs,
                 fields,
                 partial(critic_loss, c),
-                global_batch_size=b.global_batch_size,
+                self.batching,
                 epochs=c.ppo_epochs,
-                max_tokens=b.max_tokens,
-                micro_batch_size=b.micro_batch_size,
                 norm_len=self.cfg.actor.loss_agg_norm_len or self.cfg.rollout.sampling.max_new_tokens,
                 scheduler=self.models.critic_sched,
+                stats=stats,
             )
         )
 
@@ -212,16 +197,13 @@ class RewardModel(Role):
         r = cfg.reward.model
         self.models = models
         self.pad_token_id = reward_model_spec(cfg)[0].hf_config.get("pad_token_id")
-        self.batching = Batching(cfg.actor.global_batch_size, r.max_tokens_per_micro_batch, r.micro_batch_size)
+        self.batching = batching_of(cfg, r)
 
     def scores(self, sequences: list[list[int]]) -> list[float]:
         """Prompt + response token ids -> their scores."""
-        b = self.batching
         return self._on_host(
-            lambda: reward_model_scores(
-                self.models.reward_model, sequences, self.pad_token_id, global_batch_size=b.global_batch_size,
-                max_tokens=b.max_tokens, micro_batch_size=b.micro_batch_size,
-            )
+            lambda stats: reward_model_scores(self.models.reward_model, sequences, self.pad_token_id, self.batching,
+                                              stats)
         )  # fmt: skip
 
 
@@ -234,12 +216,21 @@ class Roles:
     critic: Critic | None
     reward_model: RewardModel | None = None
 
+    def present(self) -> list[Role]:
+        return [r for r in (self.actor, self.reference, self.critic, self.reward_model) if r is not None]
+
     def busy_s(self) -> float:
         """Seconds this rank computed for its roles since the last call."""
-        roles = [r for r in (self.actor, self.reference, self.critic, self.reward_model) if r is not None]
-        total = sum(r.busy_s for r in roles)
-        for r in roles:
+        total = sum(r.busy_s for r in self.present())
+        for r in self.present():
             r.busy_s = 0.0
+        return total
+
+    def packed(self) -> PackStats:
+        """The micro-batches the roles' passes ran since the last call (the same on every rank)."""
+        total = PackStats()
+        for r in self.present():
+            total.add(r.packed.take())
         return total
 
 

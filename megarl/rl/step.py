@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from megarl import faults
 from megarl.algos import rollout_is_weights
-from megarl.backend.batch import Sequence
+from megarl.backend.batch import PackStats, Sequence
 from megarl.logging.jsonl import SAMPLES_DIR, TIMELINE_FILE, write_rows
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
@@ -204,6 +204,8 @@ class Learned:
     kl: dict[str, float]
     skipped: list[str]
     """Updates not applied because their loss or gradients were not finite ("actor: non-finite pg_loss")."""
+    packed: PackStats = field(default_factory=PackStats)
+    """The micro-batches of the step's passes (the reward model's scoring, log-probs, values, updates)."""
 
 
 def learn(
@@ -260,7 +262,7 @@ def learn(
     critic_metrics = updates["critic"].metrics if "critic" in updates else {}
     return Learned(
         seqs, rollout_logp, old_logp, ref_logp, values, returns, adv, updates["actor"].metrics, critic_metrics,
-        kl_metrics, skipped,
+        kl_metrics, skipped, roles.packed(),
     )  # fmt: skip
 
 
@@ -312,6 +314,7 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
     if job.roles.reward_model is not None and job.learns:  # one-step-off: the rollout pool needs no val/ metric
         job.phases.train()  # the reward model's weights back on the device
         rm = job.roles.reward_model.scores(sequences_of(samples))
+        job.roles.packed()  # validation is not a training pass: its micro-batches stay out of the next step's
         if not job.place.pooled:  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
             job.phases.rollout(step)
         result.scores = combined_scores(job.cfg.reward, result.scores, rm)
