@@ -100,7 +100,7 @@ def lora_logits(chunk, vocab: int) -> dict:
 
 def run_case(
     hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = (),
-    shape=SPREAD,
+    shape=SPREAD, lockstep: bool = False,
 ) -> dict:
     overrides = [
         f"model.path={hf_dir}",
@@ -138,7 +138,8 @@ def run_case(
         passes.append([[len(seqs[i].tokens) - 1 for i in g] for g in groups])
         return micro_batches(seqs, groups, fields)
 
-    with everything, mock.patch.object(update, "micro_batches", counted):
+    in_lockstep = mock.patch.object(update, "_lockstep", lambda: True) if lockstep else contextlib.nullcontext()
+    with everything, in_lockstep, mock.patch.object(update, "micro_batches", counted):
         learned = learn(cfg, make_roles(cfg, spec, models), batch, kl_ctrl=kl, skip_old_logprob=skip,
                         timer=PhaseTimer())  # fmt: skip
     per_rank = [None] * dist.get_world_size()

@@ -1,9 +1,24 @@
 """Micro-batch layout: ``collate``'s ``scored_from`` (the first position the loss scores) and ``positions_from`` (the
-loss's fields from the position the output layer started at)."""
+loss's fields from the position the output layer started at); packing: the budget, token-balanced DP shares, padding
+on long-tailed lengths, lockstep fillers."""
 
+import math
+import random
+
+import pytest
 import torch
 
-from megarl.backend.batch import Sequence, collate
+from megarl.backend.batch import (
+    FILLER,
+    Batching,
+    PackStats,
+    Sequence,
+    collate,
+    micro_batches,
+    pack_micro_batches,
+    plan,
+    share_out,
+)
 from megarl.backend.step import positions_from
 
 
@@ -28,3 +43,90 @@ def test_positions_from_slices_every_per_position_field_and_keeps_the_rest():
     assert positions_from(mb, 0)["targets"].shape == mb["targets"].shape  # the layer could not skip: all positions
     plain = {"tokens": mb["tokens"]}
     assert positions_from(plain, 0) is plain  # no scored_from: the micro-batch as it is
+
+
+# ---- packing: a pure function of the lengths (megarl.backend.batch.plan) ----
+
+def _reasoning_lengths(rng: random.Random, n: int, median: float, sigma: float, cap: int, prompt: int = 150):
+    """Prompt + lognormal response, in positions (tokens - 1), as the issue measured them."""
+    return [prompt + min(cap, max(1, int(median * math.exp(rng.gauss(0, sigma))))) - 1 for _ in range(n)]
+
+
+def _padding(lengths, ranks, batching) -> PackStats:
+    stats = PackStats()
+    for groups in plan(lengths, ranks, batching):
+        stats.count(groups, lengths)
+    return stats
+
+
+@pytest.mark.parametrize("packing", ["sorted", "consecutive"])
+def test_every_micro_batch_fits_the_budget_and_every_sequence_is_in_one(packing):
+    rng = random.Random(1)
+    for _ in range(500):
+        lengths = [rng.randint(1, 80) for _ in range(rng.randint(0, 40))]
+        budget = rng.randint(1, 200)
+        groups = pack_micro_batches(lengths, max_tokens=budget, micro_batch_size=1, packing=packing)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget for g in groups)
+        if packing == "sorted":  # never more micro-batches than batch order
+            assert len(groups) <= len(pack_micro_batches(lengths, max_tokens=budget, micro_batch_size=1,
+                                                         packing="consecutive"))  # fmt: skip
+    assert pack_micro_batches([3, 9, 5, 9], max_tokens=0, micro_batch_size=3) == [[1, 3, 2], [0]]  # longest first
+
+
+def test_shares_are_token_balanced_within_the_longest_sequence():
+    """Any two DP ranks' tokens differ by at most the longest sequence; every rank gets one when it can; the shares
+    are a pure function of the lengths."""
+    rng = random.Random(2)
+    for _ in range(300):
+        ranks = rng.randint(1, 8)
+        lengths = [rng.randint(1, 500) for _ in range(rng.randint(ranks, 64))]
+        shares = share_out(lengths, ranks)
+        assert sorted(i for s in shares for i in s) == list(range(len(lengths)))
+        tokens = [sum(lengths[i] for i in s) for s in shares]
+        assert max(tokens) - min(tokens) <= max(lengths) and all(shares)
+        assert shares == share_out(list(lengths), ranks)
+    front = [400] * 8 + [10] * 8  # every long sequence in the first half
+    contiguous = [sum(front[i] for i in s) for s in share_out(front, 2, "consecutive")]
+    balanced = [sum(front[i] for i in s) for s in share_out(front, 2)]
+    assert contiguous == [3200, 80] and balanced == [1640, 1640]
+
+
+def test_ties_in_tokens_go_to_the_rank_with_less_attention():
+    # after 6 -> rank 0 and 3, 3 -> rank 1, both hold 6 tokens; rank 1's squares (18) are fewer than rank 0's (36)
+    assert share_out([6, 3, 3, 2], 2) == [[0], [1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    "median, sigma, cap, most_sorted, least_consecutive",
+    [(600, 1.0, 8192, 0.08, 0.45), (300, 0.7, 2048, 0.12, 0.45), (15, 0.1, 64, 0.02, 0.02)],
+)
+def test_sorted_packing_removes_most_padding_on_long_tailed_lengths(median, sigma, cap, most_sorted,
+                                                                    least_consecutive):  # fmt: skip
+    """The issue's table: 256 sequences per rank (2 ranks), prompts of 150 tokens, lognormal responses, a budget of
+    16,384 tokens: batch order computes about half padding on reasoning lengths, sorted a tenth or less."""
+    rng = random.Random(3)
+    for _ in range(5):
+        lengths = _reasoning_lengths(rng, 512, median, sigma, cap)
+        got = {p: _padding(lengths, 2, Batching(512, 16384, 1, p)) for p in ("sorted", "consecutive")}
+        assert got["sorted"].real == got["consecutive"].real
+        assert got["sorted"].padding_frac <= most_sorted
+        assert got["consecutive"].padding_frac >= least_consecutive
+        assert got["sorted"].micro_batches <= got["consecutive"].micro_batches
+
+
+def test_lockstep_tops_ranks_up_with_fillers_that_weigh_nothing():
+    lengths = [39, 31, 28, 16, 12, 8, 4, 2]
+    free = plan(lengths, 2, Batching(8, 16, 1))
+    assert sorted(len(g) for g in free) == [3, 4]  # 39 | 16 | 12 | 2 against 31 | 28 | 8 4
+    locked = plan(lengths, 2, Batching(8, 16, 1), lockstep=True)
+    assert [len(g) for g in locked] == [4, 4] and [g for g in locked[0] + locked[1] if not g] == [[]]
+    seqs = [Sequence(list(range(n + 1)), 1) for n in lengths]
+    fields = {"advantages": [torch.ones(n) for n in lengths]}
+    batches = micro_batches(seqs, [g for groups in locked for g in groups], fields)
+    filler = next(b for b, g in zip(batches, [g for groups in locked for g in groups]) if not g)
+    assert filler["tokens"].shape == (1, len(FILLER.tokens) - 1) and filler["loss_mask"].sum() == 0
+    assert filler["advantages"].sum() == 0
+    stats = PackStats()
+    stats.count([[]], lengths)
+    assert (stats.computed, stats.real, stats.micro_batches) == (1, 0, 1)

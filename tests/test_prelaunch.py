@@ -68,6 +68,7 @@ def _bad_inputs(d) -> dict[str, list[str]]:
         "train: tab in the YAML": ["train", str(d / "tab.yaml")],
         "train: unknown key": ["train", tiny, "trainer.totl_steps=3"],
         "train: invalid value": ["train", tiny, "actor.optim.lr=inf"],
+        "train: unknown packing": ["train", tiny, "actor.packing=shortest"],
         "train: override without '='": ["train", tiny, "trainer.total_steps"],
         "train: missing recipe": ["train", str(d / "nowhere.yaml")],
         "train: missing model": ["train", tiny, f"model.path={d}/no-model"],

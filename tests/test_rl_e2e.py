@@ -53,7 +53,7 @@ BASE_KEYS = [
     "rollout/is_weight_mean", "rollout/tokens_per_s", "sync/seconds", "sync/bytes_sent", "sync/bytes_cross_node",
     "timing/generate", "timing/reward", "timing/ref", "timing/old_logprob", "timing/values", "timing/advantages",
     "timing/update_actor", "timing/update_critic", "timing/sync", "timing/step", "perf/tokens_per_s",
-    "memory/peak_rss_gb",
+    "perf/padding_frac", "perf/micro_batches", "memory/peak_rss_gb",
 ]  # fmt: skip
 KL_KEYS = ["kl/ref_mean", "kl/coef"]
 CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_var",
@@ -135,6 +135,7 @@ def test_every_metric_is_logged_and_finite(runs, name):
         assert not missing, (name, r["step"], missing)
         bad = {k: v for k, v in r.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
         assert not bad, (name, bad)
+        assert 0 <= r["perf/padding_frac"] < 1 and r["perf/micro_batches"] >= 1, (name, r["step"])
 
 
 @pytest.mark.parametrize("name", list(JOBS))

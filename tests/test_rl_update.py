@@ -48,6 +48,8 @@ CONSECUTIVE = ("actor.packing=consecutive",)
 WORLD2 += [(f"ref_{a}_adam", dict(layout=L(dp=2), algo=a, split="mbs1", reference=True, extra=ADAM)) for a in ALGOS]
 WORLD2 += [(f"dp2_distopt_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=DISTOPT)) for a in ALGOS]
 WORLD2 += [(f"dp2_consecutive_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=CONSECUTIVE)) for a in ALGOS]
+WORLD2 += [("dp2_lockstep_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", lockstep=True,
+                                      extra=("actor.max_tokens_per_micro_batch=16",)))]  # 4 micro-batches and 3
 WORLD2 += [("ref_front_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, shape=FRONT_LOADED)),
            ("dp2_front_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED)),
            ("dp2_front_consecutive_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED,
@@ -193,7 +195,16 @@ def test_dp_ranks_get_token_balanced_shares_in_a_real_step(world2):
         _assert_same_update(case, world2["ref_front_grpo"])
 
 
-@pytest.mark.parametrize("case", ["dp2_ppo", "dp2_consecutive_ppo", "ref_ppo_mbs1", "pp2_ppo"])
+def test_ranks_in_lockstep_run_as_many_micro_batches_and_the_fillers_weigh_nothing(world2):
+    """What an expert-parallel group needs (``plan``'s ``lockstep``): the rank with fewer micro-batches runs fillers
+    up to the other's count, and the update is still the single rank's."""
+    case = world2["dp2_lockstep_grpo"]
+    (update_0,), (update_1,) = case["passes_per_rank"]  # GRPO's one mini-batch: the update's pass only
+    assert len(update_0) == len(update_1) and [] in update_0 + update_1
+    _assert_same_update(case, world2["ref_grpo_mbs1"])
+
+
+@pytest.mark.parametrize("case", ["dp2_ppo", "dp2_consecutive_ppo", "ref_ppo_mbs1", "pp2_ppo", "dp2_lockstep_grpo"])
 def test_the_step_counts_the_micro_batches_it_ran(world2, case):
     """``Learned.packed`` (perf/padding_frac, perf/micro_batches) is what the ranks ran: its positions, padded
     positions and micro-batches equal those of every pass's micro-batches on every DP rank (one PP stage each)."""
@@ -204,7 +215,7 @@ def test_the_step_counts_the_micro_batches_it_ran(world2, case):
     groups = [g for rank in per_rank for passes in rank for g in passes]
     assert got["packed"].micro_batches == len(groups) > 0
     assert got["packed"].real == sum(map(sum, groups))
-    assert got["packed"].computed == sum(len(g) * max(g) for g in groups)
+    assert got["packed"].computed == sum(max(len(g), 1) * max(g, default=1) for g in groups)  # a filler: 1 position
     assert (got["packed"].padding_frac == 0) == (case == "ref_ppo_mbs1")  # one sequence per micro-batch: none
 
 

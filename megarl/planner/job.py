@@ -297,9 +297,10 @@ def format_plan(job: JobPlan, with_suggestions: bool = True) -> str:
     lines += [
         "",
         "Exact: parameters, gradient buffers, optimizer state, vLLM weights, reshard buckets. Accounted: activations, "
-        f"tensor by tensor as the model saves them (megarl/planner/activations.py; the largest micro-batch: "
-        f"{mb.tokens} tokens in sequences of up to {mb.length}). Estimates: the logits around the loss, the "
-        "configured KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
+        f"tensor by tensor as the model saves them (megarl/planner/activations.py; the largest micro-batch the "
+        f"packer can form: {mb.tokens} tokens in sequences of up to {mb.length}; packing by length keeps every "
+        "micro-batch within the budget, so the peak is the same for any lengths). Estimates: the logits around the "
+        "loss, the configured KV cache, a 2 GiB reserve for CUDA context/NCCL/allocator.",
     ]
     return "\n".join(lines)
 
