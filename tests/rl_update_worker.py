@@ -70,6 +70,8 @@ SPREAD = ((2, (1, 30)), (5, (12, 35)), (9, (4, 20)), (3, (6, 2)))
 """(prompt length, its two responses' lengths) of each prompt: sequences of 3 to 40 tokens, long and short mixed."""
 FRONT_LOADED = ((6, (30, 34)), (4, (29, 36)), (2, (1, 3)), (3, (2, 4)))
 """Every long sequence in the first half of the batch: contiguous DP shares would give one rank nearly all tokens."""
+LOPSIDED = ((2, (37, 1)), (2, (2, 3)), (3, (1, 2)), (2, (4, 1)))
+"""One sequence as long as the seven others together: token-balanced shares of 1 and 7 sequences."""
 
 
 def fixed_batch(vocab: int, shape=SPREAD) -> Collected:

@@ -10,6 +10,7 @@ import torch
 
 from megarl.backend.batch import (
     FILLER,
+    MICRO_BATCH_COST,
     Batching,
     PackStats,
     Sequence,
@@ -59,6 +60,22 @@ def _padding(lengths, ranks, batching) -> PackStats:
     return stats
 
 
+def _cost(lengths, groups, budget) -> float:
+    """Padded positions plus the fixed cost per micro-batch that ``pack_micro_batches`` weighs."""
+    return sum(len(g) * max(lengths[i] for i in g) + MICRO_BATCH_COST * budget for g in groups)
+
+
+def _fewest_sorted(lengths, budget) -> list[list[int]]:
+    """Longest first, each micro-batch filled while it fits: the fewest micro-batches of the sorted order."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 @pytest.mark.parametrize("packing", ["sorted", "consecutive"])
 def test_every_micro_batch_fits_the_budget_and_every_sequence_is_in_one(packing):
     rng = random.Random(1)
@@ -68,9 +85,8 @@ def test_every_micro_batch_fits_the_budget_and_every_sequence_is_in_one(packing)
         groups = pack_micro_batches(lengths, max_tokens=budget, micro_batch_size=1, packing=packing)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
         assert all(len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget for g in groups)
-        if packing == "sorted":  # never more micro-batches than batch order
-            assert len(groups) <= len(pack_micro_batches(lengths, max_tokens=budget, micro_batch_size=1,
-                                                         packing="consecutive"))  # fmt: skip
+        if packing == "sorted":  # no dearer than the fewest micro-batches of the sorted order
+            assert _cost(lengths, groups, budget) <= _cost(lengths, _fewest_sorted(lengths, budget), budget) + 1e-9
     assert pack_micro_batches([3, 9, 5, 9], max_tokens=0, micro_batch_size=3) == [[1, 3, 2], [0]]  # longest first
 
 
@@ -116,15 +132,14 @@ def test_sorted_packing_removes_most_padding_on_long_tailed_lengths(median, sigm
 
 
 def test_lockstep_tops_ranks_up_with_fillers_that_weigh_nothing():
-    lengths = [39, 31, 28, 16, 12, 8, 4, 2]
-    free = plan(lengths, 2, Batching(8, 16, 1))
-    assert sorted(len(g) for g in free) == [3, 4]  # 39 | 16 | 12 | 2 against 31 | 28 | 8 4
-    locked = plan(lengths, 2, Batching(8, 16, 1), lockstep=True)
-    assert [len(g) for g in locked] == [4, 4] and [g for g in locked[0] + locked[1] if not g] == [[]]
+    lengths = [40, 10, 10, 10, 10]  # one rank takes the 40, the other the four 10s: 1 and 2 micro-batches of 2
+    assert [len(g) for g in plan(lengths, 2, Batching(5, 0, 2))] == [1, 2]
+    locked = plan(lengths, 2, Batching(5, 0, 2), lockstep=True)
+    assert locked == [[[0], []], [[1, 2], [3, 4]]]
+    groups = [g for rank in locked for g in rank]
     seqs = [Sequence(list(range(n + 1)), 1) for n in lengths]
-    fields = {"advantages": [torch.ones(n) for n in lengths]}
-    batches = micro_batches(seqs, [g for groups in locked for g in groups], fields)
-    filler = next(b for b, g in zip(batches, [g for groups in locked for g in groups]) if not g)
+    batches = micro_batches(seqs, groups, {"advantages": [torch.ones(n) for n in lengths]})
+    filler = batches[1]
     assert filler["tokens"].shape == (1, len(FILLER.tokens) - 1) and filler["loss_mask"].sum() == 0
     assert filler["advantages"].sum() == 0
     stats = PackStats()

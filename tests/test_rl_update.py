@@ -13,7 +13,7 @@ import torch
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import bf16_ulp, far_apart
-from tests.rl_update_worker import FRONT_LOADED, lora_memory_overrides, memory_overrides, run_cases
+from tests.rl_update_worker import FRONT_LOADED, LOPSIDED, lora_memory_overrides, memory_overrides, run_cases
 
 RTOL = 1e-5
 ATOL_WEIGHTS = 1e-5
@@ -48,8 +48,8 @@ CONSECUTIVE = ("actor.packing=consecutive",)
 WORLD2 += [(f"ref_{a}_adam", dict(layout=L(dp=2), algo=a, split="mbs1", reference=True, extra=ADAM)) for a in ALGOS]
 WORLD2 += [(f"dp2_distopt_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=DISTOPT)) for a in ALGOS]
 WORLD2 += [(f"dp2_consecutive_{a}", dict(layout=L(dp=2), algo=a, split="pack", extra=CONSECUTIVE)) for a in ALGOS]
-WORLD2 += [("dp2_lockstep_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", lockstep=True,
-                                      extra=("actor.max_tokens_per_micro_batch=16",)))]  # 4 micro-batches and 3
+WORLD2 += [("ref_lopsided_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, shape=LOPSIDED)),
+           ("dp2_lockstep_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs2", lockstep=True, shape=LOPSIDED))]
 WORLD2 += [("ref_front_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, shape=FRONT_LOADED)),
            ("dp2_front_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED)),
            ("dp2_front_consecutive_grpo", dict(layout=L(dp=2), algo="grpo", split="pack", shape=FRONT_LOADED,
@@ -200,8 +200,9 @@ def test_ranks_in_lockstep_run_as_many_micro_batches_and_the_fillers_weigh_nothi
     up to the other's count, and the update is still the single rank's."""
     case = world2["dp2_lockstep_grpo"]
     (update_0,), (update_1,) = case["passes_per_rank"]  # GRPO's one mini-batch: the update's pass only
-    assert len(update_0) == len(update_1) and [] in update_0 + update_1
-    _assert_same_update(case, world2["ref_grpo_mbs1"])
+    assert [len(update_0), len(update_1)] == [4, 4]  # 1 sequence and 7 in micro-batches of 2: 1 + 3 fillers, 4
+    assert update_0[1:] == [[], [], []] and [] not in update_1
+    _assert_same_update(case, world2["ref_lopsided_grpo"])
 
 
 @pytest.mark.parametrize("case", ["dp2_ppo", "dp2_consecutive_ppo", "ref_ppo_mbs1", "pp2_ppo", "dp2_lockstep_grpo"])
@@ -216,7 +217,8 @@ def test_the_step_counts_the_micro_batches_it_ran(world2, case):
     assert got["packed"].micro_batches == len(groups) > 0
     assert got["packed"].real == sum(map(sum, groups))
     assert got["packed"].computed == sum(max(len(g), 1) * max(g, default=1) for g in groups)  # a filler: 1 position
-    assert (got["packed"].padding_frac == 0) == (case == "ref_ppo_mbs1")  # one sequence per micro-batch: none
+    if case in ("ref_ppo_mbs1", "dp2_consecutive_ppo"):  # one sequence per micro-batch: none; neighbours: some
+        assert (got["packed"].padding_frac == 0) == (case == "ref_ppo_mbs1")
 
 
 @pytest.mark.parametrize("algo", ALGOS)
