@@ -113,10 +113,11 @@ def _worker(hf_dir: str, args) -> dict:
 
 def rows_of(result: dict) -> list[dict]:
     seconds = result["seconds"]
-    rows = []
+
     def ratio(name: str, other: str) -> float:  # the median of the per-step ratios (the same step's machine)
         return statistics.median(a / b for a, b in zip(seconds[name], seconds[other]))
 
+    rows = []
     for name in VARIANTS:
         computed, real, micro = result["packed"][name]
         rows.append({"packing": name, "padding_share": 1 - real / computed, "micro_batches": micro,

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
+from megarl.backend.batch import PackStats
 from megarl.config import load_config
 from megarl.rl import metrics as metrics_module
 from megarl.rl.collect import Collected
@@ -16,7 +17,9 @@ def _step_metrics(*overrides, kl: dict):
     batch = Collected(samples=[Sample(0, j, [1], [5, 6], [-0.5, -0.5], "stop", [0, 0]) for j in range(2)])
     batch.scores = batch.rewards = [0.0, 1.0]
     seqs = [SimpleNamespace(tokens=[1, 5, 6])] * 2
-    learned = SimpleNamespace(seqs=seqs, actor={"actor/pg_loss": 0.1}, critic={}, kl=kl, old_logp=None, values=None)
+    packed = PackStats(computed=8, real=6, micro_batches=2)  # two micro-batches of 2 x 2 positions, 1 + 2 real
+    learned = SimpleNamespace(seqs=seqs, actor={"actor/pg_loss": 0.1}, critic={}, kl=kl, old_logp=None, values=None,
+                              packed=packed)  # fmt: skip
     timer = PhaseTimer()
     with timer("step"):
         pass
@@ -44,3 +47,8 @@ def test_per_rank_metrics_across_pools_sum_bytes_and_take_each_pools_largest_tim
     got = metrics_module.reduce_ranks(comm, *ranks[0])
     assert got == {"sync/bytes_sent": 35.0, "sync/seconds": 2.0, "pool/train/busy_s": 4.0, "pool/train/wait_s": 0.5,
                    "pool/rollout/busy_s": 6.0, "pool/rollout/wait_s": 4.5}  # fmt: skip
+
+
+def test_padding_and_micro_batches_are_logged():
+    m = _step_metrics(kl={})
+    assert m["perf/padding_frac"] == 0.25 and m["perf/micro_batches"] == 2.0

@@ -46,7 +46,7 @@ def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size:
     """Groups of sequence indices, one per micro-batch.
 
     ``max_tokens > 0``: no group's padded size (sequences x its longest sequence) exceeds ``max_tokens`` unless it is
-    one sequence longer than the budget. ``max_tokens == 0``: groups of ``micro_batch_size``.
+    one sequence longer than the budget. ``max_tokens <= 0``: groups of ``micro_batch_size``.
     ``packing="sorted"``: the sequences longest first (ties in batch order), cut where padding plus a fixed cost per
     group is least (``_tightest_cut``), so each group holds sequences of similar length. ``"consecutive"``: in batch
     order, each group grown while it fits."""
@@ -73,9 +73,10 @@ def pack_micro_batches(lengths: list[int], *, max_tokens: int, micro_batch_size:
 
 MICRO_BATCH_COST = 1 / 16
 """What one more micro-batch costs in ``_tightest_cut``, as a fraction of a full micro-batch's padded positions: its
-fixed cost, mostly the host issuing its kernels. Measured (docs/training.md, "Measured"): the 1.2B model on an H200
-spent ~77 ms of host time and ~59 ms of GPU time per micro-batch of 4,096 tokens; a 70B model's compute per token is
-~60x that for about the same launches. A sixteenth lies between: a split is taken when it saves more padding."""
+fixed cost, mostly the host issuing its kernels. A judgement between two measured ends: the 1.2B model's profiled step
+on an H200 (docs/training.md, "Measured": 0.618 s of host time issuing 0.471 s of kernels for 8 micro-batches of
+2 x 2,048 tokens) pays more for a micro-batch's launches than for its compute; a 70B model computes ~80x more per
+token for about the same launches. A split is taken when it saves more padding than a sixteenth of the budget."""
 
 
 def _tightest_cut(descending: list[int], budget: int) -> list[int]:
@@ -102,8 +103,9 @@ def share_out(lengths: list[int], ranks: int, packing: str = "sorted") -> list[l
     """Each data-parallel rank's indices (in batch order) of one mini-batch's sequences. ``sorted``: longest first,
     each to the rank with the fewest tokens so far (then the smallest sum of squared lengths, attention's cost; then
     the lowest rank), so any two ranks' tokens differ by at most the longest sequence, and with at least ``ranks``
-    sequences every rank gets one. A pure function of the lengths: every rank computes the same shares, no
-    collective. ``consecutive``: contiguous slices whose sizes differ by at most one."""
+    sequences (of positive length, as training sequences are) every rank gets one. A pure function of the lengths:
+    every rank computes the same shares, no collective. ``consecutive``: contiguous slices whose sizes differ by at
+    most one."""
     if packing == "consecutive":
         base, extra = divmod(len(lengths), ranks)
         starts = [r * base + min(r, extra) for r in range(ranks + 1)]
@@ -119,7 +121,7 @@ def share_out(lengths: list[int], ranks: int, packing: str = "sorted") -> list[l
 
 FILLER = Sequence([0, 0], 2)
 """What a rank runs to keep pace with ranks that have more micro-batches (``plan``'s ``lockstep``): one position, no
-response token, so it weighs nothing in any loss."""
+response token, so it weighs nothing in any masked loss (an MoE router's auxiliary losses, unmasked, would see it)."""
 
 
 def plan(lengths: list[int], ranks: int, batching: Batching, *, lockstep: bool = False) -> list[list[list[int]]]:
@@ -147,14 +149,14 @@ class PackStats:
     real: int = 0
     micro_batches: int = 0
 
-    def count(self, groups: list[list[int]], positions, passes: int = 1) -> None:
-        """Add ``passes`` passes over micro-batches ``groups`` of sequences of ``positions[i]`` positions each
-        (tokens - 1; an empty group is a ``FILLER``)."""
+    def count(self, groups: list[list[int]], positions) -> None:
+        """Add a pass over micro-batches ``groups`` of sequences of ``positions[i]`` positions each (tokens - 1; an
+        empty group is a ``FILLER``)."""
         for g in groups:
             width = max((positions[i] for i in g), default=len(FILLER.tokens) - 1)
-            self.computed += passes * max(len(g), 1) * width
-            self.real += passes * sum(positions[i] for i in g)
-            self.micro_batches += passes
+            self.computed += max(len(g), 1) * width
+            self.real += sum(positions[i] for i in g)
+            self.micro_batches += 1
 
     def add(self, other: PackStats) -> None:
         self.computed += other.computed

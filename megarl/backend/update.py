@@ -40,17 +40,19 @@ def _lockstep() -> bool:
     return ps.get_expert_model_parallel_world_size() > 1
 
 
-def minibatch_plan(seqs: list[Sequence], rows: range, batching: Batching, stats: PackStats | None = None,
-                   passes: int = 1) -> list[list[list[int]]]:  # fmt: skip
-    """Mini-batch ``rows``' micro-batches on each DP rank, as groups of global sequence indices; counted (``passes``
-    times, over all DP ranks) into ``stats``."""
+def minibatch_plan(seqs: list[Sequence], rows: range, batching: Batching) -> list[list[list[int]]]:
+    """Mini-batch ``rows``' micro-batches on each DP rank, as groups of global sequence indices (``plan``)."""
     _, dp = _dp_coords()
-    positions = [len(seqs[i].tokens) - 1 for i in rows]
-    per_rank = plan(positions, dp, batching, lockstep=_lockstep())
-    if stats is not None:
-        for groups in per_rank:
-            stats.count(groups, positions, passes)
+    per_rank = plan([len(seqs[i].tokens) - 1 for i in rows], dp, batching, lockstep=_lockstep())
     return [[[rows[j] for j in g] for g in groups] for groups in per_rank]
+
+
+def _count(stats: PackStats | None, seqs: list[Sequence], per_rank: list[list[list[int]]]) -> None:
+    """One pass over a mini-batch's micro-batches on every DP rank, into ``stats``."""
+    if stats is not None:
+        positions = {i: len(seqs[i].tokens) - 1 for groups in per_rank for g in groups for i in g}
+        for groups in per_rank:
+            stats.count(groups, positions)
 
 
 def forward_fields(model, seqs: list[Sequence], per_token: Callable, batching: Batching,
@@ -60,8 +62,11 @@ def forward_fields(model, seqs: list[Sequence], per_token: Callable, batching: B
     from megatron.core import parallel_state as ps
 
     dp_rank, dp = _dp_coords()
-    groups = [g for rows in minibatch_rows(len(seqs), batching.global_batch_size)
-              for g in minibatch_plan(seqs, rows, batching, stats)[dp_rank]]  # fmt: skip
+    groups = []
+    for rows in minibatch_rows(len(seqs), batching.global_batch_size):
+        per_rank = minibatch_plan(seqs, rows, batching)
+        _count(stats, seqs, per_rank)
+        groups += per_rank[dp_rank]
     computed: dict[int, torch.Tensor] = {}
     if groups:
         for values_BS, group in zip(forward_per_token(model, micro_batches(seqs, groups), per_token), groups):
@@ -102,13 +107,15 @@ def ppo_updates(
     trained = trained if trained is not None else [True] * len(seqs)
     history: list[dict] = []
     empty = 0
-    for epoch in range(epochs):
-        for rows in minibatch_rows(len(seqs), batching.global_batch_size):
+    all_rows = minibatch_rows(len(seqs), batching.global_batch_size)
+    minibatches = [(rows, minibatch_plan(seqs, rows, batching)) for rows in all_rows]  # the same in every epoch
+    for _ in range(epochs):
+        for rows, per_rank in minibatches:
             if not any(trained[i] for i in rows):
                 empty += 1
                 continue
-            groups = minibatch_plan(seqs, rows, batching, stats if epoch == 0 else None, passes=epochs)[dp_rank]
-            batches = _trained_micro_batches(seqs, fields, groups, trained)
+            _count(stats, seqs, per_rank)
+            batches = _trained_micro_batches(seqs, fields, per_rank[dp_rank], trained)
             norm = GlobalNorm(
                 tokens=sum(seqs[i].response_len for i in rows if trained[i]),
                 seqs=sum(trained[i] for i in rows),

@@ -165,8 +165,9 @@ class Critic(Role):
 
     def values(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Per response token, V(state before it)."""
-        critic = self.models.critic if self.models is not None else None
-        return self._on_host(lambda stats: forward_fields(critic, seqs, critic_values, self.batching, stats))
+        return self._on_host(
+            lambda stats: forward_fields(self.models.critic, seqs, critic_values, self.batching, stats)
+        )
 
     def update(self, seqs: list[Sequence], fields: dict) -> Update:
         """``critic.ppo_epochs`` passes on the clipped value loss against ``fields['returns']``."""
