@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.parallel.layout import prompt_slice
+
 
 @dataclass(frozen=True)
 class Sequence:
@@ -107,9 +109,7 @@ def share_out(lengths: list[int], ranks: int, packing: str = "sorted") -> list[l
     every rank computes the same shares, no collective. ``consecutive``: contiguous slices whose sizes differ by at
     most one."""
     if packing == "consecutive":
-        base, extra = divmod(len(lengths), ranks)
-        starts = [r * base + min(r, extra) for r in range(ranks + 1)]
-        return [list(range(starts[r], starts[r + 1])) for r in range(ranks)]
+        return [list(prompt_slice(len(lengths), r, ranks)) for r in range(ranks)]
     shares: list[list[int]] = [[] for _ in range(ranks)]
     load = [(0, 0, r) for r in range(ranks)]  # (tokens, sum of squares, rank)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from megarl.config.schema import LoggingConfig
 from megarl.logging.jsonl import JsonlWriter
 from megarl.logging.plot import METRICS_FILE, plot_from_dir
-from megarl.logging.wandb_run import start_wandb
+from megarl.logging.wandb_run import finish_wandb, start_wandb
 
 CONSOLE = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -82,12 +82,7 @@ class Tracker:
                 where += f", W&B run: {self.wandb.dir}"
             print(f"[megarl] {where}", flush=True)
         if self.wandb is not None:
-            self.wandb.finish(exit_code=exit_code)
-            # finish() only asks wandb's service to close the run file; teardown waits for the service, so the offline
-            # run is complete on disk when this returns (a reader right after finish() could see no history rows)
-            import wandb
-
-            wandb.teardown(exit_code=exit_code)
+            finish_wandb(self.wandb, exit_code)
         return png
 
     def __enter__(self) -> Tracker:

@@ -26,3 +26,12 @@ def start_wandb(cfg: WandbConfig, output_dir: str, run_config: dict, run_id: str
         resume="allow" if run_id else None,
         settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_machine_info=True),
     )
+
+
+def finish_wandb(run, exit_code: int) -> None:
+    """End ``run`` with its files complete on disk: ``finish()`` only asks wandb's service to close the run file (a
+    reader right after it could see no history rows); ``teardown`` waits for the service."""
+    import wandb
+
+    run.finish(exit_code=exit_code)
+    wandb.teardown(exit_code=exit_code)
