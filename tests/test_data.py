@@ -16,7 +16,9 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% en
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return save_byte_tokenizer(str(tmp_path_factory.mktemp("tok")))
+    tok = save_byte_tokenizer(str(tmp_path_factory.mktemp("tok")))
+    tok.chat_template = None  # plain text only (the byte tokenizer has a template of its own)
+    return tok
 
 
 @pytest.fixture(scope="module")

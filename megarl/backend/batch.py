@@ -25,10 +25,17 @@ class Sequence:
 
     tokens: list[int]
     prompt_len: int
+    mask: tuple[int, ...] | None = None
+    """Per response token, 1 if it is in the loss (the model's), 0 if not (an episode's observation); None: all."""
 
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def loss_tokens(self) -> int:
+        """Response tokens in the loss."""
+        return self.response_len if self.mask is None else sum(self.mask)
 
 
 @dataclass(frozen=True)
@@ -190,7 +197,7 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
         n = len(s.tokens) - 1
         tokens[i, :n], targets[i, :n] = ids[:-1], ids[1:]
         start = s.prompt_len - 1
-        mask[i, start:n] = 1.0
+        mask[i, start:n] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
         for name, values in fields.items():
             out[name][i, start:n] = values[i]
     positions = torch.arange(width).expand(b, width).contiguous()

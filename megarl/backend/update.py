@@ -117,7 +117,7 @@ def ppo_updates(
             _count(stats, seqs, per_rank)
             batches = _trained_micro_batches(seqs, fields, per_rank[dp_rank], trained)
             norm = GlobalNorm(
-                tokens=sum(seqs[i].response_len for i in rows if trained[i]),
+                tokens=sum(seqs[i].loss_tokens for i in rows if trained[i]),
                 seqs=sum(trained[i] for i in rows),
                 norm_len=norm_len,
                 scale=float(len(batches) * dp),

@@ -41,12 +41,13 @@ def _merge_raw(yaml_path, overrides) -> dict:
     schema = OmegaConf.structured(MegarlConfig)
     for name in POLICY_DEFAULTED:  # the default instance filled them for ppo: unset again, so a recipe's loss decides
         schema.actor[name] = None
-    layers = [OmegaConf.create(data) for data in _yaml_layers(yaml_path)] if yaml_path else []
+    layers = [OmegaConf.create(_keyword_keys(data)) for data in _yaml_layers(yaml_path)] if yaml_path else []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. actor.parallel.tp=2)")
         key, _, value = item.partition("=")
-        layers.append(OmegaConf.from_dotlist([f"{key.strip()}={value}"]))
+        key = KEYWORD_KEYS.get(key.strip(), key.strip())
+        layers.append(OmegaConf.from_dotlist([f"{key}={value}"]))
     try:
         merged = OmegaConf.merge(schema, *layers)
     except ConfigKeyError as e:
@@ -58,6 +59,20 @@ def _merge_raw(yaml_path, overrides) -> dict:
         key = missing[0]
         raise ConfigError(f"{key}: required but not set (set it in the YAML or as {key}.<field>=...)")
     return OmegaConf.to_container(merged, resolve=True)
+
+
+KEYWORD_KEYS = {"env.class": "env.class_"}
+"""Recipe keys that are Python keywords -> their schema field."""
+
+
+def _keyword_keys(data: dict) -> dict:
+    """A recipe's mapping with ``KEYWORD_KEYS`` renamed to their fields."""
+    for dotted, field_name in KEYWORD_KEYS.items():
+        section, key = dotted.split(".")
+        node = data.get(section)
+        if isinstance(node, dict) and key in node:
+            node[field_name.split(".")[1]] = node.pop(key)
+    return data
 
 
 BASE_KEY = "base"

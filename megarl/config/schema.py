@@ -526,8 +526,6 @@ class RewardConfig:
     both with weight 1."""
 
     def __post_init__(self):
-        _require(bool(self.function) or self.model is not None, "function",
-                 "is required unless reward.model is set (a built-in name or path/to/file.py:fn)")  # fmt: skip
         unknown = sorted(set(self.combine) - set(REWARD_PARTS))
         _require(not unknown, "combine", f"unknown parts {unknown}; name {list(REWARD_PARTS)}")
         for part, w in self.combine.items():
@@ -866,6 +864,55 @@ class AsyncTrainingConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """Multi-turn episodes: an environment (or tools) answers each model turn (``megarl.env``, docs/agents.md)."""
+
+    class_: str = ""
+    """The environment (``env.class`` in YAML): 'path/to/file.py:MyEnv', 'package.module:MyEnv', or a built-in
+    ('builtin:tools', 'builtin:repeat'); empty: single-turn generation, as without this section."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (one environment per episode)."""
+    tools: list[str] = field(default_factory=list)
+    """builtin:tools: the tool functions, 'path/to/file.py:fn' or 'package.module:fn' (their schemas, from the type
+    hints and docstrings, go into the chat template's ``tools``)."""
+    tool_parser: str = "hermes"
+    """builtin:tools: how tool calls are read from the model's text: 'hermes' (``<tool_call>{json}</tool_call>``,
+    Hermes / Qwen)."""
+    max_turns: int = 4
+    """Model turns per episode at most; the episode ends after this many."""
+    max_total_tokens: int = 1024
+    """Prompt plus every turn's tokens at most; the last turn's max_new_tokens is cut to fit, and an episode that
+    reaches it ends there (counted in env/truncated)."""
+    timeout_s: float = 30.0
+    """Seconds one environment call (a reset or a step, a tool call included) may take; past it the worker is killed
+    and the episode scores 0 (counted in env/timeouts)."""
+    num_workers: int | None = None
+    """Worker processes per rank running environments and tools (isolated like user rewards). null: the rank's share
+    of the node's cores (1 to 8); 0: in the trainer's process (for a debugger: no timeout, no isolation)."""
+    per_turn_credit: bool = False
+    """Put each turn's environment reward at that turn's last model token (else the episode's whole reward goes at
+    its last model token: outcome reward)."""
+
+    def __post_init__(self):
+        _require(self.tool_parser in TOOL_PARSERS, "tool_parser", f"must be one of {TOOL_PARSERS}")
+        _require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _require(self.max_total_tokens >= 2, "max_total_tokens", f"must be >= 2, got {self.max_total_tokens}")
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
+        _require(not self.tools or self.class_ == "builtin:tools", "tools",
+                 f"tools are called by env.class=builtin:tools (env.class is {self.class_!r})")  # fmt: skip
+        _require(self.class_ != "builtin:tools" or bool(self.tools), "tools",
+                 "env.class=builtin:tools needs at least one tool ('path/to/file.py:fn')")  # fmt: skip
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.class_)
+
+
+TOOL_PARSERS = ("hermes",)
+
+
+@dataclass(kw_only=True)
 class MegarlConfig:
     """A whole megarl job."""
 
@@ -893,8 +940,13 @@ class MegarlConfig:
     """Resource pools (absent: colocated)."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Generation overlapped with training (one-step-off), on a rollout pool."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment or tools (absent: one response per sample)."""
 
     def __post_init__(self):
+        if not (self.reward.function or self.reward.model is not None or self.env.enabled):
+            raise ConfigFieldError("reward.function", "is required unless reward.model or env.class is set (a "
+                                   "built-in name or path/to/file.py:fn)")
         most = self.trainer.collective_timeout_s - REWARD_WAIT_MARGIN_S
         if self.reward.step_timeout_s is None:
             self.reward.step_timeout_s = float(most)

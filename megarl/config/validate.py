@@ -52,6 +52,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     errors += _reward_model_errors(cfg, spec, pools)
     errors += _pool_layout_errors(cfg, spec, pools)
     errors += _async_errors(cfg, pools)
+    errors += _env_errors(cfg)
     if spec.score_head:
         errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
                       "be a causal LM (set it as reward.model.path)")  # fmt: skip
@@ -345,6 +346,14 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
                       "algorithm.dynamic_sampling (which drops groups and generates more) needs mode=sync or "
                       "one_step_off")  # fmt: skip
     return errors
+
+
+def _env_errors(cfg: MegarlConfig) -> list[str]:
+    """Multi-turn episodes (``env.class``) run in the synchronous and one-step-off modes."""
+    if cfg.env.enabled and cfg.async_training.bounded:
+        return ["env.class: async_training.mode=bounded does not run environments yet (it streams single-turn "
+                "samples); use mode=one_step_off or sync"]  # fmt: skip
+    return []
 
 
 def pools_of(cfg: MegarlConfig) -> list:

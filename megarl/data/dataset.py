@@ -31,6 +31,8 @@ class Prompt:
     """The answer-key field (None when data.answer_key is empty)."""
     extras: dict = field(default_factory=dict)
     """The record's other fields (every field but the prompt), passed to the reward function."""
+    source: object = None
+    """The prompt field as the record held it (a string or chat messages): what an environment's reset reads."""
 
 
 # ---- reading records -------------------------------------------------------------------------------------------
@@ -230,19 +232,20 @@ def _prompts_of(records, source, *, tokenizer, prompt_key, answer_key, max_promp
     """(prompts numbered from 0, number dropped as overlong) of the records of one source (a file name)."""
     if on_overlong not in ("drop", "error"):
         raise ValueError(f"on_overlong must be 'drop' or 'error', got {on_overlong!r}")
-    rows = []  # (record number, text, ground truth, extras)
+    rows = []  # (record number, text, ground truth, extras, the prompt field)
     for number, record in enumerate(records, 1):
         where = f"{source}, record {number}"
         if not isinstance(record, dict):
             raise DataError(f"{where}: a {type(record).__name__}, not a mapping of fields")
-        text = _render(_get(record, prompt_key, "data.prompt_key", where), tokenizer, where)
+        source = _get(record, prompt_key, "data.prompt_key", where)
+        text = _render(source, tokenizer, where)
         truth = _get(record, answer_key, "data.answer_key", where) if answer_key else None
-        rows.append((number, text, truth, {k: v for k, v in record.items() if k != prompt_key}))
+        rows.append((number, text, truth, {k: v for k, v in record.items() if k != prompt_key}, source))
     prompts, dropped = [], 0
     for start in range(0, len(rows), _TOKENIZE_CHUNK):
         chunk = rows[start : start + _TOKENIZE_CHUNK]
-        ids_per_row = tokenizer([text for _, text, _, _ in chunk], add_special_tokens=False)["input_ids"]
-        for (number, text, truth, extras), ids in zip(chunk, ids_per_row):
+        ids_per_row = tokenizer([row[1] for row in chunk], add_special_tokens=False)["input_ids"]
+        for (number, text, truth, extras, source), ids in zip(chunk, ids_per_row):
             if len(ids) > max_prompt_length:
                 if on_overlong == "error":
                     raise DataError(
@@ -252,7 +255,7 @@ def _prompts_of(records, source, *, tokenizer, prompt_key, answer_key, max_promp
                     )
                 dropped += 1
                 continue
-            prompts.append(Prompt(len(prompts), list(ids), text, truth, extras))
+            prompts.append(Prompt(len(prompts), list(ids), text, truth, extras, source))
     return prompts, dropped
 
 

@@ -13,8 +13,21 @@ _HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "
 _HF_CLASSIFIER_CLASSES = {f: c.replace("CausalLM", "SequenceClassification") for f, c in _HF_MODEL_CLASSES.items()}
 
 
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|system|>\\nTools (call one as <tool_call>{\"name\": ..., \"arguments\": {...}}' }}"
+    "{{ '</tool_call>):' }}"
+    "{%- for t in tools %}{{ '\\n' + (t | tojson) }}{%- endfor %}{{ '</s>' }}{%- endif %}"
+    "{%- for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '</s>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}"
+)
+"""The byte tokenizer's chat template: ChatML-like, every message ``<|role|>\n{content}</s>`` (the end of a turn is
+the EOS the model samples, so a turn the engine ended with EOS followed by new messages renders exactly as the whole
+history would), tool schemas in a first system block, any role (``tool`` included). Append-only."""
+
+
 def save_byte_tokenizer(out_dir: str):
-    """A byte-level BPE tokenizer with no merges (256 byte tokens + pad/bos/eos), saved for AutoTokenizer."""
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + pad/bos/eos) and ``CHAT_TEMPLATE``, saved for
+    AutoTokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -26,6 +39,7 @@ def save_byte_tokenizer(out_dir: str):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

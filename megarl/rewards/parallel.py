@@ -51,7 +51,7 @@ class GroupScores:
         if not self.owns(index):
             return
         p = self.prompts[index]
-        responses = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
+        responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in group]
         self.mine.append(index)
         self.rewards.submit([p.prompt_text] * len(group), responses, [p.ground_truth] * len(group),
                             [p.extras] * len(group))  # fmt: skip

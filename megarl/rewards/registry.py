@@ -31,11 +31,11 @@ def _forms() -> str:
     return f"a built-in ({', '.join(BUILTIN_REWARDS)}), 'path/to/file.py:fn' or 'package.module:fn'"
 
 
-def _load_file(path: str, spec: str):
+def _load_file(path: str, spec: str, what: str = "reward"):
     """The module of a user's .py file (relative paths from the CWD), registered in sys.modules so that its
     dataclasses and pickling work; its name derives from the absolute path (a second load re-runs it under it)."""
     if not os.path.isfile(path):
-        raise RewardLoadError(f"reward file not found: {path} (from {spec!r}, CWD {os.getcwd()}); use {_forms()}")
+        raise RewardLoadError(f"{what} file not found: {path} (from {spec!r}, CWD {os.getcwd()}); use {_forms()}")
     path = os.path.abspath(path)
     name = "megarl_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -46,7 +46,7 @@ def _load_file(path: str, spec: str):
     except Exception as e:
         del sys.modules[name]
         raise RewardLoadError(
-            f"importing reward file {_where_raised(e, path)} (from {spec!r}) failed: {type(e).__name__}: {e}; "
+            f"importing {what} file {_where_raised(e, path)} (from {spec!r}) failed: {type(e).__name__}: {e}; "
             "fix that module"
         ) from e
     return module
@@ -74,11 +74,17 @@ def load_reward_fn(spec: str):
     """The callable ``spec`` names; RewardLoadError (naming the spec and the fix) otherwise."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    return load_named(spec, "reward")
+
+
+def load_named(spec: str, what: str):
+    """The callable (a function or a class) ``spec`` names as 'path/to/file.py:name' or 'package.module:name';
+    RewardLoadError naming the spec, ``what`` it is for (reward, environment, tool) and the fix otherwise."""
     if ":" not in spec:
         hint = f"; to name a function in {spec}, write '{spec}:fn'" if spec.endswith(".py") else ""
-        raise RewardLoadError(f"unknown reward {spec!r}; use {_forms()}{hint}")
+        raise RewardLoadError(f"unknown {what} {spec!r}; use {_forms()}{hint}")
     where, _, name = spec.rpartition(":")
-    module = _load_file(where, spec) if where.endswith(".py") else _load_module(where, spec)
+    module = _load_file(where, spec, what) if where.endswith(".py") else _load_module(where, spec)
     if not name or not hasattr(module, name):
         defined = sorted(
             k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__

@@ -90,11 +90,12 @@ def outcome(value) -> Outcome:
     return score, extra
 
 
-def call(fn, prompts, responses, ground_truths, extras) -> list:
-    """``fn``'s values for the batch; ValueError unless there is exactly one per sample."""
-    out = list(fn(prompts, responses, ground_truths, extras))
-    if len(out) != len(prompts):
-        raise ValueError(f"the reward function returned {len(out)} values for {len(prompts)} samples")
+def call(fn, *args) -> list:
+    """``fn``'s values for the batch (``args``: one list per argument, one item per sample); ValueError unless there
+    is exactly one per sample."""
+    out = list(fn(*args))
+    if len(out) != len(args[0]):
+        raise ValueError(f"the reward function returned {len(out)} values for {len(args[0])} samples")
     return out
 
 

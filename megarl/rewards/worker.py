@@ -1,12 +1,13 @@
 """One reward worker process, started by ``megarl.rewards.worker_pool.RewardPool``:
 
-    python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID
+    python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID [KIND]
 
 It dies with its parent (the rank), ignores the stop signals (the rank decides when the run stops: a SLURM
 preemption signals every process of the job; a no-op handler, so that what the reward starts gets the default
 handling back), forks a watchdog that kills this process group when the rank's end of the pipe ``LIFELINE`` closes
 (what the reward started dies with the rank), loads the function ``SPEC`` names, says ``("ready",)`` on the socket
-``FD``, then answers each ``(prompts, responses, ground_truths, extras)`` request with ``("done", outcomes)`` or
+``FD``, then answers each ``(prompts, responses, ground_truths, extras)`` request with ``("done", outcomes)`` (KIND
+``calls``: any argument lists, the values as they are) or
 ``("raised", failure, fatal)`` until the socket closes. ``fatal``: the call raised something that is not an
 ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the pool replaces this process. The user's prints go to the
 rank's stdout and stderr; the protocol has its own socket."""
@@ -24,10 +25,12 @@ from megarl.rewards.registry import RewardLoadError, load_reward_fn
 from megarl.rewards.results import call, outcome, raised
 
 
-def answer(fn, request: tuple) -> tuple:
-    """The reply to one scoring request (a value whose conversion raises is the call's failure too)."""
+def answer(fn, request: tuple, kind: str = "reward") -> tuple:
+    """The reply to one request (a value whose conversion raises is the call's failure too): scores (``kind``
+    'reward'), or the values as they are ('calls')."""
     try:
-        return ("done", [outcome(v) for v in call(fn, *request)])
+        values = call(fn, *request)
+        return ("done", values if kind == "calls" else [outcome(v) for v in values])
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are the user's too
         return ("raised", raised(), not isinstance(e, Exception))
 
@@ -52,6 +55,7 @@ def start_watchdog(lifeline: int, others: list[int]) -> None:
 
 def main(argv: list[str]) -> int:
     spec, fd, lifeline, parent = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    kind = argv[4] if len(argv) > 4 else "reward"
     die_with_parent(parent)
     for s in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(s, _ignore)
@@ -69,7 +73,7 @@ def main(argv: list[str]) -> int:
             request = conn.recv()
         except (EOFError, OSError):  # the pool closed the socket: done
             return 0
-        conn.send(answer(fn, request))
+        conn.send(answer(fn, request, kind))
 
 
 if __name__ == "__main__":

@@ -72,12 +72,12 @@ class _Task:
 class _Worker:
     """One worker process and the socket to it (started from the rank's main thread)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, kind: str):
         mine, theirs = socket.socketpair()
         lifeline, self.lifeline = os.pipe()  # the worker's watchdog reads; only this process (and its forks) writes
         try:
             cmd = [sys.executable, "-m", "megarl.rewards.worker", spec, str(theirs.fileno()), str(lifeline),
-                   str(os.getpid())]  # fmt: skip
+                   str(os.getpid()), kind]  # fmt: skip
             self.proc = subprocess.Popen(
                 cmd, pass_fds=(theirs.fileno(), lifeline), stdin=subprocess.DEVNULL, env=_worker_env(),
                 process_group=0,
@@ -116,10 +116,13 @@ class RewardPool:
     """``num_workers`` processes calling the reward function ``spec`` names; a context manager (``close`` kills
     them). Raises RewardLoadError when the function does not load in a worker."""
 
-    def __init__(self, spec: str, *, num_workers: int, timeout_s: float, budget_s: float | None = None):
+    def __init__(self, spec: str, *, num_workers: int, timeout_s: float, budget_s: float | None = None,
+                 kind: str = "reward"):  # fmt: skip
         if num_workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {num_workers}")
-        self.spec, self.timeout_s, self.budget_s = spec, timeout_s, budget_s
+        self.spec, self.timeout_s, self.budget_s, self.kind = spec, timeout_s, budget_s, kind
+        """``kind``: 'reward' (``spec`` scores samples: ``ScoreResult``s) or 'calls' (``spec`` is any batch function
+        ``fn(*lists) -> list``: each part's values, a failed call's as its ``Failure``; ``megarl.env``)."""
         self.restarts = 0
         """Workers replaced after a timeout, a death or a SystemExit."""
         self.thread = threading.current_thread()
@@ -131,7 +134,7 @@ class RewardPool:
         self.workers: list[_Worker] = []
         try:
             for _ in range(num_workers):
-                self.workers.append(_Worker(spec))
+                self.workers.append(_Worker(spec, kind))
             while not all(w.ready for w in self.workers):
                 self._wait([w for w in self.workers if not w.ready], time.monotonic() + START_TIMEOUT_S, None)
         except BaseException:
@@ -161,9 +164,13 @@ class RewardPool:
         rest: the workers score while the caller goes on generating."""
         self._check_thread()
         check_inputs(prompts, responses, ground_truths, extras)
+        self.submit_calls((prompts, responses, ground_truths, extras), calls)
+
+    def submit_calls(self, args: tuple[list, ...], calls: int) -> None:
+        """``submit`` of any batch function's argument lists (``kind='calls'``)."""
         if self.run is None:
             self.run = _Run()
-        self.run.add((prompts, responses, ground_truths, extras), calls)
+        self.run.add(args, calls)
         self._guarded(lambda: self._advance(self.run, time.monotonic()))
 
     def finish(self) -> list[ScoreResult]:
@@ -185,6 +192,8 @@ class RewardPool:
                 self._advance(run, end if self.should_stop is None else min(end, time.monotonic() + STOP_POLL_S))
 
         self._guarded(rest)
+        if self.kind == "calls":
+            return [run.outcomes[part] for part in run.parts]
         return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts]
 
     def _check_thread(self) -> None:
@@ -281,7 +290,7 @@ class RewardPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.spec)
+        self.workers[self.workers.index(w)] = _Worker(self.spec, self.kind)
         self.restarts += 1
 
     def _late(self) -> Failure:
@@ -320,7 +329,7 @@ class _Run:
     """The parts of one batch submitted so far: their inputs, the calls still to make, the outcomes so far."""
 
     def __init__(self):
-        self.args: tuple[list, ...] = ([], [], [], [])
+        self.args: tuple[list, ...] = ()
         self.outcomes: list[Outcome | None] = []
         self.parts: list[slice] = []
         self.queue: deque[_Task] = deque()
@@ -328,6 +337,7 @@ class _Run:
     def add(self, args: tuple, calls: int) -> None:
         """A part of ``len(args[0])`` samples, scored in ``calls`` contiguous calls (fewer if it is smaller)."""
         start, n = len(self.outcomes), len(args[0])
+        self.args = self.args or tuple([] for _ in args)
         for mine, new in zip(self.args, args):
             mine.extend(new)
         self.outcomes += [None] * n

@@ -11,9 +11,11 @@ import torch.distributed as dist
 from megarl import faults
 from megarl.config.schema import MegarlConfig
 from megarl.data import Prompt
+from megarl.env.episodes import scored
+from megarl.parallel.layout import prompt_slice
 from megarl.rewards.parallel import GroupScores
 from megarl.rewards.shaping import overlong_penalty
-from megarl.rollout.protocol import Sample, rollout
+from megarl.rollout.protocol import Sample, engine_count, rollout
 
 
 @dataclass
@@ -82,6 +84,23 @@ def combine_rewards(cfg, batch: Collected, rm_scores: list[float]) -> None:
     batch.scores = combined
 
 
+def generate(engine, prompts: list[Prompt], *, step: int, sampling, seed: int, first_index: int = 0, on_group=None,
+             episodes=None, stop=None):
+    """Collective: ``rollout``'s samples of ``prompts``, or with ``episodes`` (multi-turn) its episodes; ``on_group``
+    gets each prompt's, as the engine finishes them (episodes: once all are done, on the ranks of their engine)."""
+    if episodes is None:
+        return rollout(engine, [p.prompt_ids for p in prompts], step=step, sampling=sampling, seed=seed,
+                       first_index=first_index, on_group=on_group)  # fmt: skip
+    samples, stats = episodes.rollout(engine, prompts, step=step, sampling=sampling, seed=seed,
+                                      first_index=first_index, stop=stop)  # fmt: skip
+    if on_group is not None:
+        mine = set(prompt_slice(len(prompts), dist.get_rank() // engine.tp, engine_count(dist.get_world_size(),
+                                                                                          engine.tp)))  # fmt: skip
+        for i in sorted(mine):
+            on_group([s for s in samples if s.prompt_index == first_index + i])
+    return samples, stats
+
+
 class DynamicSamplingExhausted(RuntimeError):
     """``max_gen_batches`` rounds did not give a full batch of varied groups (every rank sees the same groups)."""
 
@@ -120,10 +139,11 @@ def _filter_metric(dynamic, result, shaped: list[float]) -> list[float]:
     return result.extra.get("acc", result.scores)
 
 
-def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer, stop=None) -> Collected:
+def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int, timer, stop=None, episodes=None
+            ) -> Collected:  # fmt: skip
     """Collective: the step's batch of exactly ``data.train_batch_size`` prompt groups. ``stop()`` (collective over
     the same ranks; ``StopRequests.agreed_here``) is asked after each round: True returns at once, the batch marked
-    ``stopped``.
+    ``stopped``. ``episodes``: an ``megarl.env.episodes.EpisodeRunner`` (multi-turn; its samples are episodes).
 
     With dynamic sampling (DAPO), groups whose ``dynamic_sampling.metric`` is the same for every sample carry no
     signal under group baselines: they are set aside and more prompts are generated, up to ``max_gen_batches``
@@ -139,15 +159,15 @@ def collect(cfg: MegarlConfig, engine, sampler, rewards, tokenizer, *, step: int
         by_index = {next_index + i: p for i, p in enumerate(prompts)}
         scoring = GroupScores(rewards, by_index, tokenizer, engine.tp)  # scored while the engine generates
         with timer("generate"):
-            samples, stats = rollout(engine, [p.prompt_ids for p in prompts], step=step, sampling=cfg.rollout.sampling,
-                                     seed=cfg.trainer.seed, first_index=next_index, on_group=scoring.add)  # fmt: skip
+            samples, stats = generate(engine, prompts, step=step, sampling=cfg.rollout.sampling, seed=cfg.trainer.seed,
+                                      first_index=next_index, on_group=scoring.add, episodes=episodes, stop=stop)
         next_index += len(prompts)
         out.rounds += 1
         out.generated_tokens += stats.new_tokens
         out.generate_seconds += stats.seconds
         faults.fire("sigterm_reward", step, here=lambda: dist.get_rank() == 0)  # fault drill (a no-op in real runs)
         with timer("reward"):  # what was not scored while the engine generated
-            result = scoring.result()
+            result = scoring.result() if episodes is None else scored(samples, scoring.result())
         if stop is not None and stop():
             out.stopped = True
             return out

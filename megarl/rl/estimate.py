@@ -83,9 +83,12 @@ def advantages(
     values_NR: torch.Tensor | None,
     kl_ctrl,
     kl_metric_type: str,
+    token_rewards_NR: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-    """Advantages (and returns for GAE / REINFORCE++), plus the ``kl/*`` metrics; updates an adaptive KL controller."""
-    token_rewards = token_level_scores(rewards_N, mask_NR)
+    """Advantages (and returns for GAE / REINFORCE++), plus the ``kl/*`` metrics; updates an adaptive KL controller.
+    ``token_rewards_NR``: the rewards per token (summing to ``rewards_N``; per-turn credit), else each sequence's
+    reward on its last token."""
+    token_rewards = token_level_scores(rewards_N, mask_NR) if token_rewards_NR is None else token_rewards_NR
     metrics = {}
     if ref_logp_NR is not None:
         kind = algo.kl_penalty if algo.kl_in_reward else kl_value_estimator(kl_metric_type)

@@ -65,7 +65,8 @@ class Synchronous:
         job, timer, start = self.job, PhaseTimer(), time.monotonic()
         with pool_time("busy"):
             batch = collect(job.cfg, job.engine, job.sampler, job.rewards, job.tokenizer, step=step, timer=timer,
-                            stop=job.stop.agreed_here if job.stop is not None else None)  # fmt: skip
+                            stop=job.stop.agreed_here if job.stop is not None else None,
+                            episodes=job.episodes)  # fmt: skip
         batch.generation = {**timer.seconds, "step": step, "start": start, "end": time.monotonic()}
         self.generated.append(batch)
         return batch

@@ -67,7 +67,8 @@ def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
 def lag_metrics(batch, learned, version: int) -> dict[str, float]:
     """One-step-off: per token, lag = the trainer's weight version when it trains (``version``) minus the version
     that generated the token; the log-prob mismatch (|pi_old - pi_rollout|) of the tokens of lag 0 and of lag > 0."""
-    lags = torch.tensor([version - v for s in batch.samples for v in s.weight_versions], dtype=torch.float64)
+    lags = torch.tensor([version - v for s in batch.samples for v, m in zip(s.weight_versions, s.model_mask) if m],
+                        dtype=torch.float64)  # the model's tokens (an episode's observations have no log-prob)
     m = {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max())}
     if learned.old_logp is not None:
         diff = (_cat(learned.old_logp) - _cat(learned.rollout_logp)).abs()
@@ -97,6 +98,7 @@ def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float
         "data/epoch": float(job.sampler.epoch),
     }
     m.update({f"reward/{k}": statistics.fmean(v) for k, v in batch.extra.items()})
+    m.update(env_metrics(batch.samples))
     if batch.rm_scores:  # reward/mean is w_function x fn_mean + w_model x rm_mean
         m["reward/rm_mean"] = statistics.fmean(batch.rm_scores)
         m["reward/rm_std"] = statistics.pstdev(batch.rm_scores)
@@ -135,12 +137,31 @@ def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float
     return m
 
 
+ENV_COUNTS = ("tool_calls", "tool_errors", "errors", "timeouts", "truncated")
+"""``env/`` metrics that count over the step's episodes; the others are means per episode."""
+
+
+def env_metrics(samples, prefix: str = "env/") -> dict[str, float]:
+    """Episodes (``Sample.env``): ``env/turns_mean``, ``env/turns_max``, the counts (``ENV_COUNTS``) and the mean per
+    episode of the rest (tokens, step seconds, the environment's own info fields)."""
+    rows = [s.env for s in samples if s.env is not None]
+    if not rows:
+        return {}
+    turns = [r["turns"] for r in rows]
+    m = {f"{prefix}turns_mean": statistics.fmean(turns), f"{prefix}turns_max": max(turns)}
+    for key in sorted(set().union(*rows) - {"turns"}):
+        values = [r.get(key, 0.0) for r in rows]
+        m[f"{prefix}{key}"] = float(sum(values)) if key in ENV_COUNTS else statistics.fmean(values)
+    return m
+
+
 def validation_metrics(result, samples) -> dict[str, float]:
     return {
         "val/reward/mean": statistics.fmean(result.scores),
         "val/reward/errors": float(result.errors),
         "val/reward/timeouts": float(result.timeouts),
         "val/response_length/mean": statistics.fmean(len(s.token_ids) for s in samples),
+        **env_metrics(samples, "val/env/"),
     }
 
 

@@ -26,16 +26,16 @@ import torch
 from megarl import faults
 from megarl.algos import rollout_is_weights
 from megarl.backend.batch import PackStats, Sequence
+from megarl.env.episodes import scored
 from megarl.logging.jsonl import SAMPLES_DIR, TIMELINE_FILE, write_rows
 from megarl.rewards.parallel import score_on_ranks
 from megarl.rewards.scorer import stop_if_broken
-from megarl.rl.collect import Collected, combine_rewards, combined_scores, sequences_of
+from megarl.rl.collect import Collected, combine_rewards, combined_scores, generate, sequences_of
 from megarl.rl.estimate import advantages, pad_rows, unpad_rows
 from megarl.rl.metrics import rank_values, reduce_ranks, step_metrics, validation_metrics
 from megarl.rl.roles import Roles
 from megarl.rl.state import TrainerState
 from megarl.rl.timer import PhaseTimer
-from megarl.rollout.protocol import rollout
 
 if TYPE_CHECKING:
     from megarl.run.job import Job
@@ -79,6 +79,11 @@ def check_rewards(job: Job, batch: Collected, step: int) -> None:
     if job.cfg.trainer.save_samples and job.place.leader:
         save_samples(job, batch, step)
     stop_if_broken(job.cfg.reward, batch.errors, batch.scored, batch.first_error, f"in step {step}")
+    env_error = next((s.env_error for s in batch.samples if s.env_error), None)
+    if env_error and not job.said_env_error:
+        job.say(f"an environment failed on some episodes; they score 0 (counted in env/errors, timeouts also in "
+                f"env/timeouts). The first failure: {env_error}")  # fmt: skip
+        job.said_env_error = True
     if batch.first_error and not job.said_reward_error:
         job.say(
             "the reward function failed on some samples; they score 0 (counted in reward/errors, timeouts also "
@@ -182,10 +187,21 @@ def save_samples(job: Job, batch, step: int) -> None:
             "score": score,
             "reward": reward,
             "failed": failed,
+            **episode_fields(s),
         }
         for s, score, reward, failed in zip(batch.samples, batch.scores, batch.rewards, batch.failed)
     ]
     write_rows(os.path.join(job.cfg.trainer.output_dir, SAMPLES_DIR, f"step_{step:07d}.jsonl"), rows)
+
+
+def episode_fields(sample) -> dict:
+    """An episode's whole token sequence in a saved sample: prompt and response ids, the mask (1: the model's
+    token), the turns' ends and rewards, its counts and its environment's failure."""
+    if sample.mask is None:
+        return {}
+    return {"prompt_ids": sample.prompt_ids, "response_ids": sample.token_ids, "mask": sample.mask,
+            "turn_ends": sample.turn_ends, "turn_rewards": sample.turn_rewards, "env": sample.env,
+            "env_error": sample.env_error}  # fmt: skip
 
 
 @dataclass
@@ -215,37 +231,38 @@ def learn(
     step's samples (the exact token ids the engine generated). A model's update whose loss or gradients are not
     finite is not applied (see ``ppo_updates``) and is named in ``Learned.skipped``. ``poison_loss``: make the
     actor's loss NaN (fault injection)."""
-    seqs = [Sequence(s.prompt_ids + s.token_ids, len(s.prompt_ids)) for s in batch.samples]
-    lengths = [s.response_len for s in seqs]
-    rollout_logp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch.samples]
+    seqs = [sequence_of(s) for s in batch.samples]
+    models = ModelTokens(batch.samples)  # episodes: the model's tokens (advantages, values, metrics) among all
+    rollout_logp = models.only([torch.tensor(s.logprobs, dtype=torch.float32) for s in batch.samples])
+    lengths = [len(x) for x in rollout_logp]
     actor, reference, critic = roles.actor, roles.reference, roles.critic
 
     with timer("old_logprob"):
-        old_logp = None if skip_old_logprob else actor.logprobs(seqs)
+        old_logp = None if skip_old_logprob else models.only(actor.logprobs(seqs))
     with timer("ref"):
-        ref_logp = reference.logprobs(seqs) if reference is not None else None
+        ref_logp = models.only(reference.logprobs(seqs)) if reference is not None else None
     with timer("values"):
-        values = critic.values(seqs) if critic is not None else None
+        values = models.only(critic.values(seqs)) if critic is not None else None
     with timer("advantages"):
+        mask_NR = pad_rows([torch.ones(n) for n in lengths])
         adv_NR, returns_NR, kl_metrics = advantages(
             cfg.algorithm,
             torch.tensor(batch.rewards, dtype=torch.float32),
             torch.tensor([s.prompt_index for s in batch.samples]),
-            pad_rows([torch.ones(n) for n in lengths]),
+            mask_NR,
             behaviour_logp_NR=pad_rows(old_logp or rollout_logp),
             ref_logp_NR=pad_rows(ref_logp) if ref_logp is not None else None,
             values_NR=pad_rows(values) if values is not None else None,
             kl_ctrl=kl_ctrl,
             kl_metric_type=cfg.actor.kl_loss_type,
+            token_rewards_NR=turn_credit(batch, mask_NR) if cfg.env.per_turn_credit else None,
         )
     adv = unpad_rows(adv_NR, lengths)
-    if poison_loss:
-        adv = [a * float("nan") for a in adv]
     returns = unpad_rows(returns_NR, lengths) if returns_NR is not None else None
     updates = {}
     with timer("update_critic"):
         if critic is not None:
-            updates["critic"] = critic.update(seqs, {"old_values": values, "returns": returns})
+            updates["critic"] = critic.update(seqs, models.spread({"old_values": values, "returns": returns}))
     with timer("update_actor"):
         trained, rejected = None, {}
         if cfg.algorithm.rollout_is == "seq_mask":  # decided on pi_old for whole sequences, before the update
@@ -255,7 +272,7 @@ def learn(
             fields["old_logp"] = old_logp
         if cfg.actor.kl_loss_coef > 0:
             fields["ref_logp"] = ref_logp
-        updates["actor"] = actor.update(seqs, fields, trained=trained)
+        updates["actor"] = actor.update(seqs, models.spread(fields), trained=trained)
         if updates["actor"].skipped is None:
             updates["actor"].metrics.update(rejected)
     skipped = [f"{name}: {u.skipped}" for name, u in updates.items() if u.skipped is not None]
@@ -264,6 +281,55 @@ def learn(
         seqs, rollout_logp, old_logp, ref_logp, values, returns, adv, updates["actor"].metrics, critic_metrics,
         kl_metrics, skipped, roles.packed(),
     )  # fmt: skip
+
+
+def sequence_of(sample) -> Sequence:
+    """The training sequence of a sample: its exact token ids; an episode's observation tokens out of the loss."""
+    mask = tuple(sample.mask) if sample.mask is not None else None
+    return Sequence(sample.prompt_ids + sample.token_ids, len(sample.prompt_ids), mask)
+
+
+class ModelTokens:
+    """Where the model's tokens are among a batch's response tokens (all of them but in episodes, whose observation
+    tokens are no action): advantages, values and the log-prob metrics are over the model's tokens alone, as if
+    each episode's turns were one response; the update's fields go back to every response token (0 on an
+    observation's, which the loss mask leaves out)."""
+
+    def __init__(self, samples):
+        self.keep = [torch.tensor(s.mask, dtype=torch.bool) if s.mask is not None else None for s in samples]
+
+    def only(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Response-aligned rows -> the model tokens' values."""
+        return [r if k is None else r[k] for r, k in zip(rows, self.keep)]
+
+    def spread(self, fields: dict) -> dict:
+        """Model-token rows (``only``'s) -> response-aligned rows, 0 on observation tokens; None stays None."""
+
+        def back(r, k):
+            if k is None:
+                return r
+            out = torch.zeros(len(k), dtype=r.dtype)
+            out[k] = r
+            return out
+
+        return {name: None if rows is None else [back(r, k) for r, k in zip(rows, self.keep)]
+                for name, rows in fields.items()}  # fmt: skip
+
+
+def turn_credit(batch, mask_NR: torch.Tensor) -> torch.Tensor:
+    """``env.per_turn_credit``: rewards per model token, each turn's environment reward at that turn's last model
+    token and the rest of the episode's reward (the reward function's, shaping) at its last one."""
+    out = torch.zeros_like(mask_NR)
+    for i, s in enumerate(batch.samples):
+        n = int(mask_NR[i].sum())
+        rest = batch.rewards[i]
+        if s.turn_ends is not None:
+            position = torch.cumsum(torch.tensor(s.model_mask), 0) - 1  # token index -> its model-token index
+            for end, r in zip(s.turn_ends, s.turn_rewards or []):
+                out[i, int(position[end])] += r
+                rest -= r
+        out[i, n - 1] += rest
+    return out
 
 
 def seq_mask_accepted(old_logp: list[torch.Tensor], rollout_logp: list[torch.Tensor], algo):
@@ -288,22 +354,19 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
     cut = job.stop.agreed_here if job.stop is not None else lambda: False
 
     def on_rollout_pool():
-        samples, _ = rollout(
-            job.engine,
-            [p.prompt_ids for p in prompts],
-            step=step,
-            sampling=job.cfg.rollout.val_sampling,
-            seed=job.cfg.trainer.seed,
-        )
+        samples, _ = generate(job.engine, prompts, step=step, sampling=job.cfg.rollout.val_sampling,
+                              seed=job.cfg.trainer.seed, episodes=job.episodes, stop=cut)  # fmt: skip
         if cut():
             return None
         result = score_on_ranks(
             job.rewards,
             [p.prompt_text for p in prompts],
-            [job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
+            [job.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
             [p.ground_truth for p in prompts],
             [p.extras for p in prompts],
         )
+        if job.episodes is not None:
+            result = scored(samples, result)
         return None if cut() else (samples, result)
 
     done = job.feed.validation(step, on_rollout_pool)  # bounded: beside the training requests, this step's weights

@@ -45,12 +45,36 @@ class Sample:
     finish_reason: str
     """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
     weight_versions: list[int]
-    """Per generated token: the weight version that generated it."""
+    """Per generated token: the weight version that generated it (an observation's token: its turn's)."""
+    mask: list[int] | None = None
+    """An episode (``megarl.env``): per token of ``token_ids``, 1 for the model's, 0 for an observation's (which
+    has no behaviour log-prob: 0.0 in ``logprobs``, and stays out of the loss). None: every token is the model's."""
+    turn_ends: list[int] | None = None
+    """An episode: the index in ``token_ids`` of each model turn's last token."""
+    turn_rewards: list[float] | None = None
+    """An episode: each turn's reward from the environment."""
+    env: dict[str, float] | None = None
+    """An episode's counts (turns, tool calls, tokens, ...; the ``env/`` metrics)."""
+    env_error: str | None = None
+    """Why the episode's environment failed ('error: ...', 'timeout: ...'); it then scores 0."""
 
     @property
     def weight_version(self) -> int:
         """The oldest weight version among the sample's tokens."""
         return min(self.weight_versions)
+
+    @property
+    def model_mask(self) -> list[int]:
+        """1 per token the model generated, 0 per observation token."""
+        return self.mask if self.mask is not None else [1] * len(self.token_ids)
+
+    @property
+    def response_ids(self) -> list[int]:
+        """What a reward function reads: the response, or an episode's last model turn."""
+        if self.turn_ends is None or len(self.turn_ends) < 2:
+            return [t for t, m in zip(self.token_ids, self.model_mask) if m]
+        last = self.token_ids[self.turn_ends[-2] + 1 : self.turn_ends[-1] + 1]
+        return [t for t, m in zip(last, self.mask[self.turn_ends[-2] + 1 : self.turn_ends[-1] + 1]) if m]
 
 
 @dataclass
@@ -133,6 +157,16 @@ def rollout(
     mine = [first_index + i for i in prompt_slice(len(prompts), rank // rollout_tp, engines)]
     seeds = [request_seed(seed + sampling.seed, step, i, sampling.n) for i in mine]
     samples, stats = engine.generate([prompts[i - first_index] for i in mine], mine, seeds, sampling, on_group)
+    return gather_engines(samples, stats, rollout_tp)
+
+
+def gather_engines(samples: list[Sample], stats: RolloutStats, rollout_tp: int) -> tuple[list[Sample], RolloutStats]:
+    """Collective over the world: every engine's samples (from its first rank; its other ranks must agree) on every
+    rank, ordered by (prompt, sample), and the rollout's stats."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    engines = engine_count(world, rollout_tp)
     everyone = [None] * world
     dist.all_gather_object(everyone, (samples, stats))
     out = []

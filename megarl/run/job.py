@@ -28,9 +28,10 @@ from megarl.compat.host_memory import keep_freed_memory
 from megarl.config.loader import to_yaml
 from megarl.config.recipe import old_logprobs_needed_by, skips_old_logprob
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import adapter_slots, layout_config, pool_layout_role, pools_of
+from megarl.config.validate import adapter_slots, layout_config, max_model_len, pool_layout_role, pools_of
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.data import Prompt, PromptDataset, PromptSampler
+from megarl.env.episodes import EpisodeRunner
 from megarl.logging import Tracker
 from megarl.logging.jsonl import TIMELINE_FILE, read_metrics, write_rows
 from megarl.lora.checkpoint import base_fingerprint, same_base
@@ -93,7 +94,12 @@ class Job:
     """The step's models as roles (``actor.logprobs``, ``critic.update``, ...), wherever they live."""
     phases: Phases
     """Switches between generation and training (sleep, offload) and pushes the weights."""
+    episodes: object = None
+    """Multi-turn (``env.class``): the environments and the renderer (``megarl.env.episodes.EpisodeRunner``), on the
+    rollout's pool; None otherwise."""
     said_reward_error: bool = False
+    said_env_error: bool = False
+    """The first environment failure is printed once per run."""
     """The first reward failure is printed once per run."""
     stopped_by: str | None = None
     """The signal that stopped the run early (after a save), if one did."""
@@ -284,6 +290,7 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     rewards = None
     if place.hosts("rollout"):  # scored where the samples are generated; last
         rewards = open_rewards(cfg.reward, budget_s=cfg.reward.step_timeout_s)
+    episodes = open_episodes(cfg, spec, tokenizer) if place.hosts("rollout") else None
     learners = place
     if cfg.async_training.overlapped:  # the rollout pool generates apart from the learning phases
         learners = None if place.hosts("rollout") else place.without("rollout")
@@ -292,13 +299,23 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
               kl_ctrl=kl_ctrl, skip_old_logprob=skips_old_logprob(cfg), offloader=offloader,
               roles=make_roles(cfg, spec, models, learners or place),
               phases=Phases(engine, offloader, actor, shared=not place.pooled), lora_base=lora_base,
-              learners=learners)  # fmt: skip
+              learners=learners, episodes=episodes)  # fmt: skip
     job.feed = make_feed(job, cfg.async_training.mode, state.step, ahead=ahead, stream=stream)
     reward_text = place.share(rewards.describe() if rewards is not None else None, "rollout")
+    env_text = place.share(episodes.describe() if episodes is not None else None, "rollout")
+    if env_text:
+        job.say(f"environment: {env_text}")
     if place.pooled:
         record_placement(job)
     describe_job(job, train, reward_text, notes)
     return job, state
+
+
+def open_episodes(cfg: MegarlConfig, spec: ModelSpec, tokenizer):
+    """Multi-turn: the environments' workers and the renderer (``env.class`` set), else None."""
+    if not cfg.env.enabled:
+        return None
+    return EpisodeRunner(cfg.env, tokenizer, max_model_len=max_model_len(cfg, spec))
 
 
 def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelLayout, bool]:

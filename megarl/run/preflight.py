@@ -10,6 +10,7 @@ from megarl.config.loader import ConfigError
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import validate
 from megarl.data import DataError, check_files
+from megarl.env.workers import check_environment
 from megarl.rewards import RewardLoadError
 from megarl.rewards.scorer import check_loads
 from megarl.rewards.worker_pool import RewardWorkerError
@@ -35,6 +36,11 @@ def check_inputs(cfg: MegarlConfig, skip: frozenset[str] = frozenset()) -> None:
             check_loads(cfg.reward)
         except (RewardLoadError, RewardWorkerError) as e:
             raise ConfigError(f"reward.function: {e}") from None
+    if cfg.env.enabled:
+        try:
+            check_environment(cfg.env)
+        except (RewardLoadError, RewardWorkerError) as e:
+            raise ConfigError(f"env: {e}") from None
     d = cfg.data
     if not d.train_files:
         raise ConfigError("data.train_files: no training data; set data.train_files=[path.jsonl] (or builtin:digits)")

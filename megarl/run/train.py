@@ -38,7 +38,8 @@ def train(cfg, spec, source, engine=None, stop: StopRequests | None = None) -> J
         job, state = build_job(cfg, spec, source, engine=engine)
         stop.connect(launch_store)
         rewards = job.rewards if job.rewards is not None else contextlib.nullcontext()
-        with rewards, job.tracker, polled(job, stop):  # the reward's workers end with the run
+        episodes = job.episodes if job.episodes is not None else contextlib.nullcontext()
+        with rewards, episodes, job.tracker, polled(job, stop):  # the reward's and environments' workers end with it
             if stop.agreed(job.place):
                 stopped(job, stop, state.step, "during start-up; nothing to save")
             else:
@@ -100,7 +101,8 @@ def polled(job: Job, stop: StopRequests):
     """While the run lasts, the engine's generation and the reward's waits look at ``stop`` (bounded async keeps
     its own schedule: its stream is saved whole)."""
     job.stop = stop
-    polls = [] if job.cfg.async_training.bounded else [x for x in (job.engine, job.rewards) if x is not None]
+    polls = [] if job.cfg.async_training.bounded else [x for x in (job.engine, job.rewards, job.episodes)
+                                                          if x is not None]  # fmt: skip
     for x in polls:
         x.should_stop = stop.requested
     try:
