@@ -74,8 +74,20 @@ LOPSIDED = ((2, (37, 1)), (2, (2, 3)), (3, (1, 2)), (2, (4, 1)))
 """One sequence as long as the seven others together: token-balanced shares of 1 and 7 sequences."""
 
 
-def fixed_batch(vocab: int, shape=SPREAD) -> Collected:
-    """4 prompts x 2 samples of the prompt and response lengths ``shape``, with engine-like log-probs and rewards."""
+def episode_mask(n: int) -> list[int]:
+    """A multi-turn response of ``n`` tokens: a model turn, an observation, a model turn, a trailing observation (cut
+    at the token limit); responses under 6 tokens are one model turn."""
+    if n < 6:
+        return [1] * n
+    first, observation, trailing = n // 3, n // 4, 2
+    return [1] * first + [0] * observation + [1] * (n - first - observation - trailing) + [0] * trailing
+
+
+def fixed_batch(vocab: int, shape=SPREAD, episodes: bool = False, alter: str | None = None) -> Collected:
+    """4 prompts x 2 samples of the prompt and response lengths ``shape``, with engine-like log-probs and rewards.
+    ``episodes``: the responses are multi-turn (``episode_mask``; observation tokens have log-prob 0 and a reward
+    per turn). ``alter``: 'obs' or 'model' changes the trailing observation's tokens (targets the loss masks out) or
+    the last model token."""
     rng = random.Random(5)
     out = Collected()
     for p, (prompt_len, response_lens) in enumerate(shape):
@@ -83,7 +95,16 @@ def fixed_batch(vocab: int, shape=SPREAD) -> Collected:
         for j, n in enumerate(response_lens):
             response = [rng.randrange(3, vocab) for _ in range(n)]
             logprobs = [-rng.uniform(4.0, 7.0) for _ in response]
-            out.samples.append(Sample(p, j, prompt, response, logprobs, "stop", [0] * len(response)))
+            sample = Sample(p, j, prompt, response, logprobs, "stop", [0] * len(response))
+            if episodes:
+                mask = episode_mask(n)
+                sample.mask, sample.logprobs = mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask)]
+                sample.turn_ends = [i for i in range(n) if mask[i] and (i + 1 == n or not mask[i + 1])]
+                sample.turn_rewards = [rng.uniform(-0.2, 0.2) for _ in sample.turn_ends]
+                if alter is not None and 0 in mask:
+                    where = [i for i in range(n) if mask[i] == (alter == "model")][-1]
+                    response[where] = 3 + (response[where] - 2) % (vocab - 3)
+            out.samples.append(sample)
             out.rewards.append(rng.random())
     out.scores = list(out.rewards)
     return out
@@ -102,7 +123,7 @@ def lora_logits(chunk, vocab: int) -> dict:
 
 def run_case(
     hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = (),
-    shape=SPREAD, lockstep: bool = False,
+    shape=SPREAD, lockstep: bool = False, episodes: bool = False, alter: str | None = None,
 ) -> dict:
     overrides = [
         f"model.path={hf_dir}",
@@ -133,7 +154,7 @@ def run_case(
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
-    batch = fixed_batch(spec.vocab_size, shape)
+    batch = fixed_batch(spec.vocab_size, shape, episodes, alter)
     passes, micro_batches = [], update.micro_batches
 
     def counted(seqs, groups, fields=None):  # each pass's micro-batches on this rank, as their sequences' positions

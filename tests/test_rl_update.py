@@ -81,6 +81,21 @@ WORLD4 += [(f"tp2pp2_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1")) for
 WORLD4 += [(f"ref_{a}_mbs1_bf16", dict(layout=L(dp=4), algo=a, split="mbs1", reference=True, extra=BF16))
            for a in ALGOS]  # fmt: skip
 WORLD4 += [(f"tp2pp2_{a}_bf16", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1", extra=BF16)) for a in ALGOS]
+# multi-turn episodes (observation tokens out of the loss; PPO with per-turn credit) at every layout, and in bf16
+EPISODE = {"ppo": ("env.per_turn_credit=true",), "grpo": ()}
+WORLD2 += [(f"ref_episodes_{a}", dict(layout=L(dp=2), algo=a, split="mbs1", reference=True, episodes=True,
+                                      extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
+WORLD2 += [(f"{n}_episodes_{a}", dict(layout=lay, algo=a, split="pack", episodes=True, extra=EPISODE[a]))
+           for n, lay, a in (("tp2", L(tp=2), "ppo"), ("pp2", L(pp=2), "grpo"), ("dp2", L(dp=2), "ppo"))]  # fmt: skip
+WORLD2 += [(f"ref_episodes_grpo_{x}_altered", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True,
+                                                   episodes=True, alter=x)) for x in ("obs", "model")]  # fmt: skip
+WORLD2 += [("ref_episodes_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, episodes=True,
+                                           extra=BF16)),
+           ("tp2_episodes_grpo_bf16", dict(layout=L(tp=2), algo="grpo", split="pack", episodes=True, extra=BF16))]
+WORLD4 += [(f"ref_episodes_{a}", dict(layout=L(dp=4), algo=a, split="mbs1", reference=True, episodes=True,
+                                      extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
+WORLD4 += [(f"tp2pp2_episodes_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1", episodes=True,
+                                         extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
 MEMORY = {"mem_tp2": ("world2", L(tp=2), False), "mem_pp2": ("world2", L(pp=2), False),
           "mem_tp2dp2_distopt": ("world4", L(tp=2, dp=2), True)}  # fmt: skip
@@ -165,6 +180,44 @@ def test_micro_batch_split_does_not_change_the_update(world2, algo, split):
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_layout_matches_single_rank_world2(world2, algo, layout):
     _assert_same_update(world2[f"{layout}_{algo}"], world2[f"ref_{algo}_mbs1"])
+
+
+@pytest.mark.parametrize("case", ["tp2_episodes_ppo", "pp2_episodes_grpo", "dp2_episodes_ppo"])
+def test_multi_turn_episodes_update_at_every_layout_as_on_one_rank(world2, case):
+    _assert_same_update(world2[case], world2[f"ref_episodes_{case.rsplit('_', 1)[1]}"])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_multi_turn_episodes_at_tp2pp2_update_as_on_one_rank(world4, algo):
+    _assert_same_update(world4[f"tp2pp2_episodes_{algo}"], world4[f"ref_episodes_{algo}"])
+
+
+def test_multi_turn_episodes_in_bf16_update_as_on_one_rank(world2):
+    _assert_same_update(world2["tp2_episodes_grpo_bf16"], world2["ref_episodes_grpo_bf16"], bf16=True)
+
+
+def test_observation_tokens_get_no_gradient_and_model_tokens_do(world2):
+    """Changing the tokens of an episode's trailing observation (targets whose loss the mask leaves out) leaves the
+    update bitwise the same; changing a model token changes it."""
+    ref = world2["ref_episodes_grpo"]
+    for key in ("weights", "actor"):
+        same, other = world2["ref_episodes_grpo_obs_altered"][key], world2["ref_episodes_grpo_model_altered"][key]
+        if key == "actor":
+            assert same == ref[key]
+            assert other["pg_loss"] != ref[key]["pg_loss"]
+            continue
+        assert all(torch.equal(same[n], w) for n, w in ref[key].items())
+        assert max((other[n] - w).abs().max().item() for n, w in ref[key].items()) > 1e-6
+
+
+def test_episode_advantages_cover_model_tokens_only(world2):
+    """One advantage and one old log-prob per model token: observation tokens have none."""
+    from tests.rl_update_worker import SPREAD, episode_mask
+
+    model_tokens = sum(sum(episode_mask(n)) for _, lens in SPREAD for n in lens)
+    for algo in ALGOS:
+        assert world2[f"ref_episodes_{algo}"]["advantages"].numel() == model_tokens
+        assert world2[f"ref_episodes_{algo}"]["forward"]["old_logp"].numel() == model_tokens
 
 
 @pytest.mark.parametrize("algo", ALGOS)

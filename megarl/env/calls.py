@@ -26,9 +26,11 @@ _loaded: dict[str, type] = {}
 def load_env_class(spec: str) -> type:
     """The environment class ``spec`` names (a built-in, 'path/to/file.py:Class' or 'package.module:Class');
     RewardLoadError saying what is wrong otherwise."""
+    if spec.startswith("builtin:") and spec not in BUILTIN_ENVS:
+        raise RewardLoadError(f"unknown environment {spec!r}; the built-ins are {sorted(BUILTIN_ENVS)}")
     spec = BUILTIN_ENVS.get(spec, spec)
     if spec not in _loaded:
-        cls = load_named(spec, "environment")
+        cls = load_named(spec, "environment", reuse=True)  # one class per file: an episode's pickle loads again
         if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
             raise RewardLoadError(f"env.class {spec!r} is not a class with reset(record) and step(assistant_text, "
                                   "assistant_token_ids)")  # fmt: skip

@@ -53,7 +53,7 @@ def load_tools(specs: list[str]) -> dict:
     """name -> function, for each tool spec ('path/to/file.py:fn' or 'package.module:fn')."""
     tools = {}
     for spec in specs:
-        fn = load_named(spec, "tool")
+        fn = load_named(spec, "tool", reuse=True)
         tools[fn.__name__] = fn
     return tools
 

@@ -69,4 +69,5 @@ def check_environment(cfg) -> None:
     finally:
         envs.close()
     if isinstance(answer, Failure):
-        raise RewardLoadError(f"env.class {cfg.class_!r} does not load: {answer.message.splitlines()[-1]}")
+        last = answer.message.splitlines()[-1]  # the exception's line, without its type when it has a message
+        raise RewardLoadError(f"env.class {cfg.class_!r} does not load: {last.split(': ', 1)[-1]}")

@@ -31,13 +31,16 @@ def _forms() -> str:
     return f"a built-in ({', '.join(BUILTIN_REWARDS)}), 'path/to/file.py:fn' or 'package.module:fn'"
 
 
-def _load_file(path: str, spec: str, what: str = "reward"):
+def _load_file(path: str, spec: str, what: str = "reward", reuse: bool = False):
     """The module of a user's .py file (relative paths from the CWD), registered in sys.modules so that its
-    dataclasses and pickling work; its name derives from the absolute path (a second load re-runs it under it)."""
+    dataclasses and pickling work; its name derives from the absolute path (a second load re-runs it under it,
+    unless ``reuse``: then the module loaded first stays, and objects pickled with its classes load again)."""
     if not os.path.isfile(path):
         raise RewardLoadError(f"{what} file not found: {path} (from {spec!r}, CWD {os.getcwd()}); use {_forms()}")
     path = os.path.abspath(path)
     name = "megarl_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if reuse and name in sys.modules:
+        return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
@@ -77,14 +80,15 @@ def load_reward_fn(spec: str):
     return load_named(spec, "reward")
 
 
-def load_named(spec: str, what: str):
+def load_named(spec: str, what: str, reuse: bool = False):
     """The callable (a function or a class) ``spec`` names as 'path/to/file.py:name' or 'package.module:name';
-    RewardLoadError naming the spec, ``what`` it is for (reward, environment, tool) and the fix otherwise."""
+    RewardLoadError naming the spec, ``what`` it is for (reward, environment, tool) and the fix otherwise.
+    ``reuse``: a file loaded before is not run again (``_load_file``)."""
     if ":" not in spec:
         hint = f"; to name a function in {spec}, write '{spec}:fn'" if spec.endswith(".py") else ""
         raise RewardLoadError(f"unknown {what} {spec!r}; use {_forms()}{hint}")
     where, _, name = spec.rpartition(":")
-    module = _load_file(where, spec, what) if where.endswith(".py") else _load_module(where, spec)
+    module = _load_file(where, spec, what, reuse) if where.endswith(".py") else _load_module(where, spec)
     if not name or not hasattr(module, name):
         defined = sorted(
             k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__

@@ -123,6 +123,8 @@ class RewardPool:
         self.spec, self.timeout_s, self.budget_s, self.kind = spec, timeout_s, budget_s, kind
         """``kind``: 'reward' (``spec`` scores samples: ``ScoreResult``s) or 'calls' (``spec`` is any batch function
         ``fn(*lists) -> list``: each part's values, a failed call's as its ``Failure``; ``megarl.env``)."""
+        self.timeout_key = "reward.timeout_s" if kind == "reward" else "env.timeout_s"
+        """The setting a timed-out call's failure names."""
         self.restarts = 0
         """Workers replaced after a timeout, a death or a SystemExit."""
         self.thread = threading.current_thread()
@@ -248,7 +250,7 @@ class RewardPool:
             elif w.task and now >= w.task.deadline:
                 task = w.task
                 self._replace(w)
-                run.failed(task, Failure(TIMEOUT, f"timed out after {self.timeout_s:g} s (reward.timeout_s)"))
+                run.failed(task, Failure(TIMEOUT, f"timed out after {self.timeout_s:g} s ({self.timeout_key})"))
             elif not w.ready and now >= w.start_deadline:
                 raise RewardWorkerError(
                     f"a reward worker did not load {self.spec!r} within {START_TIMEOUT_S:g} s; does importing its "
@@ -269,7 +271,7 @@ class RewardPool:
                 ) from None
             self._replace(w)
             if task is not None:
-                run.failed(task, Failure(ERROR, f"killed its reward worker ({how})"))
+                run.failed(task, Failure(ERROR, f"killed its {self.kind if self.kind == 'reward' else 'environment'} worker ({how})"))
             return
         kind = message[0]
         if kind == "ready":

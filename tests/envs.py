@@ -1,0 +1,130 @@
+"""Environments and tools for tests/test_env.py, used by name (``tests/envs.py:EchoEnv``) in worker processes.
+
+The misbehaving ones misbehave on the episodes whose prompt holds one of the digits in $MEGARL_TEST_BAD_DIGITS
+(default "7") and behave like ``EchoEnv`` otherwise."""
+
+import os
+import sys
+import time
+
+
+class EchoEnv:
+    """Two turns: the observation quotes the first answer (it depends on the action); each turn is rewarded by the
+    number of its tokens / 100."""
+
+    def __init__(self, greeting: str = "say"):
+        self.greeting, self.turn = greeting, 0
+
+    def reset(self, record):
+        return [{"role": "user", "content": f"{self.greeting} {record['prompt']}"}]
+
+    def step(self, text, token_ids):
+        self.turn += 1
+        if self.turn >= 2:
+            return None, len(token_ids) / 100, True, {"quoted": 0.0}
+        return [{"role": "user", "content": f"you said {text!r}; again"}], len(token_ids) / 100, False, {"quoted": 1.0}
+
+
+def _bad(record_or_text) -> bool:
+    return any(d in str(record_or_text) for d in os.environ.get("MEGARL_TEST_BAD_DIGITS", "7"))
+
+
+class _Misbehaving(EchoEnv):
+    def reset(self, record):
+        self.bad = _bad(record["prompt"])
+        return super().reset(record)
+
+    def step(self, text, token_ids):
+        if self.bad:
+            self.misbehave()
+        return super().step(text, token_ids)
+
+
+class Hangs(_Misbehaving):
+    def misbehave(self):
+        time.sleep(3600)
+
+
+class Raises(_Misbehaving):
+    def misbehave(self):
+        raise RuntimeError("the environment broke")
+
+
+class Exits(_Misbehaving):
+    def misbehave(self):
+        sys.exit(3)
+
+
+class Kills(_Misbehaving):
+    def misbehave(self):
+        os._exit(9)
+
+
+class BadObservation(_Misbehaving):
+    def step(self, text, token_ids):
+        if self.bad:
+            return "not a list", 0.0, False
+        return super().step(text, token_ids)
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return str(a + b)
+
+
+def slow(a: int) -> str:
+    """Hang when a is 7.
+
+    Args:
+        a: A number.
+    """
+    if a == 7:
+        time.sleep(3600)
+    return str(a)
+
+
+def exits(a: int) -> str:
+    """Exit when a is 7.
+
+    Args:
+        a: A number.
+    """
+    if a == 7:
+        sys.exit(2)
+    return str(a)
+
+
+def dies(a: int) -> str:
+    """Kill the process when a is 7.
+
+    Args:
+        a: A number.
+    """
+    if a == 7:
+        os._exit(9)
+    return str(a)
+
+
+def raises(a: int) -> str:
+    """Raise when a is 7.
+
+    Args:
+        a: A number.
+    """
+    if a == 7:
+        raise ValueError("seven")
+    return str(a)
+
+
+def not_a_string(a: int) -> str:
+    """Return an int when a is 7.
+
+    Args:
+        a: A number.
+    """
+    return 7 if a == 7 else str(a)
