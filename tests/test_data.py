@@ -63,6 +63,7 @@ def test_jsonl_and_parquet_round_trip(tmp_path, tokenizer):
         prompt_text="question 2",
         ground_truth="2",
         extras={"answer": "2", "meta": {"id": 2}},
+        source="question 2",
     )
     assert len(a[2].prompt_ids) == len("question 2")  # byte-level, no BOS added
 

@@ -26,8 +26,9 @@ ENVS = os.path.join(HERE, "envs.py")
 QWEN2_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 THINK_DROPPING = (  # Qwen3's rule: an assistant message before the last user message loses its <think> block
-    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0"
-    " %}{%- endif %}{%- endfor %}{%- for m in messages %}{%- set c = m['content'] %}{%- if m['role'] == 'assistant' "
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}{%- set c = m['content'] %}"
+    "{%- if m['role'] == 'assistant' "
     "and loop.index0 < ns.last %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
     "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -239,8 +240,8 @@ def test_a_misbehaving_environment_or_tool_costs_exactly_its_own_episodes(byte_t
     cfg = EnvConfig(class_=env, num_workers=2, timeout_s=3.0, max_turns=3, max_total_tokens=1000, **extra)
     runner = EpisodeRunner(cfg, tok, max_model_len=1024)  # a tool's schema: some 300 byte tokens of the prompt
     try:
-        samples = _rollout(runner, ScriptEngine(tok, _bad_digit_script(tok, call)), _prompts(["copy 7", "copy 1",
-                                                                                             "copy 2"]), n=2, max_new=128)
+        engine = ScriptEngine(tok, _bad_digit_script(tok, call))
+        samples = _rollout(runner, engine, _prompts(["copy 7", "copy 1", "copy 2"]), n=2, max_new=128)
         restarts = runner.envs.pool.restarts
     finally:
         runner.close()

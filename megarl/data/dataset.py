@@ -237,15 +237,15 @@ def _prompts_of(records, source, *, tokenizer, prompt_key, answer_key, max_promp
         where = f"{source}, record {number}"
         if not isinstance(record, dict):
             raise DataError(f"{where}: a {type(record).__name__}, not a mapping of fields")
-        source = _get(record, prompt_key, "data.prompt_key", where)
-        text = _render(source, tokenizer, where)
+        raw = _get(record, prompt_key, "data.prompt_key", where)
+        text = _render(raw, tokenizer, where)
         truth = _get(record, answer_key, "data.answer_key", where) if answer_key else None
-        rows.append((number, text, truth, {k: v for k, v in record.items() if k != prompt_key}, source))
+        rows.append((number, text, truth, {k: v for k, v in record.items() if k != prompt_key}, raw))
     prompts, dropped = [], 0
     for start in range(0, len(rows), _TOKENIZE_CHUNK):
         chunk = rows[start : start + _TOKENIZE_CHUNK]
         ids_per_row = tokenizer([row[1] for row in chunk], add_special_tokens=False)["input_ids"]
-        for (number, text, truth, extras, source), ids in zip(chunk, ids_per_row):
+        for (number, text, truth, extras, raw), ids in zip(chunk, ids_per_row):
             if len(ids) > max_prompt_length:
                 if on_overlong == "error":
                     raise DataError(
@@ -255,7 +255,7 @@ def _prompts_of(records, source, *, tokenizer, prompt_key, answer_key, max_promp
                     )
                 dropped += 1
                 continue
-            prompts.append(Prompt(len(prompts), list(ids), text, truth, extras, source))
+            prompts.append(Prompt(len(prompts), list(ids), text, truth, extras, raw))
     return prompts, dropped
 
 

@@ -271,7 +271,8 @@ class RewardPool:
                 ) from None
             self._replace(w)
             if task is not None:
-                run.failed(task, Failure(ERROR, f"killed its {self.kind if self.kind == 'reward' else 'environment'} worker ({how})"))
+                whose = "reward" if self.kind == "reward" else "environment"
+                run.failed(task, Failure(ERROR, f"killed its {whose} worker ({how})"))
             return
         kind = message[0]
         if kind == "ready":
