@@ -128,3 +128,23 @@ def not_a_string(a: int) -> str:
         a: A number.
     """
     return 7 if a == 7 else str(a)
+
+
+from megarl.env.tools import ToolEnv  # noqa: E402
+
+
+class AlwaysCalls(ToolEnv):
+    """builtin:tools for a random model that never writes a call: its first ``calls`` turns are read as a call to
+    ``calculator`` adding the digits the turn holds ("1+1" without any), so episodes have tool results, several
+    turns and a tool's observation tokens; the turn after them is the answer."""
+
+    def __init__(self, tools, calls: int = 2, **kwargs):
+        super().__init__(tools, **kwargs)
+        self.calls, self.turn = calls, 0
+
+    def step(self, text, token_ids):
+        self.turn += 1
+        if self.turn <= self.calls:
+            expression = "+".join(c for c in text if c.isdigit()) or "1+1"
+            text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+        return super().step(text, token_ids)

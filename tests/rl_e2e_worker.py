@@ -30,15 +30,16 @@ def _reward_workers() -> list[int]:
 
 
 def main(args: dict) -> None:
-    engine = None
+    engines = {}  # one per backend (jobs of one backend share its engine: the same rollout.max_model_len)
     for name, recipe, overrides, env in args["jobs"]:  # a job's own model.path (a checkpoint of the same model) wins
         cfg = load_config(
             recipe, [f"model.path={args['hf_dir']}", f"trainer.output_dir={args['out']}/{name}", *overrides]
         )
         spec = validate(cfg, world_size=2)
         os.environ.update(env)  # fault injection for this job only
+        backend = cfg.rollout.backend
         try:
-            engine = train(cfg, spec, model_source(cfg.model.path), engine=engine).engine
+            engines[backend] = train(cfg, spec, model_source(cfg.model.path), engine=engines.get(backend)).engine
         except FloatingPointError as e:  # expected by a job that must stop (the last one: the engine is kept)
             with open(os.path.join(args["out"], name, "error.txt"), "w") as f:
                 f.write(str(e))

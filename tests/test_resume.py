@@ -70,9 +70,19 @@ LAYOUTS.update({
     "bf16_async": ("configs/tiny_grpo_async.yaml", [*BF16, "trainer.save_samples=true"]),
     "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1]]),
 })  # fmt: skip
-SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools")
+TOOLS = ["env.class=tests/envs.py:AlwaysCalls", "env.kwargs.tools=[megarl.env.tools:calculator]", "env.max_turns=3",
+         "env.max_total_tokens=640", "rollout.max_model_len=768", "actor.seq_length=768", "rollout.kv_cache_mb=32",
+         "reward.function=toy_digits", "env.num_workers=2"]  # fmt: skip
+"""Multi-turn episodes of tool calls (configs/tiny_tools.yaml's settings; every episode calls the calculator twice,
+tests/envs.py) on any recipe."""
+LAYOUTS.update({
+    "tools_tp2": ("configs/tiny_grpo.yaml", [*TOOLS, TWO_MINIBATCHES]),  # colocated, 2 ranks
+    "tools_async": ("configs/tiny_grpo_async.yaml", [*TOOLS, "trainer.save_samples=true"]),  # one-step-off: the
+    # batch ahead (whole episodes) in the checkpoint
+})  # fmt: skip
+SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools", "tools_tp2")
 """Chains of one kill and one resume (the others are stopped five ways)."""
-OUTSIDE = ("grpo_async", "grpo_bounded", "bf16_async", "bf16_bounded")
+OUTSIDE = ("grpo_async", "grpo_bounded", "bf16_async", "bf16_bounded", "tools_async")
 """Chains of one kill from outside at a random moment (`megarl train` SIGKILLed) and one resume."""
 TWO_KILLS = ("bf16_tp2", "bf16_pp2", "bf16_dp2_distopt")
 """Saved every step; killed in step 3's generation, resumed; killed from outside at a random moment, resumed."""
@@ -100,7 +110,7 @@ stream, or, when the batch was handed over first, step 5 finishes and is saved).
 again with newer weights; each prompt is still trained once, in order."""
 EXACT = _chains(name for name in LAYOUTS if name not in BOUNDED and name not in STOP_MID_STEP)
 FULL = [name for name in LAYOUTS if name not in SHORT + OUTSIDE + TWO_KILLS]
-NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
+NOT_ALGORITHMIC = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/", "env/step_seconds")
 
 
 def _cmd(recipe, hf_dir, out_dir, extra):

@@ -204,20 +204,21 @@ def test_observation_tokens_get_no_gradient_and_model_tokens_do(world2):
         same, other = world2["ref_episodes_grpo_obs_altered"][key], world2["ref_episodes_grpo_model_altered"][key]
         if key == "actor":
             assert same == ref[key]
-            assert other["pg_loss"] != ref[key]["pg_loss"]
+            assert other != ref[key]
             continue
         assert all(torch.equal(same[n], w) for n, w in ref[key].items())
         assert max((other[n] - w).abs().max().item() for n, w in ref[key].items()) > 1e-6
 
 
 def test_episode_advantages_cover_model_tokens_only(world2):
-    """One advantage and one old log-prob per model token: observation tokens have none."""
+    """One advantage (and old / reference log-prob, value) per model token: observation tokens have none."""
     from tests.rl_update_worker import SPREAD, episode_mask
 
     model_tokens = sum(sum(episode_mask(n)) for _, lens in SPREAD for n in lens)
     for algo in ALGOS:
         assert world2[f"ref_episodes_{algo}"]["advantages"].numel() == model_tokens
-        assert world2[f"ref_episodes_{algo}"]["forward"]["old_logp"].numel() == model_tokens
+        forward = world2[f"ref_episodes_{algo}"]["forward"]
+        assert forward and all(v.numel() == model_tokens for v in forward.values()), forward.keys()
 
 
 @pytest.mark.parametrize("algo", ALGOS)
