@@ -136,6 +136,7 @@ def test_a_real_model_runs_two_turn_episodes(tmp_path):
         "actor.seq_length=256", "env.max_total_tokens=256", "actor.global_batch_size=32"])  # fmt: skip
     for r in rows:
         print(f"real model step {r['step']}: turns {r['env/turns_mean']:.2f}, model tokens "
-              f"{r['env/model_tokens']:.1f}, observation tokens {r['env/observation_tokens']:.1f}, reward {r['reward/mean']:.3f}, logprob "
+              f"{r['env/model_tokens']:.1f}, observation tokens {r['env/observation_tokens']:.1f}, reward "
+              f"{r['reward/mean']:.3f}, logprob "
               f"mismatch max {r['rollout/logprob_mismatch_max']:.2e}")
         assert r["env/turns_mean"] == 2 and r["env/errors"] == 0 and r["rollout/logprob_mismatch_max"] < 1e-3
