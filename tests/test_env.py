@@ -278,6 +278,7 @@ def test_episodes_of_a_step_are_generated_together_turn_by_turn(byte_tokenizer):
 
 def test_a_bad_environment_is_refused_before_launch_in_one_line(tmp_path, tiny_llama_dir):
     from megarl.config.loader import ConfigError, load_config
+    from megarl.config.validate import validate
     from megarl.run.preflight import check_inputs
 
     broken = tmp_path / "broken_env.py"
@@ -289,10 +290,10 @@ def test_a_bad_environment_is_refused_before_launch_in_one_line(tmp_path, tiny_l
             check_inputs(cfg)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="bounded does not run environments"):
-        from megarl.config.validate import validate
-
         validate(load_config("configs/tiny_grpo_bounded.yaml", [f"model.path={tiny_llama_dir}",
                                                                  "env.class=builtin:repeat"]))  # fmt: skip
+    with pytest.raises(ConfigError, match="algorithm.overlong penalises"):
+        validate(load_config("configs/tiny_dapo.yaml", [f"model.path={tiny_llama_dir}", "env.class=builtin:repeat"]))
     cfg = load_config("configs/tiny_tools.yaml", [f"model.path={tiny_llama_dir}"])
     assert cfg.env.class_ == "builtin:tools" and cfg.reward.function == "toy_digits"
     assert load_config("configs/tiny_multiturn.yaml").reward.function == ""

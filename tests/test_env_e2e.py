@@ -22,7 +22,9 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.
 SHARED_ENGINE = ["rollout.max_model_len=768", "actor.seq_length=768", "rollout.kv_cache_mb=32"]
 """The vLLM jobs share one engine: the tool recipe's length."""
 JOBS = {
-    "multiturn": ("configs/tiny_multiturn.yaml", SHARED_ENGINE),
+    "multiturn": ("configs/tiny_multiturn.yaml", [*SHARED_ENGINE, "trainer.val_every=2", "data.val_batch_size=4"]),
+    "multiturn_lora": ("configs/tiny_multiturn.yaml", [*SHARED_ENGINE, "actor.lora.rank=4", "actor.optim.lr=1e-3",
+                                                       "rollout.lora_merge=true"]),  # merged into the plain engine
     "multiturn_bf16": ("configs/tiny_multiturn.yaml", [*SHARED_ENGINE, "model.dtype=bfloat16"]),
     "tools": ("configs/tiny_tools.yaml", ["env.num_workers=2"]),
     "tools_forced": ("configs/tiny_tools.yaml", ["env.class=tests/envs.py:AlwaysCalls", "env.tools=[]",
@@ -51,8 +53,10 @@ def runs(tmp_path_factory, tiny_llama_dir):
         env=env, capture_output=True, text=True, timeout=1200, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    rows = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in JOBS}
-    return {"rows": rows, "out": out}
+    logged = {name: [json.loads(line) for line in open(out / name / "metrics.jsonl")] for name in JOBS}
+    rows = {name: [r for r in job if set(r) - {"step"} - {k for k in r if k.startswith("val/")}]
+            for name, job in logged.items()}  # fmt: skip
+    return {"rows": rows, "out": out, "logged": logged}
 
 
 @pytest.mark.parametrize("name", list(JOBS))
@@ -70,6 +74,12 @@ def test_multi_turn_jobs_log_their_episodes_and_train(runs, name):
             assert r["env/tool_calls"] == 64 and r["env/tool_errors"] == 0 and r["env/turns_mean"] == 3
         else:  # builtin:repeat: always two turns (8 tokens at most each, far from the token limit)
             assert r["env/turns_mean"] == r["env/turns_max"] == 2 and r["env/observation_tokens"] > 0
+
+
+def test_validation_runs_episodes_too(runs):
+    validated = [r for r in runs["logged"]["multiturn"] if "val/reward/mean" in r]
+    assert [r["step"] for r in validated] == [0, 2]
+    assert all(r["val/env/turns_mean"] == 2 and r["val/env/errors"] == 0 for r in validated)
 
 
 @pytest.mark.parametrize("name", [n for n in JOBS if "bf16" not in n])

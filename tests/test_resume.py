@@ -9,6 +9,9 @@ bf16 (the production dtype): the quickstart at TP=2, at PP=2 and at DP=2 with th
 step, is killed in a generation (``MEGARL_FAULT``) and from outside at a random moment, and resumes bitwise. The
 features in bf16 (PPO with critic, reference and a reward model, LoRA merged and in adapter slots, pools,
 one-step-off, bounded) are ``slow`` chains of one kill and one resume.
+
+Multi-turn tool episodes (``TOOLS``) run in the LoRA chain (colocated, adapter slots) and the one-step-off chain (its
+batch ahead, whole episodes, held in the checkpoint), which resume exactly too.
 """
 
 import json
@@ -35,16 +38,22 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_e
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
 TWO_MINIBATCHES = "actor.global_batch_size=16"
 """The old log-probs are computed (``rollout/logprob_mismatch_*`` is logged)."""
+TOOLS = ["env.class=tests/envs.py:AlwaysCalls", "env.kwargs.tools=[megarl.env.tools:calculator]", "env.max_turns=3",
+         "env.max_total_tokens=640", "rollout.max_model_len=768", "actor.seq_length=768", "rollout.kv_cache_mb=32",
+         "env.num_workers=2"]  # fmt: skip
+"""Multi-turn episodes of tool calls (configs/tiny_tools.yaml's settings; every episode calls the calculator twice,
+tests/envs.py), on the LoRA chain (colocated) and the one-step-off chain (its batch ahead: whole episodes)."""
 LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", [TWO_MINIBATCHES]),
     "grpo_pools": ("configs/tiny_grpo_pools.yaml", [TWO_MINIBATCHES, "trainer.val_every=2"]),  # grpo_tp2 with
     # rollout on ranks 2-3, validated every second step (a stop cuts step 4's validation)
-    "grpo_async": ("configs/tiny_grpo_async.yaml", []),  # grpo_pools, one-step-off
+    "grpo_async": ("configs/tiny_grpo_async.yaml", TOOLS),  # grpo_pools, one-step-off, tool episodes
     "grpo_bounded": ("configs/tiny_grpo_bounded.yaml", ["trainer.save_samples=true",  # streaming, max_staleness 2;
                                                         "rollout.sampling.max_new_tokens=48"]),  # saves hold partials
     "grpo_lora_tp2": ("configs/tiny_grpo.yaml", ["actor.lora.rank=4", "actor.optim.lr=0.001",  # adapter slots:
                                                  "actor.lora.target_modules=[q_proj,v_proj,down_proj]",  # base, then
-                                                 "rollout.lora_merge=false"]),  # adapters again after the resume
+                                                 "rollout.lora_merge=false", *TOOLS]),  # adapters again after the
+    # resume; tool episodes
     "ppo_dp2_distopt": (
         "configs/tiny_ppo.yaml",
         ["actor.parallel.tp=1", "actor.parallel.dp=2", "actor.optim.use_distributed_optimizer=true",
@@ -70,19 +79,9 @@ LAYOUTS.update({
     "bf16_async": ("configs/tiny_grpo_async.yaml", [*BF16, "trainer.save_samples=true"]),
     "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1]]),
 })  # fmt: skip
-TOOLS = ["env.class=tests/envs.py:AlwaysCalls", "env.kwargs.tools=[megarl.env.tools:calculator]", "env.max_turns=3",
-         "env.max_total_tokens=640", "rollout.max_model_len=768", "actor.seq_length=768", "rollout.kv_cache_mb=32",
-         "reward.function=toy_digits", "env.num_workers=2"]  # fmt: skip
-"""Multi-turn episodes of tool calls (configs/tiny_tools.yaml's settings; every episode calls the calculator twice,
-tests/envs.py) on any recipe."""
-LAYOUTS.update({
-    "tools_tp2": ("configs/tiny_grpo.yaml", [*TOOLS, TWO_MINIBATCHES]),  # colocated, 2 ranks
-    "tools_async": ("configs/tiny_grpo_async.yaml", [*TOOLS, "trainer.save_samples=true"]),  # one-step-off: the
-    # batch ahead (whole episodes) in the checkpoint
-})  # fmt: skip
-SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools", "tools_tp2")
+SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools")
 """Chains of one kill and one resume (the others are stopped five ways)."""
-OUTSIDE = ("grpo_async", "grpo_bounded", "bf16_async", "bf16_bounded", "tools_async")
+OUTSIDE = ("grpo_async", "grpo_bounded", "bf16_async", "bf16_bounded")
 """Chains of one kill from outside at a random moment (`megarl train` SIGKILLed) and one resume."""
 TWO_KILLS = ("bf16_tp2", "bf16_pp2", "bf16_dp2_distopt")
 """Saved every step; killed in step 3's generation, resumed; killed from outside at a random moment, resumed."""

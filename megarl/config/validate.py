@@ -350,10 +350,14 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
 
 def _env_errors(cfg: MegarlConfig) -> list[str]:
     """Multi-turn episodes (``env.class``) run in the synchronous and one-step-off modes."""
+    errors = []
     if cfg.env.enabled and cfg.async_training.bounded:
-        return ["env.class: async_training.mode=bounded does not run environments yet (it streams single-turn "
-                "samples); use mode=one_step_off or sync"]  # fmt: skip
-    return []
+        errors.append("env.class: async_training.mode=bounded does not run environments yet (it streams single-turn "
+                      "samples); use mode=one_step_off or sync")  # fmt: skip
+    if cfg.env.enabled and cfg.algorithm.overlong.enable:
+        errors.append("env.class: algorithm.overlong penalises a response's length against max_new_tokens, which an "
+                      "episode's turns do not have as a whole; disable it (env.max_total_tokens bounds an episode)")
+    return errors
 
 
 def pools_of(cfg: MegarlConfig) -> list:
