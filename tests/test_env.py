@@ -309,3 +309,56 @@ def test_environment_calls_run_in_workers_like_in_the_trainer_s_process(byte_tok
         envs.close()
     (b,) = env_calls(["e"], [(spec.class_, spec.kwargs)], [None], [("reset", {"prompt": "p"})])
     assert a["prompt"] == b["prompt"] == [{"role": "user", "content": "hey p"}]
+
+
+def _episode(mask, turn_ends, turn_rewards, prompt_index=0):
+    ids = list(range(3, 3 + len(mask)))
+    return Sample(prompt_index, 0, [1], ids, [-1.0] * len(ids), "stop", [0] * len(ids), mask=mask,
+                  turn_ends=turn_ends, turn_rewards=turn_rewards)  # fmt: skip
+
+
+def test_per_turn_credit_puts_each_turn_s_reward_at_its_last_model_token():
+    """Written from the definition: model tokens [a a | b] (an observation between), turn rewards 0.3 and 0.5, the
+    episode's reward 1.0 (0.2 from the reward function): 0.3 on the first turn's last token, 0.5 + 0.2 on the last."""
+    import torch
+
+    from megarl.rl.collect import Collected
+    from megarl.rl.step import turn_credit
+
+    batch = Collected(samples=[_episode([1, 1, 0, 0, 1, 0], [1, 4], [0.3, 0.5]), Sample(1, 0, [1], [5, 6], [-1.0] * 2,
+                      "stop", [0, 0])], rewards=[1.0, 0.7])  # fmt: skip
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    out = turn_credit(batch, mask)
+    assert torch.allclose(out, torch.tensor([[0.0, 0.3, 0.7], [0.0, 0.7, 0.0]]))
+    assert torch.allclose(out.sum(-1), torch.tensor(batch.rewards))
+
+
+def test_the_environment_s_reward_survives_a_reward_model_without_a_function():
+    from megarl.config.schema import RewardConfig, RewardModelConfig
+    from megarl.rl.collect import Collected, combine_rewards
+
+    cfg = RewardConfig(function="", model=RewardModelConfig(path="rm"), combine={"model": 0.5})
+    samples = [_episode([1, 0, 1], [0, 2], [0.25, 0.5]), _episode([1], [0], [0.0])]
+    result = scored(samples, ScoreResult([0.0, 0.0], ["", ""]))  # no function: its part is 0
+    batch = Collected(samples=samples, scores=result.scores, rewards=list(result.scores))
+    combine_rewards(cfg, batch, [2.0, -2.0])
+    assert batch.rewards == [0.75 + 0.5 * 2.0, -1.0] and batch.scores == batch.rewards
+
+
+def test_an_episode_s_limits_must_fit_the_prompt_and_the_training_sequence(tiny_llama_dir):
+    from megarl.config.loader import ConfigError, load_config
+    from megarl.config.validate import validate
+
+    base = ["configs/tiny_multiturn.yaml", [f"model.path={tiny_llama_dir}"]]
+    with pytest.raises(ConfigError, match=r"env.max_total_tokens=16 leaves no room for a turn after a prompt"):
+        validate(load_config(base[0], [*base[1], "env.max_total_tokens=16"]))
+    with pytest.raises(ConfigError, match=r"env.max_total_tokens=200 exceeds actor.seq_length=128"):
+        validate(load_config(base[0], [*base[1], "env.max_total_tokens=200"]))
+
+
+def test_tool_calls_beyond_the_limit_are_answered_with_an_error():
+    env = ToolEnv([f"{ENVS}:add"], max_calls=1)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    obs, _, _, info = env.step(call * 2, [])
+    assert [m["content"] for m in obs] == ["2", "error: at most 1 tool calls per turn; this one was not run"]
+    assert info == {"tool_calls": 2.0, "tool_errors": 1.0}

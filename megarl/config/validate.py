@@ -354,6 +354,13 @@ def _env_errors(cfg: MegarlConfig) -> list[str]:
     if cfg.env.enabled and cfg.async_training.bounded:
         errors.append("env.class: async_training.mode=bounded does not run environments yet (it streams single-turn "
                       "samples); use mode=one_step_off or sync")  # fmt: skip
+    total, prompt = cfg.env.max_total_tokens, cfg.data.max_prompt_length
+    if cfg.env.enabled and total <= prompt:
+        errors.append(f"env.max_total_tokens={total} leaves no room for a turn after a prompt of "
+                      f"data.max_prompt_length={prompt} tokens; raise it")  # fmt: skip
+    if cfg.env.enabled and total > cfg.actor.seq_length:
+        errors.append(f"env.max_total_tokens={total} exceeds actor.seq_length={cfg.actor.seq_length} (an episode "
+                      "is one training sequence); raise actor.seq_length or lower env.max_total_tokens")  # fmt: skip
     if cfg.env.enabled and cfg.algorithm.overlong.enable:
         errors.append("env.class: algorithm.overlong penalises a response's length against max_new_tokens, which an "
                       "episode's turns do not have as a whole; disable it (env.max_total_tokens bounds an episode)")

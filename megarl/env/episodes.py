@@ -81,10 +81,11 @@ def record_of(prompt) -> dict:
 class EpisodeRunner:
     """A job's multi-turn rollout: the environments, the renderer and the limits (``env.*``)."""
 
-    def __init__(self, cfg, tokenizer, *, max_model_len: int):
+    def __init__(self, cfg, tokenizer, *, max_model_len: int, budget_s: float | None = None):
+        """``budget_s``: seconds one turn's environment calls may take on a rank (``reward.step_timeout_s``)."""
         self.cfg, self.tokenizer, self.max_model_len = cfg, tokenizer, max_model_len
         self.renderer = Renderer(tokenizer)
-        self.envs = Environments(cfg)
+        self.envs = Environments(cfg, budget_s)
 
     def describe(self) -> str:
         return self.envs.describe()

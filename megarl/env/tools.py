@@ -103,8 +103,11 @@ class ToolEnv:
         if not calls:
             return None, 0.0, True, {"tool_calls": 0.0, "tool_errors": 0.0}
         tools, results, errors = self._functions(), [], 0
-        for call in calls[: self.max_calls]:
-            if isinstance(call, str):
+        for k, call in enumerate(calls):
+            if k >= self.max_calls:
+                results.append(f"error: at most {self.max_calls} tool calls per turn; this one was not run")
+                errors += 1
+            elif isinstance(call, str):
                 results.append(f"error: {call}")
                 errors += 1
             elif call["name"] not in tools:

@@ -25,12 +25,14 @@ class Environments:
     """Where environment calls run: worker processes (``env.num_workers``, isolated like user rewards) or this
     process (0). ``call`` gives one answer per call: a dict, or a ``Failure``."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, budget_s: float | None = None):
+        """``budget_s``: how long one turn's calls may take on this rank (the other ranks wait in a collective);
+        calls still running then fail as timeouts."""
         self.cfg, self.kwargs = cfg, environment_kwargs(cfg)
         workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
         self.pool = None
         if workers:
-            self.pool = RewardPool(CALLS, num_workers=workers, timeout_s=cfg.timeout_s, kind="calls")
+            self.pool = RewardPool(CALLS, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s, kind="calls")
 
     def describe(self) -> str:
         where = f"{len(self.pool.workers)} worker process(es) per rank" if self.pool else "the trainer's process"

@@ -69,17 +69,20 @@ def sequences_of(samples: list[Sample]) -> list[list[int]]:
     return [s.prompt_ids + s.token_ids for s in samples]
 
 
-def combined_scores(cfg, fn_scores: list[float], rm_scores: list[float]) -> list[float]:
-    """w_function x the function's score + w_model x the reward model's, per sample (``reward.combine``)."""
+def combined_scores(cfg, scores: list[float], rm_scores: list[float], samples: list[Sample]) -> list[float]:
+    """w_function x the function's score + w_model x the reward model's, per sample (``reward.combine``), plus an
+    episode's environment reward (weight 1; ``scores`` holds it beside the function's: ``env.episodes.scored``)."""
     wf, wm = cfg.weight("function"), cfg.weight("model")
-    return [wf * f + wm * m for f, m in zip(fn_scores, rm_scores)]
+    env = [sum(s.turn_rewards or ()) for s in samples]
+    return [wf * (f - e) + wm * m + e for f, m, e in zip(scores, rm_scores, env)]
 
 
 def combine_rewards(cfg, batch: Collected, rm_scores: list[float]) -> None:
     """``reward.combine``: the score trained on is w_function x the function's + w_model x the reward model's (the
-    shaping, e.g. the overlong penalty, stays added on top); the two parts are kept for the metrics."""
+    shaping, e.g. the overlong penalty, stays added on top; an environment's reward too); the two parts are kept for
+    the metrics."""
     batch.fn_scores, batch.rm_scores = list(batch.scores), list(rm_scores)
-    combined = combined_scores(cfg, batch.fn_scores, rm_scores)
+    combined = combined_scores(cfg, batch.fn_scores, rm_scores, batch.samples)
     batch.rewards = [r - f + c for r, f, c in zip(batch.rewards, batch.fn_scores, combined)]
     batch.scores = combined
 

@@ -258,6 +258,8 @@ def learn(
             token_rewards_NR=turn_credit(batch, mask_NR) if cfg.env.per_turn_credit else None,
         )
     adv = unpad_rows(adv_NR, lengths)
+    if poison_loss:
+        adv = [a * float("nan") for a in adv]
     returns = unpad_rows(returns_NR, lengths) if returns_NR is not None else None
     updates = {}
     with timer("update_critic"):
@@ -380,7 +382,7 @@ def validate(job: Job, step: int) -> dict[str, float] | None:
         job.roles.packed()  # validation is not a training pass: its micro-batches stay out of the next step's
         if not job.place.pooled:  # resyncs only if the engine freed its weights while asleep (GPU, colocated)
             job.phases.rollout(step)
-        result.scores = combined_scores(job.cfg.reward, result.scores, rm)
+        result.scores = combined_scores(job.cfg.reward, result.scores, rm, samples)
     if job.place.leader:
         keep_validation_samples(job, step, samples, result.scores)  # the scores val/reward/mean averages
     return validation_metrics(result, samples)

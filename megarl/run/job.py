@@ -98,9 +98,9 @@ class Job:
     """Multi-turn (``env.class``): the environments and the renderer (``megarl.env.episodes.EpisodeRunner``), on the
     rollout's pool; None otherwise."""
     said_reward_error: bool = False
+    """The first reward failure is printed once per run."""
     said_env_error: bool = False
     """The first environment failure is printed once per run."""
-    """The first reward failure is printed once per run."""
     stopped_by: str | None = None
     """The signal that stopped the run early (after a save), if one did."""
     stop: StopRequests | None = None
@@ -315,7 +315,8 @@ def open_episodes(cfg: MegarlConfig, spec: ModelSpec, tokenizer):
     """Multi-turn: the environments' workers and the renderer (``env.class`` set), else None."""
     if not cfg.env.enabled:
         return None
-    return EpisodeRunner(cfg.env, tokenizer, max_model_len=max_model_len(cfg, spec))
+    return EpisodeRunner(cfg.env, tokenizer, max_model_len=max_model_len(cfg, spec),
+                         budget_s=cfg.reward.step_timeout_s)  # fmt: skip
 
 
 def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelLayout, bool]:
