@@ -78,7 +78,7 @@ def test_multi_turn_jobs_log_their_episodes_and_train(runs, name):
 
 def test_validation_runs_episodes_too(runs):
     validated = [r for r in runs["logged"]["multiturn"] if "val/reward/mean" in r]
-    assert [r["step"] for r in validated] == [0, 2]
+    assert [r["step"] for r in validated] == [0, 2, 3]  # before training, every 2 steps, after the last
     assert all(r["val/env/turns_mean"] == 2 and r["val/env/errors"] == 0 for r in validated)
 
 

@@ -38,10 +38,11 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "trainer.val_e
           "rollout.sampling.max_new_tokens=6"]  # fmt: skip
 TWO_MINIBATCHES = "actor.global_batch_size=16"
 """The old log-probs are computed (``rollout/logprob_mismatch_*`` is logged)."""
-TOOLS = ["env.class=tests/envs.py:AlwaysCalls", "env.kwargs.tools=[megarl.env.tools:calculator]", "env.max_turns=3",
+TOOLS = ["env.class=tests/envs.py:AlwaysCalls", "env.kwargs.tools=[megarl.env.tools:calculator]",
+         "env.kwargs.calls=1", "env.max_turns=2",
          "env.max_total_tokens=640", "rollout.max_model_len=768", "actor.seq_length=768", "rollout.kv_cache_mb=32",
          "env.num_workers=2"]  # fmt: skip
-"""Multi-turn episodes of tool calls (configs/tiny_tools.yaml's settings; every episode calls the calculator twice,
+"""Multi-turn episodes of tool calls (configs/tiny_tools.yaml's settings; every episode calls the calculator once,
 tests/envs.py), on the LoRA chain (colocated) and the one-step-off chain (its batch ahead: whole episodes)."""
 LAYOUTS = {
     "grpo_tp2": ("configs/tiny_grpo.yaml", [TWO_MINIBATCHES]),

@@ -92,8 +92,6 @@ WORLD2 += [(f"ref_episodes_grpo_{x}_altered", dict(layout=L(dp=2), algo="grpo", 
 WORLD2 += [("ref_episodes_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, episodes=True,
                                            extra=BF16)),
            ("tp2_episodes_grpo_bf16", dict(layout=L(tp=2), algo="grpo", split="pack", episodes=True, extra=BF16))]
-WORLD4 += [(f"ref_episodes_{a}", dict(layout=L(dp=4), algo=a, split="mbs1", reference=True, episodes=True,
-                                      extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
 WORLD4 += [(f"tp2pp2_episodes_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1", episodes=True,
                                          extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
@@ -188,8 +186,9 @@ def test_multi_turn_episodes_update_at_every_layout_as_on_one_rank(world2, case)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_multi_turn_episodes_at_tp2pp2_update_as_on_one_rank(world4, algo):
-    _assert_same_update(world4[f"tp2pp2_episodes_{algo}"], world4[f"ref_episodes_{algo}"])
+def test_multi_turn_episodes_at_tp2pp2_update_as_on_one_rank(world2, world4, algo):
+    """Against world 2's single-rank reference: the same batch on one rank whatever the world."""
+    _assert_same_update(world4[f"tp2pp2_episodes_{algo}"], world2[f"ref_episodes_{algo}"])
 
 
 def test_multi_turn_episodes_in_bf16_update_as_on_one_rank(world2):
@@ -217,8 +216,8 @@ def test_episode_advantages_cover_model_tokens_only(world2):
     model_tokens = sum(sum(episode_mask(n)) for _, lens in SPREAD for n in lens)
     for algo in ALGOS:
         assert world2[f"ref_episodes_{algo}"]["advantages"].numel() == model_tokens
-        forward = world2[f"ref_episodes_{algo}"]["forward"]
-        assert forward and all(v.numel() == model_tokens for v in forward.values()), forward.keys()
+        forward = world2[f"ref_episodes_{algo}"]["forward"]  # GRPO (one mini-batch): no separate forward
+        assert all(v.numel() == model_tokens for v in forward.values()) and (forward or algo == "grpo"), forward.keys()
 
 
 @pytest.mark.parametrize("algo", ALGOS)
