@@ -237,7 +237,7 @@ def test_a_misbehaving_environment_or_tool_costs_exactly_its_own_episodes(byte_t
     if tool:
         call = lambda d: f'<tool_call>{{"name": "{tool}", "arguments": {{"a": {d}}}}}</tool_call>'  # noqa: E731
     extra = {"tools": [f"{ENVS}:{tool}"]} if tool else {}
-    cfg = EnvConfig(class_=env, num_workers=2, timeout_s=3.0, max_turns=3, max_total_tokens=1000, **extra)
+    cfg = EnvConfig(class_=env, num_workers=2, timeout_s=6.0, max_turns=3, max_total_tokens=1000, **extra)
     runner = EpisodeRunner(cfg, tok, max_model_len=1024)  # a tool's schema: some 300 byte tokens of the prompt
     try:
         engine = ScriptEngine(tok, _bad_digit_script(tok, call))

@@ -5,6 +5,6 @@ each turn's sampled tokens and the observation's rendered tokens, never re-token
 - ``render``: chat messages to token ids (a prompt, an observation's delta against a fixed base conversation);
 - ``tools``: the built-in tool-calling environment (``env.class: builtin:tools``) and its parser;
 - ``toy``: the built-in toy environment (``builtin:repeat``);
-- ``workers``: where the calls run (worker processes, or this process);
+- ``workers``: where the calls run (worker processes, or this process); ``preload``: what a worker loads;
 - ``episodes``: the rollout of a step's episodes through the engines, turn by turn.
 """

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 
+from transformers.utils import get_json_schema  # here: a worker imports it as it starts, not in a timed call
+
 from megarl.rewards.registry import RewardLoadError, load_named
 
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -60,8 +62,6 @@ def load_tools(specs: list[str]) -> dict:
 
 def tool_schema(fn) -> dict:
     """The tool's JSON schema for the chat template, from its type hints and docstring (transformers')."""
-    from transformers.utils import get_json_schema
-
     try:
         return get_json_schema(fn)
     except Exception as e:

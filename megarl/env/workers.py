@@ -10,8 +10,8 @@ from megarl.rewards.registry import RewardLoadError
 from megarl.rewards.results import Failure
 from megarl.rewards.worker_pool import RewardPool, default_num_workers
 
-CALLS = "megarl.env.calls:env_calls"
-"""What the environments' worker processes run."""
+CALLS = "megarl.env.preload:env_calls"
+"""What the environments' worker processes run (``env_calls``, the tools' imports done as they start)."""
 
 
 def environment_kwargs(cfg) -> dict:
