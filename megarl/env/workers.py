@@ -64,8 +64,7 @@ class Environments:
 
 def check_environment(cfg) -> None:
     """A dry run: the environment class (and tools) load in a worker process; RewardLoadError says why not."""
-    envs = Environments(dataclasses.replace(cfg, num_workers=min(cfg.num_workers if cfg.num_workers is not None
-                                                                   else 1, 1)))  # fmt: skip
+    envs = Environments(dataclasses.replace(cfg, num_workers=0 if cfg.num_workers == 0 else 1))  # one, or in-process
     try:
         (answer,) = envs.call([None], [("load",)])
     finally:
