@@ -19,6 +19,7 @@ import traceback
 import torch
 
 from megarl import lifetime
+from megarl.parallel.init import destroy_distributed
 
 
 def _note(line: str) -> None:
@@ -52,6 +53,8 @@ def _entry(rank: int, world: int, port: int, result_path: str, run_env: dict, pa
         raise
     if rank == 0:
         torch.save(result, result_path)
+    if torch.distributed.is_initialized():
+        destroy_distributed()  # before the interpreter's teardown, where a live gloo group's threads can abort the rank
     lifetime.finish_rank()
 
 
