@@ -142,9 +142,49 @@ class AlwaysCalls(ToolEnv):
         super().__init__(tools, **kwargs)
         self.calls, self.turn = calls, 0
 
+    def state_dict(self) -> dict:
+        return {"turn": self.turn}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's episode continues: its turns count on (``env/tool_calls`` stays ``calls`` per episode)."""
+        self.turn, self.resumed = state["turn"], 1.0
+
     def step(self, text, token_ids):
         self.turn += 1
         if self.turn <= self.calls:
             expression = "+".join(c for c in text if c.isdigit()) or "1+1"
             text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+        observation, reward, done, info = super().step(text, token_ids)
+        return observation, reward, done, {**info, "resumed": getattr(self, "resumed", 0.0)}
+
+
+class ForgetfulCalls(AlwaysCalls):
+    """``AlwaysCalls`` without a ``state_dict``: a resume starts its episodes in flight over."""
+
+    state_dict = None
+
+
+class HangsOnce(EchoEnv):
+    """``EchoEnv`` whose step hangs (for an hour) once, after $MEGARL_TEST_HANG_AFTER steps in the run: each step
+    appends a byte to $MEGARL_TEST_MARKER.steps; the one that hangs creates $MEGARL_TEST_MARKER first, and once it
+    exists (the run after) nothing hangs. No ``state_dict``: a resume starts its episodes in flight over. Each step
+    takes ``sleep_s`` (a slow tool: episodes are in flight when the weights change)."""
+
+    def __init__(self, sleep_s: float = 0.0):
+        super().__init__()
+        self.sleep_s = sleep_s
+
+    def step(self, text, token_ids):
+        time.sleep(self.sleep_s)
+        marker = os.environ["MEGARL_TEST_MARKER"]
+        with open(f"{marker}.steps", "a") as f:
+            f.write(".")
+        if os.path.getsize(f"{marker}.steps") >= int(os.environ.get("MEGARL_TEST_HANG_AFTER", "0")):
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return super().step(text, token_ids)
+            os.write(fd, b"hang\n")
+            os.close(fd)
+            time.sleep(3600)
         return super().step(text, token_ids)

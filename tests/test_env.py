@@ -289,9 +289,8 @@ def test_a_bad_environment_is_refused_before_launch_in_one_line(tmp_path, tiny_l
         with pytest.raises(ConfigError, match=r"^env: ") as e:
             check_inputs(cfg)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match="bounded does not run environments"):
-        validate(load_config("configs/tiny_grpo_bounded.yaml", [f"model.path={tiny_llama_dir}",
-                                                                 "env.class=builtin:repeat"]))  # fmt: skip
+    validate(load_config("configs/tiny_grpo_bounded.yaml", [f"model.path={tiny_llama_dir}",
+                                                             "env.class=builtin:repeat"]))  # bounded streams episodes
     with pytest.raises(ConfigError, match="algorithm.overlong penalises"):
         validate(load_config("configs/tiny_dapo.yaml", [f"model.path={tiny_llama_dir}", "env.class=builtin:repeat"]))
     cfg = load_config("configs/tiny_tools.yaml", [f"model.path={tiny_llama_dir}"])

@@ -8,8 +8,10 @@ observations' rendering. (Layout parity: tests/test_rl_update.py; exact resume: 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -150,3 +152,70 @@ def test_a_real_model_runs_two_turn_episodes(tmp_path):
               f"{r['reward/mean']:.3f}, logprob "
               f"mismatch max {r['rollout/logprob_mismatch_max']:.2e}")
         assert r["env/turns_mean"] == 2 and r["env/errors"] == 0 and r["rollout/logprob_mismatch_max"] < 1e-3
+
+
+def test_bounded_episodes_stream_within_the_bound_and_a_sigterm_during_a_hanging_step_resumes(tiny_llama_dir, tmp_path):
+    """configs/tiny_multiturn_bounded.yaml (pools, max_staleness 2, partial rollout) with an environment whose step
+    hangs once, in step 3's batch: SIGTERM then ends the run (exit 75) within trainer.stop_grace_s + 10 s with the
+    stream saved, the episodes in flight (the hanging one too: its environment has no state_dict) start over on resume
+    (``env/restarted_on_resume``), and the resumed run completes. Over both runs: every prompt trained once, in data
+    order; every step's lag within the bound; weight versions change inside episodes (a push between or within their
+    turns); and each learner sequence is the prompt, the sampled tokens and the observation rendered once (the
+    environment's message, as the template renders it after a model turn)."""
+    from transformers import AutoTokenizer
+
+    from megarl.env.render import Renderer
+    from megarl.run.resume import EXIT_PREEMPTED
+
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/tiny_multiturn_bounded.yaml",
+           f"model.path={tiny_llama_dir}", f"trainer.output_dir={out}", "trainer.total_steps=5", "trainer.save_every=1",
+           "trainer.val_every=0", "trainer.save_samples=true", "logging.wandb.mode=disabled",
+           "logging.progress_bar=false", "data.train_batch_size=4", "actor.global_batch_size=32",
+           "env.class=tests/envs.py:HangsOnce", "env.kwargs.sleep_s=0.1", "env.timeout_s=600"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "MEGARL_TEST_MARKER": str(marker),
+           "MEGARL_TEST_HANG_AFTER": str(2 * 64 + 8)}  # in step 3's batch: 4 prompts x 8 episodes x 2 steps each
+    env.pop("WORLD_SIZE", None)
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 400
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), open(log.name).read()[-4000:]
+        time.sleep(1.0)  # the engine goes on meanwhile
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        rc = proc.wait(timeout=120)
+        seconds = time.monotonic() - signalled
+    text = open(tmp_path / "log").read()
+    assert rc == EXIT_PREEMPTED and seconds < 25 + 10, (rc, seconds, text[-4000:])
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "resumed the rollout stream at prompt" in again.stdout, again.stdout[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = {r["step"]: r for r in rows}  # a step the stop dropped is logged again by the resumed run
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    assert all(r["async/lag_max"] <= 2 and r["env/errors"] == 0 for r in rows.values()), rows
+    assert sum(r.get("env/restarted_on_resume", 0.0) for r in rows.values()) >= 1
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    render = Renderer(tok)
+    mixed = 0
+    for step in range(1, 6):
+        samples = [json.loads(line) for line in open(out / "samples" / f"step_{step:07d}.jsonl")]
+        serials = [s["prompt_index"] for s in samples]
+        assert sorted(set(serials)) == list(range((step - 1) * 4, step * 4)) and all(serials.count(i) == 8
+                                                                                      for i in set(serials))
+        for s in samples:
+            mask, ids, versions = s["mask"], s["response_ids"], s["weight_versions"]
+            assert len(mask) == len(ids) == len(versions) and min(versions) >= step - 1 - 2
+            first = s["turn_ends"][0]
+            turn1, observation = ids[: first + 1], [t for t, m in zip(ids, mask) if not m]
+            said = tok.decode(turn1, skip_special_tokens=True)
+            expected = render.observation_ids([{"role": "user", "content": f"you said {said!r}; again"}])
+            if s["env"]["truncated"]:  # a long quote: the observation cut at env.max_total_tokens, no second turn
+                assert observation == expected[: len(observation)] and len(ids) + len(s["prompt_ids"]) == 96
+                continue
+            assert observation == expected and all(mask[: first + 1]) and all(mask[first + 1 + len(expected):])
+            assert s["env"]["turns"] == 2
+            mixed += len(set(versions)) > 1
+    assert mixed > 0

@@ -349,11 +349,8 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
 
 
 def _env_errors(cfg: MegarlConfig) -> list[str]:
-    """Multi-turn episodes (``env.class``) run in the synchronous and one-step-off modes."""
+    """Multi-turn episodes (``env.class``): room for a turn, one training sequence, no per-response length shaping."""
     errors = []
-    if cfg.env.enabled and cfg.async_training.bounded:
-        errors.append("env.class: async_training.mode=bounded does not run environments yet (it streams single-turn "
-                      "samples); use mode=one_step_off or sync")  # fmt: skip
     total, prompt = cfg.env.max_total_tokens, cfg.data.max_prompt_length
     if cfg.env.enabled and total <= prompt:
         errors.append(f"env.max_total_tokens={total} leaves no room for a turn after a prompt of "

@@ -67,11 +67,35 @@ def _call(spec: str, kwargs: dict, state: bytes | None, action: tuple) -> dict:
         env = cls(**kwargs)
         first = check_prompt(env.reset(action[1]))
         tools = env.tool_schemas() if callable(getattr(env, "tool_schemas", None)) else None
-        return {"state": _pickled(env), "prompt": first, "tools": tools, "seconds": time.perf_counter() - start}
-    env = pickle.loads(state)
+        return {"state": _pickled(env), "saved": saved_state(env), "prompt": first, "tools": tools,
+                "seconds": time.perf_counter() - start}  # fmt: skip
+    if isinstance(state, dict):  # a checkpoint's: the environment rebuilt from its state_dict
+        env = cls(**kwargs)
+        env.load_state_dict(state["state_dict"])
+    else:
+        env = pickle.loads(state)
     observation, reward, done, info = check_step(env.step(action[1], list(action[2])))
-    return {"state": None if done else _pickled(env), "observation": observation, "reward": reward, "done": done,
-            "info": info, "seconds": time.perf_counter() - start}  # fmt: skip
+    return {"state": None if done else _pickled(env), "saved": None if done else saved_state(env),
+            "observation": observation, "reward": reward, "done": done, "info": info,
+            "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def has_state_dict(cls) -> bool:
+    """Whether an environment class can be saved into a checkpoint (``state_dict()`` and ``load_state_dict(d)``):
+    its episodes in flight continue after a resume; the others start over."""
+    return callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None))
+
+
+def saved_state(env) -> dict | None:
+    """``{"state_dict": env.state_dict()}`` (checked to pickle: a checkpoint holds it), or None without one."""
+    if not has_state_dict(type(env)):
+        return None
+    sd = env.state_dict()
+    try:
+        pickle.dumps(sd)
+    except Exception as e:
+        raise TypeError(f"the environment's state_dict() could not be pickled ({type(e).__name__}: {e})") from e
+    return {"state_dict": sd}
 
 
 def _pickled(env) -> bytes:

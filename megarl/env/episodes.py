@@ -34,7 +34,10 @@ TURN_SEED_STRIDE = 104_729
 
 
 @dataclass
-class _Episode:
+class Episode:
+    """One sample's episode: its tokens so far and where its environment is (``EpisodeRunner``'s per-episode steps;
+    the synchronous rollout and the bounded stream, ``megarl.env.stream``, both drive them)."""
+
     prompt_index: int
     sample_index: int
     record: dict
@@ -48,15 +51,30 @@ class _Episode:
     versions: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
-    state: bytes | None = None
+    state: bytes | dict | None = None
+    """The environment between calls (pickled, on the owner), or a checkpoint's ``{"state_dict": ...}``."""
+    saved: dict | None = None
+    """The environment's ``state_dict()`` after its last call (classes that have one): what a checkpoint holds."""
+    kind: str = "train"
+    """The stream's sampling ('train' or 'val')."""
+    segment: int = 0
+    """Seed segment (a resume continues or restarts the episode as its next one)."""
+    waiting: str | None = None
+    """The environment call it waits for ('reset', 'step'), or None (a turn is generating, or it is done)."""
+    source_ids: list[int] = field(default_factory=list)
+    """The dataset's prompt ids (``prompt_ids`` until ``reset`` renders its own): an episode starting over."""
     done: bool = False
     finish_reason: str = "stop"
     failure: Failure | None = None
     stats: dict = field(default_factory=lambda: {"step_seconds": 0.0, "truncated": 0.0})
 
+    def __post_init__(self):
+        self.source_ids = self.source_ids or list(self.prompt_ids)
+
     @property
-    def key(self) -> tuple[int, int]:
-        return self.prompt_index, self.sample_index
+    def key(self) -> str:
+        """Its id, the stream's request id of its turns."""
+        return f"{self.prompt_index}.{self.sample_index}"
 
     def fail(self, failure: Failure) -> None:
         self.failure = self.failure or failure
@@ -121,7 +139,7 @@ class EpisodeRunner:
             base_seed = request_seed(seed + sampling.seed, step, i, sampling.n)
             for j in range(sampling.n):
                 owner = (len(episodes) % tp) == rank % tp
-                episodes.append(_Episode(i, j, record_of(p), base_seed + j, list(p.prompt_ids), owner))
+                episodes.append(Episode(i, j, record_of(p), base_seed + j, list(p.prompt_ids), owner))
         start, generated = time.perf_counter(), 0
         self._reset(episodes)
         turn = 0
@@ -134,42 +152,50 @@ class EpisodeRunner:
         samples = [e.sample() for e in episodes]
         return gather_engines(samples, RolloutStats(time.perf_counter() - start, generated), tp)
 
-    def _reset(self, episodes: list[_Episode]) -> None:
+    def _reset(self, episodes: list[Episode]) -> None:
         own = [e for e in episodes if e.owner]
-        calls = self.envs.call([None] * len(own), [("reset", e.record) for e in own])
-        answers = _shared({e.key: _public(e, a) for e, a in zip(own, calls)})
+        calls = self.envs.call([None] * len(own), [reset_action(e) for e in own])
+        answers = shared({e.key: public(e, a) for e, a in zip(own, calls)})
         for e in episodes:
-            got = answers[e.key]
-            if isinstance(got, Failure):
-                e.fail(got)
-                continue
-            e.stats["step_seconds"] += got["seconds"]
-            try:
-                ids = self.renderer.prompt_ids(got["prompt"], e.prompt_ids, got["tools"])
-            except Exception as err:  # noqa: BLE001 -- a message the template cannot render: this episode's
-                e.fail(Failure("error", f"reset's prompt could not be rendered: {type(err).__name__}: {err}"))
-                continue
-            if len(ids) >= min(self.cfg.max_total_tokens, self.max_model_len):
-                e.fail(Failure("error", f"reset's prompt has {len(ids)} tokens, no room under "
-                                        f"env.max_total_tokens={self.cfg.max_total_tokens}"))  # fmt: skip
-                continue
-            e.prompt_ids = ids
+            self.started(e, answers[e.key])
 
-    def _room(self, e: _Episode) -> int:
+    def started(self, e: Episode, got) -> None:
+        """``reset``'s answer (or its ``Failure``): the episode's first prompt, rendered."""
+        e.waiting = None
+        if isinstance(got, Failure):
+            e.fail(got)
+            return
+        e.stats["step_seconds"] += got["seconds"]
+        e.saved = got["saved"]
+        try:
+            ids = self.renderer.prompt_ids(got["prompt"], e.prompt_ids, got["tools"])
+        except Exception as err:  # noqa: BLE001 -- a message the template cannot render: this episode's
+            e.fail(Failure("error", f"reset's prompt could not be rendered: {type(err).__name__}: {err}"))
+            return
+        if len(ids) >= min(self.cfg.max_total_tokens, self.max_model_len):
+            e.fail(Failure("error", f"reset's prompt has {len(ids)} tokens, no room under "
+                                    f"env.max_total_tokens={self.cfg.max_total_tokens}"))  # fmt: skip
+            return
+        e.prompt_ids = ids
+
+    def _room(self, e: Episode) -> int:
         used = len(e.prompt_ids) + len(e.tokens)
         return min(self.cfg.max_total_tokens, self.max_model_len) - used
 
-    def _generate(self, engine, active: list[_Episode], sampling, turn: int) -> int:
+    def limit(self, e: Episode, sampling) -> int:
+        """The next turn's ``max_new_tokens``: the sampling's, cut to the room left."""
+        return min(sampling.max_new_tokens, self._room(e))
+
+    def _generate(self, engine, active: list[Episode], sampling, turn: int) -> int:
         """One model turn of every running episode (batched, one call per distinct token limit)."""
-        by_limit: dict[int, list[_Episode]] = {}
+        by_limit: dict[int, list[Episode]] = {}
         for e in active:
-            by_limit.setdefault(min(sampling.max_new_tokens, self._room(e)), []).append(e)
+            by_limit.setdefault(self.limit(e, sampling), []).append(e)
         new = 0
         for limit, group in sorted(by_limit.items()):
             turn_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=limit)
             samples, _ = engine.generate([e.prompt_ids + e.tokens for e in group], [e.prompt_index for e in group],
-                                         [(e.seed + turn * TURN_SEED_STRIDE) % (2**31 - 1) for e in group],
-                                         turn_sampling)  # fmt: skip
+                                         [turn_seed(e, turn) for e in group], turn_sampling)  # fmt: skip
             got = {s.prompt_index: [] for s in samples}
             for s in samples:
                 got[s.prompt_index].append(s)
@@ -178,68 +204,88 @@ class EpisodeRunner:
                 if s is None or not s.token_ids:  # cut by a stop: the batch is dropped
                     e.done = True
                     continue
-                e.tokens += s.token_ids
-                e.logprobs += s.logprobs
-                e.mask += [1] * len(s.token_ids)
-                e.versions += s.weight_versions
-                e.turn_ends.append(len(e.tokens) - 1)
-                e.finish_reason = s.finish_reason
+                self.turn_done(e, s.token_ids, s.logprobs, s.weight_versions, s.finish_reason)
                 new += len(s.token_ids)
         return new
 
-    def _step(self, episodes: list[_Episode], turn: int) -> None:
+    @staticmethod
+    def turn_done(e: Episode, tokens: list[int], logprobs: list[float], versions: list[int], finish_reason) -> None:
+        """A model turn's tokens, appended."""
+        e.tokens += tokens
+        e.logprobs += logprobs
+        e.mask += [1] * len(tokens)
+        e.versions += versions
+        e.turn_ends.append(len(e.tokens) - 1)
+        e.finish_reason = finish_reason
+
+    def step_action(self, e: Episode) -> tuple:
+        """The ``step`` call on the turn just generated: its text and token ids (the model's tokens of the turn)."""
+        ids = e.tokens[(e.turn_ends[-2] + 1 if len(e.turn_ends) > 1 else 0) :]
+        ids = [t for t, m in zip(ids, e.mask[len(e.mask) - len(ids) :]) if m]
+        return "step", self.tokenizer.decode(ids, skip_special_tokens=True), ids
+
+    def _step(self, episodes: list[Episode], turn: int) -> None:
         """The environments answer the turn just generated; observations appended, ended episodes marked."""
         stepped = [e for e in episodes if not e.done and len(e.turn_ends) == turn + 1]
         calling = [e for e in stepped if e.owner and e.failure is None]
-        actions = []
-        for e in calling:
-            ids = e.tokens[(e.turn_ends[-2] + 1 if len(e.turn_ends) > 1 else 0) :]
-            ids = [t for t, m in zip(ids, e.mask[len(e.mask) - len(ids) :]) if m]
-            actions.append(("step", self.tokenizer.decode(ids, skip_special_tokens=True), ids))
-        answers = _shared({e.key: _public(e, a) for e, a in zip(calling, self.envs.call([e.state for e in calling],
-                                                                                         actions))})  # fmt: skip
+        calls = self.envs.call([e.state for e in calling], [self.step_action(e) for e in calling])
+        answers = shared({e.key: public(e, a) for e, a in zip(calling, calls)})
         for e in stepped:
-            got = answers.get(e.key)
-            e.done = True  # unless the environment goes on below
-            if e.failure is not None or got is None:
-                continue
-            if isinstance(got, Failure):
-                e.fail(got)
-                continue
-            e.turn_rewards.append(got["reward"])
-            for k, v in got["info"].items():
-                e.stats[k] = e.stats.get(k, 0.0) + v
-            e.stats["step_seconds"] += got["seconds"]
-            if got["done"] or len(e.turn_ends) >= self.cfg.max_turns:
-                continue
-            if self._room(e) <= 0:
-                e.stats["truncated"] = 1.0
-                continue
-            observation = self.renderer.observation_ids(got["observation"]) if got["observation"] else []
-            room = self._room(e)
-            if len(observation) >= room:  # the observation fills what is left: cut there, no turn after it
-                observation = observation[:room]
-                e.stats["truncated"] = 1.0
-            version = max(e.versions[-1:] or [0])
-            e.tokens += observation
-            e.logprobs += [0.0] * len(observation)
-            e.mask += [0] * len(observation)
-            e.versions += [version] * len(observation)
-            e.done = bool(e.stats["truncated"])
-        for e in stepped:  # a turn that reached the limit ends the episode too
-            if not e.done and self._room(e) <= 0:
-                e.done, e.stats["truncated"] = True, 1.0
+            self.answered(e, answers.get(e.key))
+
+    def answered(self, e: Episode, got) -> None:
+        """``step``'s answer (a ``Failure``; None: no call, the episode failed before): the turn's reward, the
+        observation appended, or the episode done (the environment said so, a limit, a failure)."""
+        e.done, e.waiting = True, None  # unless the environment goes on below
+        if e.failure is not None or got is None:
+            return
+        if isinstance(got, Failure):
+            e.fail(got)
+            return
+        e.turn_rewards.append(got["reward"])
+        e.saved = got["saved"]
+        for k, v in got["info"].items():
+            e.stats[k] = e.stats.get(k, 0.0) + v
+        e.stats["step_seconds"] += got["seconds"]
+        if got["done"] or len(e.turn_ends) >= self.cfg.max_turns:
+            return
+        if self._room(e) <= 0:
+            e.stats["truncated"] = 1.0
+            return
+        observation = self.renderer.observation_ids(got["observation"]) if got["observation"] else []
+        room = self._room(e)
+        if len(observation) >= room:  # the observation fills what is left: cut there, no turn after it
+            observation = observation[:room]
+            e.stats["truncated"] = 1.0
+        version = max(e.versions[-1:] or [0])
+        e.tokens += observation
+        e.logprobs += [0.0] * len(observation)
+        e.mask += [0] * len(observation)
+        e.versions += [version] * len(observation)
+        e.done = bool(e.stats["truncated"])
+        if not e.done and self._room(e) <= 0:  # a turn that reached the limit ends the episode too
+            e.done, e.stats["truncated"] = True, 1.0
 
 
-def _public(e: _Episode, answer):
-    """An answer without the environment's state (which stays with the rank that runs it)."""
+def reset_action(e: Episode) -> tuple:
+    return "reset", e.record
+
+
+def turn_seed(e: Episode, turn: int) -> int:
+    """Turn ``turn``'s sampling seed (each turn of an episode its own generator)."""
+    return (e.seed + turn * TURN_SEED_STRIDE) % (2**31 - 1)
+
+
+def public(e: Episode, answer):
+    """An answer without the environment's state, kept on ``e`` (the rank that runs it; a checkpoint's saved copy
+    is shared with the answer)."""
     if isinstance(answer, Failure):
         return answer
     e.state = answer["state"]
     return {k: v for k, v in answer.items() if k != "state"}
 
 
-def _shared(mine: dict) -> dict:
+def shared(mine: dict) -> dict:
     """Collective: every rank's answers, merged (each episode's come from the one rank that runs it)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -90,6 +90,13 @@ class ToolEnv:
     def __getstate__(self):
         return {**self.__dict__, "tools": None}  # functions load again in whichever worker takes the next turn
 
+    def state_dict(self) -> dict:
+        """Nothing beyond the constructor's arguments: an episode in flight continues after a resume."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def tool_schemas(self) -> list[dict]:
         return [tool_schema(fn) for fn in self._functions().values()]
 

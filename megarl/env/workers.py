@@ -31,6 +31,8 @@ class Environments:
         self.cfg, self.kwargs = cfg, environment_kwargs(cfg)
         workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
         self.pool = None
+        self._answered: list[tuple] = []
+        """In-process calls' answers not yet taken (``done``)."""
         if workers:
             self.pool = RewardPool(CALLS, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s, kind="calls")
 
@@ -56,6 +58,28 @@ class Environments:
             return env_calls(*args)
         self.pool.submit_calls(args, calls=n)  # one call per episode: a failure is its own
         return self.pool.finish()[0]
+
+    def submit(self, key, state, action: tuple) -> None:
+        """One call, answered later by ``done`` (a stream: the bounded rollout's episodes); in-process at once."""
+        args = (["episode"], [(self.cfg.class_, self.kwargs)], [state], [action])
+        if self.pool is None:
+            self._answered.append((key, env_calls(*args)[0]))
+        else:
+            self.pool.submit_calls(args, calls=1, tag=key)
+
+    def done(self) -> list[tuple]:
+        """The calls ``submit``ted that answered since the last ``done`` (a call past ``env.timeout_s`` as its
+        ``Failure``), as (key, answer); without waiting."""
+        if self.pool is None:
+            answered, self._answered = self._answered, []
+            return answered
+        return [(key, values[0]) for key, values in self.pool.take_done()]
+
+    def cancel(self) -> None:
+        """Drop every call submitted and not answered (their workers are replaced: no late answer)."""
+        if self.pool is not None and self.pool.run is not None:
+            self.pool.abandon()
+        self._answered = []
 
     def close(self) -> None:
         if self.pool is not None:

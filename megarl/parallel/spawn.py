@@ -9,7 +9,9 @@ is removed when it ends.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import socket
 import sys
@@ -19,7 +21,6 @@ import traceback
 import torch
 
 from megarl import lifetime
-from megarl.parallel.init import destroy_distributed
 
 
 def _note(line: str) -> None:
@@ -53,9 +54,19 @@ def _entry(rank: int, world: int, port: int, result_path: str, run_env: dict, pa
         raise
     if rank == 0:
         torch.save(result, result_path)
-    if torch.distributed.is_initialized():
-        destroy_distributed()  # before the interpreter's teardown, where a live gloo group's threads can abort the rank
     lifetime.finish_rank()
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """A finished rank's exit: the exit handlers (vLLM's shutdown, the run's lease), then ``os._exit(0)``, without
+    the interpreter's teardown: there a process group's threads can abort the rank after its work is done (CI saw
+    exit -6, SIGABRT, from a rank that had returned its result and ended cleanly)."""
+    mp_util._exit_function()  # what multiprocessing runs after the target returns (finalizers, children)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn, world: int, *args):

@@ -154,7 +154,7 @@ class RewardPool:
         self._check_thread()
         check_inputs(prompts, responses, ground_truths, extras)
         if self.run is not None:  # parts of a round that failed before its finish: never answered here
-            self._abandon()
+            self.abandon()
         run = _Run()
         run.add((prompts, responses, ground_truths, extras), len(self.workers))
         return self._finish(run)[0]
@@ -168,12 +168,30 @@ class RewardPool:
         check_inputs(prompts, responses, ground_truths, extras)
         self.submit_calls((prompts, responses, ground_truths, extras), calls)
 
-    def submit_calls(self, args: tuple[list, ...], calls: int) -> None:
-        """``submit`` of any batch function's argument lists (``kind='calls'``)."""
+    def submit_calls(self, args: tuple[list, ...], calls: int, tag=None) -> None:
+        """``submit`` of any batch function's argument lists (``kind='calls'``); ``tag`` names the part for
+        ``take_done``."""
         if self.run is None:
             self.run = _Run()
-        self.run.add(args, calls)
+        self.run.add(args, calls, tag)
         self._guarded(lambda: self._advance(self.run, time.monotonic()))
+
+    def take_done(self) -> list[tuple[object, list]]:
+        """Without waiting (``kind='calls'``, a stream of parts that ``finish`` never ends): hand queued calls to idle
+        workers, fail those past ``timeout_s``, and return the parts whose calls have all answered since the last
+        call, as (tag, values); each part once."""
+        run = self.run
+        if run is None:
+            return []
+        self._guarded(lambda: self._advance(run, time.monotonic()))
+        done = []
+        for k, (part, tag) in enumerate(zip(run.parts, run.tags)):
+            if part is not None and all(o is not None for o in run.outcomes[part]):
+                done.append((tag, run.outcomes[part]))
+                run.forget(k)
+        if not run.queue and not any(w.task for w in self.workers) and all(p is None for p in run.parts):
+            self.run = None  # every part taken: the next submit starts a new run (the lists do not grow forever)
+        return done
 
     def finish(self) -> list[ScoreResult]:
         """Wait until every submitted part is scored (within ``budget_s`` from now); their results, in order."""
@@ -195,8 +213,8 @@ class RewardPool:
 
         self._guarded(rest)
         if self.kind == "calls":
-            return [run.outcomes[part] for part in run.parts]
-        return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts]
+            return [run.outcomes[part] for part in run.parts if part is not None]
+        return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts if part is not None]
 
     def _check_thread(self) -> None:
         if threading.current_thread() is not self.thread:
@@ -207,10 +225,10 @@ class RewardPool:
         try:
             work()
         except BaseException:  # interrupted (Ctrl-C): no call of this batch may answer into the next one
-            self._abandon()
+            self.abandon()
             raise
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """Drop the parts submitted and not finished; their workers are replaced (no late answer)."""
         for w in list(self.workers):
             if w.task is not None:
@@ -334,11 +352,22 @@ class _Run:
     def __init__(self):
         self.args: tuple[list, ...] = ()
         self.outcomes: list[Outcome | None] = []
-        self.parts: list[slice] = []
+        self.parts: list[slice | None] = []
+        """None: taken (``take_done``)."""
+        self.tags: list = []
         self.queue: deque[_Task] = deque()
 
-    def add(self, args: tuple, calls: int) -> None:
+    def forget(self, k: int) -> None:
+        """Part ``k`` was handed back: its inputs and outcomes are dropped (the indices stay)."""
+        part, self.parts[k] = self.parts[k], None
+        for i in range(part.start, part.stop):
+            self.outcomes[i] = None
+            for a in self.args:
+                a[i] = None
+
+    def add(self, args: tuple, calls: int, tag=None) -> None:
         """A part of ``len(args[0])`` samples, scored in ``calls`` contiguous calls (fewer if it is smaller)."""
+        self.tags.append(tag)
         start, n = len(self.outcomes), len(args[0])
         self.args = self.args or tuple([] for _ in args)
         for mine, new in zip(self.args, args):

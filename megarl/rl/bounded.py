@@ -24,6 +24,8 @@ from enum import StrEnum
 import torch.distributed as dist
 
 from megarl.data import Prompt
+from megarl.env.episodes import record_of, scored
+from megarl.env.stream import EpisodeStream
 from megarl.rewards.parallel import GroupScores, score_on_ranks
 from megarl.rewards.results import CANCELLED, ScoreResult, merge
 from megarl.rl.collect import Collected, _shaped
@@ -90,6 +92,8 @@ class RolloutServer:
         """This engine's first rank: it speaks for the engine (its requests in a checkpoint, its validation samples;
         the engine's other ranks hold the same)."""
         self.session = StreamSession(job.engine, cfg.rollout.sampling, cfg.rollout.val_sampling)
+        if job.episodes is not None:  # multi-turn: the stream's samples are episodes, its requests their turns
+            self.session = EpisodeStream(self.session, job.episodes, tp)
         self.cursor = 0
         """Serials admitted so far (pool-wide, in data order)."""
         self.prompts: dict = {}
@@ -125,6 +129,8 @@ class RolloutServer:
         while True:
             if self.pending is None:
                 self.pending = self.decide()
+            for group in self.session.exchange():  # episodes: the environments' answers (collective)
+                self._finished(group)
             if self.pending is not None and self._serve(self.pending, state, save):
                 if self.pending[0] == Op.END:
                     return
@@ -158,17 +164,20 @@ class RolloutServer:
             return
         limit = min(admission_limit(self.a.max_staleness, self.version, self.batch), self.total)
         for serial in [s for s in self.readmit if s < limit]:  # a resume's prompts generated again, in order
-            self._submit(serial, self.prompts[serial].prompt_ids, segment=self.readmit.pop(serial))
+            self._submit(serial, self.prompts[serial], segment=self.readmit.pop(serial))
         while self.cursor < limit:
             prompt = self.job.sampler.take(1)[0]
             self.prompts[self.cursor] = prompt
-            self._submit(self.cursor, prompt.prompt_ids, segment=0)
+            self._submit(self.cursor, prompt, segment=0)
             self.cursor += 1
 
-    def _submit(self, serial: int, prompt_ids: list[int], segment: int) -> None:
+    def _submit(self, serial: int, prompt: Prompt, segment: int, kind: str = "train", seed: int | None = None) -> None:
+        """Prompt ``serial``'s group into this engine's stream if the engine is its (``serial % engines``; a
+        validation prompt's serial is negative)."""
         if serial % self.engines == self.engine:
-            seed = stream_seed(self.seed, serial, self.n, segment)
-            self.session.submit(serial, prompt_ids, seed, segment=segment)
+            seed = stream_seed(self.seed, serial, self.n, segment) if seed is None else seed
+            episodes = {"record": record_of(prompt)} if self.job.episodes is not None else {}
+            self.session.submit(serial, prompt.prompt_ids, seed, kind=kind, segment=segment, **episodes)
 
     def _finished(self, group: list[Sample]) -> None:
         serial = group[0].prompt_index
@@ -253,6 +262,8 @@ class RolloutServer:
     def _batch(self, step: int, groups: list, prompts: dict) -> dict:
         samples = [s for g, _ in groups for s in g]
         result = merge([r for _, r in groups])
+        if self.job.episodes is not None:  # the environments' rewards beside the function's
+            result = scored(samples, result)
         now = time.monotonic()
         idle = max(now - self.since - self.busy_s - self.reward_s, 0.0)
         collected = Collected(
@@ -267,7 +278,7 @@ class RolloutServer:
             timeouts=result.timeouts,
             first_error=result.first_error,
             rounds=1,
-            generated_tokens=sum(len(s.token_ids) for s in samples),
+            generated_tokens=sum(sum(s.model_mask) for s in samples),
             generate_seconds=self.busy_s,
             generation={"generate": self.busy_s, "reward": self.reward_s, "idle": idle, "step": step,
                         "start": self.since, "end": now},
@@ -284,10 +295,11 @@ class RolloutServer:
         self.val_done = []
         val_seed = self.job.cfg.trainer.seed
         for i, p in enumerate(prompts):
-            if i % self.engines == self.engine:
-                self.session.submit(-(i + 1), p.prompt_ids, stream_seed(val_seed, i, 1) + step, kind="val")
-        mine = sum(i % self.engines == self.engine for i in range(len(prompts)))
-        while len(self.val_done) < mine:
+            self._submit(-(i + 1), p, 0, kind="val", seed=stream_seed(val_seed, i, 1) + step)
+        mine = sum(-(i + 1) % self.engines == self.engine for i in range(len(prompts)))
+        while self._pool_sum(mine - len(self.val_done)):  # collective: episodes exchange their answers meanwhile
+            for group in self.session.exchange():
+                self._finished(group)
             for group in self.session.step():
                 self._finished(group)
         self._collect_scores()  # the training groups submitted so far: validation scores on the same workers
@@ -299,16 +311,17 @@ class RolloutServer:
         result = score_on_ranks(
             self.job.rewards,
             [p.prompt_text for p in prompts],
-            [self.job.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples],
+            [self.job.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
             [p.ground_truth for p in prompts],
             [p.extras for p in prompts],
         )
+        if self.job.episodes is not None:
+            result = scored(samples, result)
         self.job.place.share((samples, result), "rollout")
 
     def close(self) -> None:
         """Abort what is still in flight (nothing, after a whole run): the engine can serve another job."""
-        self.job.engine.abort(list(self.session.requests))
-        self.session.requests = {}
+        self.session.abort()
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def _save(self, step: int, state, save) -> None:

@@ -137,7 +137,7 @@ def step_metrics(job, batch, learned, *, timer, version: int) -> dict[str, float
     return m
 
 
-ENV_COUNTS = ("tool_calls", "tool_errors", "errors", "timeouts", "truncated")
+ENV_COUNTS = ("tool_calls", "tool_errors", "errors", "timeouts", "truncated", "restarted_on_resume")
 """``env/`` metrics that count over the step's episodes; the others are means per episode."""
 
 

@@ -196,12 +196,12 @@ def save_samples(job: Job, batch, step: int) -> None:
 
 def episode_fields(sample) -> dict:
     """An episode's whole token sequence in a saved sample: prompt and response ids, the mask (1: the model's
-    token), the turns' ends and rewards, its counts and its environment's failure."""
+    token), each token's weight version, the turns' ends and rewards, its counts and its environment's failure."""
     if sample.mask is None:
         return {}
     return {"prompt_ids": sample.prompt_ids, "response_ids": sample.token_ids, "mask": sample.mask,
-            "turn_ends": sample.turn_ends, "turn_rewards": sample.turn_rewards, "env": sample.env,
-            "env_error": sample.env_error}  # fmt: skip
+            "weight_versions": sample.weight_versions, "turn_ends": sample.turn_ends,
+            "turn_rewards": sample.turn_rewards, "env": sample.env, "env_error": sample.env_error}  # fmt: skip
 
 
 @dataclass

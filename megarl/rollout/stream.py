@@ -104,9 +104,9 @@ class StreamSession:
         check_requests([prompt_ids], sampling.max_new_tokens, self.engine.max_model_len)
         for i in range(sampling.n):
             request = Request(serial, i, list(prompt_ids), seed + i, segment=segment, kind=kind)
-            self._add(request, sampling.max_new_tokens)
+            self.add(request, sampling.max_new_tokens)
 
-    def _add(self, request: Request, max_tokens: int) -> None:
+    def add(self, request: Request, max_tokens: int) -> None:
         sampling = dataclasses.replace(self.samplings[request.kind], n=1, max_new_tokens=max_tokens)
         self.engine.add_request(request.request_id, request.prompt_ids + request.token_ids, sampling, request.seed)
         self.requests[request.request_id] = request
@@ -114,6 +114,18 @@ class StreamSession:
     def step(self) -> list[list[Sample]]:
         """One engine step (nothing if no request is in flight); the prompt groups it finished, each whole (every
         sample finished), in the order they finished."""
+        done = []
+        for request in self.step_requests():
+            n = self.samplings[request.kind].n
+            group = [self.requests[f"{request.serial}.{i}"] for i in range(n)]
+            if all(r.finish_reason is not None for r in group):
+                done.append([r.sample() for r in group])
+                for r in group:
+                    del self.requests[r.request_id]
+        return done
+
+    def step_requests(self) -> list[Request]:
+        """One engine step (nothing if no request is in flight); the requests it finished (kept in ``requests``)."""
         if not self.engine.busy:
             return []
         version, done = self.engine.weight_version, []
@@ -125,13 +137,17 @@ class StreamSession:
             request.weight_versions += [version] * len(tokens)
             if finish_reason is not None:
                 request.finish_reason = finish_reason
-                n = self.samplings[request.kind].n
-                group = [self.requests[f"{request.serial}.{i}"] for i in range(n)]
-                if all(r.finish_reason is not None for r in group):
-                    done.append([r.sample() for r in group])
-                    for r in group:
-                        del self.requests[r.request_id]
+                done.append(request)
         return done
+
+    def exchange(self) -> list[list[Sample]]:
+        """Collective over the rollout pool in an ``EpisodeStream``; single-turn samples have nothing to exchange."""
+        return []
+
+    def abort(self) -> None:
+        """Abort every request in flight (the engine can serve another job)."""
+        self.engine.abort(list(self.requests))
+        self.requests = {}
 
     def snapshot(self) -> list[dict]:
         """Every request submitted and not handed back (a group's finished samples too), as plain data (a checkpoint
@@ -149,7 +165,7 @@ class StreamSession:
                 continue
             r.segment += 1
             r.seed = seed_of(r.serial, r.segment) + r.sample_index
-            self._add(r, self.samplings[r.kind].max_new_tokens - len(r.token_ids))
+            self.add(r, self.samplings[r.kind].max_new_tokens - len(r.token_ids))
 
     def drain(self) -> list[list[Sample]]:
         """Step until no request is in flight (``partial_rollout: none`` before a weight push); the groups finished."""

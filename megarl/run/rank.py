@@ -7,13 +7,11 @@ import functools
 import os
 import sys
 
-import torch.distributed as dist
-
 from megarl import lifetime
 from megarl.compat import quiet
 from megarl.config.device_defaults import apply_tf32, on_cuda
 from megarl.models.source import model_source
-from megarl.parallel.init import describe_collective_timeout, destroy_distributed
+from megarl.parallel.init import describe_collective_timeout
 from megarl.parallel.spawn import run_on_ranks
 from megarl.rewards import RewardFailure
 from megarl.rl.collect import DynamicSamplingExhausted
@@ -85,7 +83,5 @@ def run_rank(train, *args) -> int:
             raise
         print(f"megarl: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
         return 1
-    if dist.is_initialized():
-        destroy_distributed()  # before the interpreter's teardown, where a live gloo group's threads can abort a rank
     lifetime.finish_rank()
     return 0
