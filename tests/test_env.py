@@ -361,3 +361,60 @@ def test_tool_calls_beyond_the_limit_are_answered_with_an_error():
     obs, _, _, info = env.step(call * 2, [])
     assert [m["content"] for m in obs] == ["2", "error: at most 1 tool calls per turn; this one was not run"]
     assert info == {"tool_calls": 2.0, "tool_errors": 1.0}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_streamed_calls_answer_as_they_finish_and_a_saved_environment_continues_from_its_state_dict(workers):
+    """``Environments.submit``/``done`` (the bounded stream's calls): each answer once, as it comes, while the
+    caller goes on; a call past env.timeout_s fails alone; ``cancel`` drops the calls in flight. An environment with
+    ``state_dict`` is rebuilt from a checkpoint's copy and goes on counting its turns (tests/envs.py:AlwaysCalls:
+    one tool call, then the answer); one without (ForgetfulCalls) saves nothing."""
+    import time
+
+    cfg = EnvConfig(class_=f"{ENVS}:AlwaysCalls", kwargs={"tools": ["megarl.env.tools:calculator"], "calls": 1},
+                    num_workers=workers, timeout_s=60.0)  # fmt: skip
+    envs = Environments(cfg)
+    try:
+        envs.submit("a", None, ("reset", {"prompt": "1+2"}))
+        got = {}
+        deadline = time.monotonic() + 120
+        while "a" not in got and time.monotonic() < deadline:
+            got.update(envs.done())
+        assert got["a"]["saved"] == {"state_dict": {"turn": 0}} and envs.done() == []
+        envs.submit("b", got["a"]["saved"], ("step", "3", [1]))  # rebuilt from the state_dict: its first turn
+        envs.submit("c", got["a"]["state"], ("step", "3", [1]))  # the pickle between turns
+        while len(got) < 3 and time.monotonic() < deadline:
+            got.update(envs.done())
+        for key in "bc":
+            assert got[key]["info"]["tool_calls"] == 1 and not got[key]["done"], got[key]
+            assert got[key]["saved"] == {"state_dict": {"turn": 1}}
+        assert got["b"]["info"]["resumed"] == 1.0 and got["c"]["info"]["resumed"] == 0.0
+        final = dict(got)
+        envs.submit("d", got["b"]["state"], ("step", "no call", [1]))  # the second turn: the answer
+        while "d" not in final and time.monotonic() < deadline:
+            final.update(envs.done())
+        assert final["d"]["done"] and final["d"]["saved"] is None and final["d"]["info"]["tool_calls"] == 0
+        if workers:  # a hanging call fails alone (env.timeout_s); a cancelled one never answers
+            hang = EnvConfig(class_=f"{ENVS}:Hangs", num_workers=1, timeout_s=5.0)
+            slow = Environments(hang)
+            try:
+                slow.submit("h", None, ("reset", {"prompt": "7"}))
+                answers = {}
+                while "h" not in answers:
+                    answers.update(slow.done())
+                slow.submit("h", answers["h"]["state"], ("step", "x", [1]))
+                answers = {}
+                while "h" not in answers and time.monotonic() < deadline:
+                    answers.update(slow.done())
+                assert isinstance(answers["h"], Failure) and "env.timeout_s" in answers["h"].message
+                slow.submit("i", answers.get("i"), ("reset", {"prompt": "7"}))
+                slow.cancel()
+                time.sleep(0.5)
+                assert slow.done() == []
+            finally:
+                slow.close()
+    finally:
+        envs.close()
+    forgetful = env_calls(["e"], [(f"{ENVS}:ForgetfulCalls", {"tools": ["megarl.env.tools:calculator"]})], [None],
+                          [("reset", {"prompt": "1"})])[0]  # fmt: skip
+    assert forgetful["saved"] is None

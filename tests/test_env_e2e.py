@@ -132,6 +132,17 @@ def test_the_multi_turn_toy_task_learns(tmp_path, tiny_llama_dir):
     assert last >= first + 0.2 and all(r["env/turns_mean"] > 1 for r in rows)
 
 
+@pytest.mark.slow
+def test_the_multi_turn_toy_task_learns_in_bounded_mode(tmp_path, tiny_llama_dir):
+    """configs/tiny_multiturn_bounded.yaml (150 steps, streamed episodes, max_staleness 2): learns as the synchronous
+    run does, every step within the bound."""
+    rows = _train("configs/tiny_multiturn_bounded.yaml", tmp_path / "run", [f"model.path={tiny_llama_dir}"])
+    first, last = (sum(r["reward/mean"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
+    print(f"tiny_multiturn_bounded: reward first 10 {first:.3f} -> last 10 {last:.3f}; lag_max "
+          f"{max(r['async/lag_max'] for r in rows)}; s/step {sum(r['timing/step'] for r in rows) / len(rows):.2f}")
+    assert last >= first + 0.2 and all(r["async/lag_max"] <= 2 and r["env/turns_mean"] > 1 for r in rows)
+
+
 REAL = os.path.join(REPO, ".cache", "smollm2-135m-instruct")
 
 
