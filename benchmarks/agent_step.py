@@ -2,9 +2,10 @@
 (`megarl train configs/tiny_multiturn_bounded.yaml`: the actor on ranks 0-1, one vLLM engine on ranks 2-3).
 
 The environment is builtin:repeat whose every step sleeps ``--sleep`` seconds (benchmarks/slow_env.py: a tool call
-that takes its time), 2 turns per episode, one environment worker per rank. Synchronous: every turn of the batch
-waits for the batch's slowest call, then the update waits for the batch. Bounded (max_staleness 2, partial rollout):
-the engine goes on with other episodes while calls run, and the rollout pool generates ahead of the learners.
+that takes its time: a sleep, no CPU), 2 turns per episode, 8 environment workers per rank. Synchronous: every turn
+of the batch waits for the batch's slowest call, then the update waits for the batch. Bounded (max_staleness 2,
+partial rollout): the engine goes on with other episodes while calls run, and the rollout pool generates ahead of the
+learners.
 
 Per mode: ``--steps`` steps, the first 2 dropped (start-up, the stream filling); the median ``timing/step`` and the
 ratio sync / bounded.
@@ -30,7 +31,8 @@ def run(mode: str, model: str, out: str, steps: int, sleep: float) -> list[dict]
            f"trainer.output_dir={out}", "trainer.resume=never", f"trainer.total_steps={steps}", "trainer.val_every=0",
            "trainer.save_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
            f"async_training.mode={mode}", "env.class=benchmarks/slow_env.py:SlowRepeat",
-           f"env.kwargs.sleep_s={sleep}", "env.num_workers=1", "data.train_batch_size=4"]  # fmt: skip
+           f"env.kwargs.sleep_s={sleep}", "env.num_workers=8", "data.train_batch_size=4",
+           "actor.global_batch_size=32"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -142,12 +142,10 @@ class AlwaysCalls(ToolEnv):
         super().__init__(tools, **kwargs)
         self.calls, self.turn = calls, 0
 
-    def state_dict(self) -> dict:
-        return {"turn": self.turn}
-
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's episode continues: its turns count on (``env/tool_calls`` stays ``calls`` per episode)."""
-        self.turn, self.resumed = state["turn"], 1.0
+        super().load_state_dict(state)
+        self.resumed = 1.0
 
     def step(self, text, token_ids):
         self.turn += 1
@@ -167,12 +165,23 @@ class ForgetfulCalls(AlwaysCalls):
 class HangsOnce(EchoEnv):
     """``EchoEnv`` whose step hangs (for an hour) once, after $MEGARL_TEST_HANG_AFTER steps in the run: each step
     appends a byte to $MEGARL_TEST_MARKER.steps; the one that hangs creates $MEGARL_TEST_MARKER first, and once it
-    exists (the run after) nothing hangs. No ``state_dict``: a resume starts its episodes in flight over. Each step
-    takes ``sleep_s`` (a slow tool: episodes are in flight when the weights change)."""
+    exists (the run after) nothing hangs. Each step takes ``sleep_s`` (a slow tool: episodes are in flight when the
+    weights change). Its ``state_dict`` is None for the prompts with an odd digit (those episodes start over on
+    resume: ``env/restarted_on_resume``); the others continue (``env/resumed``)."""
 
     def __init__(self, sleep_s: float = 0.0):
         super().__init__()
-        self.sleep_s = sleep_s
+        self.sleep_s, self.odd, self.resumed = sleep_s, False, 0.0
+
+    def reset(self, record):
+        self.odd = any(d in str(record["prompt"]) for d in "13579")
+        return super().reset(record)
+
+    def state_dict(self):
+        return None if self.odd else {"turn": self.turn, "odd": False}
+
+    def load_state_dict(self, state):
+        self.turn, self.odd, self.resumed = state["turn"], state["odd"], 1.0
 
     def step(self, text, token_ids):
         time.sleep(self.sleep_s)
@@ -187,4 +196,5 @@ class HangsOnce(EchoEnv):
             os.write(fd, b"hang\n")
             os.close(fd)
             time.sleep(3600)
-        return super().step(text, token_ids)
+        observation, reward, done, info = super().step(text, token_ids)
+        return observation, reward, done, {**info, "resumed": self.resumed}

@@ -79,9 +79,8 @@ LAYOUTS.update({
     "bf16_lora_slots": ("configs/tiny_grpo.yaml", [*BF16, *LAYOUTS["grpo_lora_tp2"][1], "actor.kl_loss_coef=0.01"]),
     "bf16_ppo_pools": ("configs/tiny_ppo_pools.yaml", [*BF16, TWO_MINIBATCHES_PPO]),  # critic, reference: own pool
     "bf16_async": ("configs/tiny_grpo_async.yaml", [*BF16, "trainer.save_samples=true"]),
-    "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, *LAYOUTS["grpo_bounded"][1],
-                                                        "env.class=tests/envs.py:ForgetfulCalls"]),  # no state_dict:
-    # its episodes in flight start over on resume
+    "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, "trainer.save_samples=true",  # single-turn
+                                                        "rollout.sampling.max_new_tokens=48"]),
 })  # fmt: skip
 SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools")
 """Chains of one kill and one resume (the others are stopped five ways)."""
@@ -611,11 +610,10 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
         assert all(r["async/lag_max"] <= 2 for r in rows), [r["async/lag_max"] for r in rows]
         assert rows[0]["async/lag_max"] == 0
     assert max(r["async/lag_max"] for r in _metrics(chain["ref"])) >= 1  # generated ahead of the trainer
-    for out in (chain["ref"], chain["cut"]):  # tool episodes: one call each, also those a resume continued
-        assert all(r["env/tool_calls"] == 32 and r["env/errors"] == 0 for r in _metrics(out))
-    resumed = sum(r["env/resumed"] for r in _metrics(chain["cut"]))  # continued from their environment's state_dict
-    restarted = sum(r.get("env/restarted_on_resume", 0.0) for r in _metrics(chain["cut"]))  # without one
-    assert (resumed > 0) if chain["name"] == "grpo_bounded" else (restarted > 0 and resumed == 0), (resumed, restarted)
+    if chain["name"] == "grpo_bounded":  # tool episodes: one call each, also those a resume continued from their
+        for out in (chain["ref"], chain["cut"]):  # environment's state_dict
+            assert all(r["env/tool_calls"] == 32 and r["env/errors"] == 0 for r in _metrics(out))
+        assert sum(r["env/resumed"] for r in _metrics(chain["cut"])) > 0
     ref, cut = _trained(chain["ref"]), _trained(chain["cut"])
     assert sorted(cut) == list(range(1, STEPS + 1)) and cut.keys() == ref.keys()
     for step in range(1, STEPS + 1):

@@ -87,10 +87,13 @@ def has_state_dict(cls) -> bool:
 
 
 def saved_state(env) -> dict | None:
-    """``{"state_dict": env.state_dict()}`` (checked to pickle: a checkpoint holds it), or None without one."""
+    """``{"state_dict": env.state_dict()}`` (checked to pickle: a checkpoint holds it), or None without one (also
+    when ``state_dict()`` returns None: the episode cannot be saved at this point and starts over on resume)."""
     if not has_state_dict(type(env)):
         return None
     sd = env.state_dict()
+    if sd is None:
+        return None
     try:
         pickle.dumps(sd)
     except Exception as e:

@@ -49,6 +49,9 @@ class EpisodeStream:
         """Every episode of the groups submitted and not handed back (finished ones wait for their group)."""
         self.turns: dict[str, int] = {}
         """Episode key -> how many of its turns were submitted (each turn samples with its own seed)."""
+        self.held: list[Episode] = []
+        """Episodes whose next turn waits for a weight push (``partial_rollout: none``: the push waits for the
+        engine to empty, so no turn starts meanwhile)."""
 
     @property
     def in_flight(self) -> int:
@@ -100,9 +103,13 @@ class EpisodeStream:
                 self._call(e, e.state, self.runner.step_action(e))
         return self._groups(ended)
 
-    def exchange(self) -> list[list[Sample]]:
+    def exchange(self, hold: bool = False) -> list[list[Sample]]:
         """Collective over the rollout pool: the environments' answers so far to every rank of their engine; each
-        episode goes on (its next turn submitted) or ends. The groups that ended."""
+        episode goes on (its next turn submitted; held back while ``hold``) or ends. The groups that ended."""
+        if not hold:
+            for e in self.held:
+                self._turn(e)
+            self.held = []
         mine = {}
         for key, answer in self.runner.envs.done():
             if key in self.episodes:  # else: dropped meanwhile (a resume)
@@ -119,6 +126,8 @@ class EpisodeStream:
                 self.runner.answered(e, got)
             if e.done:
                 ended.append(e)
+            elif hold:
+                self.held.append(e)
             else:
                 self._turn(e)
         return self._groups(ended)
@@ -136,10 +145,10 @@ class EpisodeStream:
         return done
 
     def abort(self) -> None:
-        """Abort the turns in flight and the environments' calls (the engine can serve another job)."""
+        """Abort the turns in flight (the engine can serve another job); the environments' calls in flight end with
+        the job's workers."""
         self.session.abort()
-        self.runner.envs.cancel()
-        self.episodes, self.turns = {}, {}
+        self.episodes, self.turns, self.held = {}, {}, []
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def snapshot(self) -> list[dict]:
@@ -153,6 +162,7 @@ class EpisodeStream:
             d["turn"] = None if r is None else {"token_ids": list(r.token_ids), "logprobs": list(r.logprobs),
                                                 "weight_versions": list(r.weight_versions), "seed": r.seed}  # fmt: skip
             d["turns"] = self.turns[key]
+            d["episode_finish_reason"] = e.finish_reason  # the episode's; the server reads finish_reason
             d.update(serial=e.prompt_index, finish_reason=e.finish_reason if e.done else None,
                      weight_versions=e.versions + (d["turn"]["weight_versions"] if r is not None else []))
             if e.failure is not None:
@@ -167,6 +177,7 @@ class EpisodeStream:
         over (``env/restarted_on_resume``)."""
         for d in requests:
             fields = {k: copy.deepcopy(v) for k, v in d.items() if k in Episode.__dataclass_fields__}
+            fields["finish_reason"] = d["episode_finish_reason"]
             if fields.get("failure") is not None:
                 fields["failure"] = Failure(**fields["failure"])
             e = Episode(**fields, owner=self._owns(d["serial"]))

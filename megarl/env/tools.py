@@ -91,11 +91,11 @@ class ToolEnv:
         return {**self.__dict__, "tools": None}  # functions load again in whichever worker takes the next turn
 
     def state_dict(self) -> dict:
-        """Nothing beyond the constructor's arguments: an episode in flight continues after a resume."""
-        return {}
+        """Its attributes (a subclass's too; the tools load again): an episode in flight continues after a resume."""
+        return {k: v for k, v in vars(self).items() if k != "tools"}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        vars(self).update(state)
 
     def tool_schemas(self) -> list[dict]:
         return [tool_schema(fn) for fn in self._functions().values()]

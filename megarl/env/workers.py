@@ -75,12 +75,6 @@ class Environments:
             return answered
         return [(key, values[0]) for key, values in self.pool.take_done()]
 
-    def cancel(self) -> None:
-        """Drop every call submitted and not answered (their workers are replaced: no late answer)."""
-        if self.pool is not None and self.pool.run is not None:
-            self.pool.abandon()
-        self._answered = []
-
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import traceback
 
 import torch
@@ -62,6 +63,9 @@ def _exit_cleanly() -> None:
     """A finished rank's exit: the exit handlers (vLLM's shutdown, the run's lease), then ``os._exit(0)``, without
     the interpreter's teardown: there a process group's threads can abort the rank after its work is done (CI saw
     exit -6, SIGABRT, from a rank that had returned its result and ended cleanly)."""
+    for t in threading.enumerate():  # what the interpreter waits for first (a writer still writing)
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
     mp_util._exit_function()  # what multiprocessing runs after the target returns (finalizers, children)
     atexit._run_exitfuncs()
     sys.stdout.flush()

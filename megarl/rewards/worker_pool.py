@@ -185,11 +185,11 @@ class RewardPool:
             return []
         self._guarded(lambda: self._advance(run, time.monotonic()))
         done = []
-        for k, (part, tag) in enumerate(zip(run.parts, run.tags)):
-            if part is not None and all(o is not None for o in run.outcomes[part]):
-                done.append((tag, run.outcomes[part]))
+        for k, part in list(run.parts.items()):
+            if all(o is not None for o in run.values(part)):
+                done.append((run.tags[k], run.values(part)))
                 run.forget(k)
-        if not run.queue and not any(w.task for w in self.workers) and all(p is None for p in run.parts):
+        if not run.queue and not any(w.task for w in self.workers) and not run.parts:
             self.run = None  # every part taken: the next submit starts a new run (the lists do not grow forever)
         return done
 
@@ -213,8 +213,8 @@ class RewardPool:
 
         self._guarded(rest)
         if self.kind == "calls":
-            return [run.outcomes[part] for part in run.parts if part is not None]
-        return [assemble(run.outcomes[part], run.args[0][part]) for part in run.parts if part is not None]
+            return [run.values(part) for part in run.parts.values()]
+        return [assemble(run.values(part), [run.args[0][i] for i in part]) for part in run.parts.values()]
 
     def _check_thread(self) -> None:
         if threading.current_thread() is not self.thread:
@@ -347,35 +347,42 @@ class RewardPool:
 
 
 class _Run:
-    """The parts of one batch submitted so far: their inputs, the calls still to make, the outcomes so far."""
+    """The parts submitted and not handed back: their inputs, the calls still to make, the outcomes so far (by sample
+    index; a part handed back by ``take_done`` is dropped, so a stream of parts holds only those outstanding)."""
 
     def __init__(self):
-        self.args: tuple[list, ...] = ()
-        self.outcomes: list[Outcome | None] = []
-        self.parts: list[slice | None] = []
-        """None: taken (``take_done``)."""
-        self.tags: list = []
+        self.args: tuple[dict, ...] = ()
+        self.outcomes: dict[int, Outcome | None] = {}
+        self.parts: dict[int, range] = {}
+        """Part number -> its sample indices, in submission order."""
+        self.tags: dict[int, object] = {}
         self.queue: deque[_Task] = deque()
+        self.size = self.count = 0
+        """Samples and parts ever added (the next one's index and number)."""
+
+    def values(self, part: range) -> list:
+        return [self.outcomes[i] for i in part]
 
     def forget(self, k: int) -> None:
-        """Part ``k`` was handed back: its inputs and outcomes are dropped (the indices stay)."""
-        part, self.parts[k] = self.parts[k], None
-        for i in range(part.start, part.stop):
-            self.outcomes[i] = None
+        """Part ``k`` was handed back: its inputs and outcomes are dropped."""
+        for i in self.parts.pop(k):
+            del self.outcomes[i]
             for a in self.args:
-                a[i] = None
+                del a[i]
+        del self.tags[k]
 
     def add(self, args: tuple, calls: int, tag=None) -> None:
         """A part of ``len(args[0])`` samples, scored in ``calls`` contiguous calls (fewer if it is smaller)."""
-        self.tags.append(tag)
-        start, n = len(self.outcomes), len(args[0])
-        self.args = self.args or tuple([] for _ in args)
+        start, n = self.size, len(args[0])
+        self.size += n
+        self.args = self.args or tuple({} for _ in args)
         for mine, new in zip(self.args, args):
-            mine.extend(new)
-        self.outcomes += [None] * n
-        self.parts.append(slice(start, start + n))
+            mine.update(zip(range(start, start + n), new))
+        self.outcomes.update(dict.fromkeys(range(start, start + n)))
+        k, self.count = self.count, self.count + 1
+        self.parts[k], self.tags[k] = range(start, start + n), tag
         chunks = min(calls, n)
-        bounds = [start + n * k // chunks for k in range(chunks + 1)] if chunks else [start]
+        bounds = [start + n * j // chunks for j in range(chunks + 1)] if chunks else [start]
         self.queue.extend(_Task(list(range(a, b))) for a, b in zip(bounds, bounds[1:]))
 
     def failed(self, task: _Task, failure: Failure) -> None:

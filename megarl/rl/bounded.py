@@ -129,7 +129,8 @@ class RolloutServer:
         while True:
             if self.pending is None:
                 self.pending = self.decide()
-            for group in self.session.exchange():  # episodes: the environments' answers (collective)
+            hold = self.pending is not None and self.pending[0] == Op.SYNC and self.a.partial_rollout == "none"
+            for group in self.session.exchange(hold):  # episodes: the environments' answers (collective)
                 self._finished(group)
             if self.pending is not None and self._serve(self.pending, state, save):
                 if self.pending[0] == Op.END:
@@ -300,6 +301,8 @@ class RolloutServer:
         while self._pool_sum(mine - len(self.val_done)):  # collective: episodes exchange their answers meanwhile
             for group in self.session.exchange():
                 self._finished(group)
+            if not self.job.engine.busy:  # episodes waiting for their environments
+                time.sleep(POLL_IDLE_S)
             for group in self.session.step():
                 self._finished(group)
         self._collect_scores()  # the training groups submitted so far: validation scores on the same workers

@@ -116,6 +116,8 @@ class StreamSession:
         sample finished), in the order they finished."""
         done = []
         for request in self.step_requests():
+            if request.request_id not in self.requests:  # its group ended with another sample of this step
+                continue
             n = self.samplings[request.kind].n
             group = [self.requests[f"{request.serial}.{i}"] for i in range(n)]
             if all(r.finish_reason is not None for r in group):
@@ -140,7 +142,7 @@ class StreamSession:
                 done.append(request)
         return done
 
-    def exchange(self) -> list[list[Sample]]:
+    def exchange(self, hold: bool = False) -> list[list[Sample]]:
         """Collective over the rollout pool in an ``EpisodeStream``; single-turn samples have nothing to exchange."""
         return []
 
