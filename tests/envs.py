@@ -191,10 +191,10 @@ class HangsOnce(EchoEnv):
         if os.path.getsize(f"{marker}.steps") >= int(os.environ.get("MEGARL_TEST_HANG_AFTER", "0")):
             try:
                 fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                return super().step(text, token_ids)
-            os.write(fd, b"hang\n")
-            os.close(fd)
-            time.sleep(3600)
+                os.write(fd, b"hang\n")
+                os.close(fd)
+                time.sleep(3600)
+            except FileExistsError:  # it hung once already
+                pass
         observation, reward, done, info = super().step(text, token_ids)
         return observation, reward, done, {**info, "resumed": self.resumed}
