@@ -144,6 +144,14 @@ class EpisodeStream:
                     del self.episodes[g.key], self.turns[g.key]
         return done
 
+    def drop(self, kind: str) -> None:
+        """Forget the episodes of one sampling (``'val'``: a validation cut by a stop); their calls' answers are
+        ignored when they come."""
+        self.session.drop(kind)
+        for key in [k for k, e in self.episodes.items() if e.kind == kind]:
+            del self.episodes[key], self.turns[key]
+        self.held = [e for e in self.held if e.kind != kind]
+
     def abort(self) -> None:
         """Abort the turns in flight (the engine can serve another job); the environments' calls in flight end with
         the job's workers."""

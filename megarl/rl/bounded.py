@@ -298,7 +298,15 @@ class RolloutServer:
         for i, p in enumerate(prompts):
             self._submit(-(i + 1), p, 0, kind="val", seed=stream_seed(val_seed, i, 1) + step)
         mine = sum(-(i + 1) % self.engines == self.engine for i in range(len(prompts)))
-        while self._pool_sum(mine - len(self.val_done)):  # collective: episodes exchange their answers meanwhile
+        while True:  # collective: episodes exchange their answers meanwhile
+            left, stopping = self._pool_sum([mine - len(self.val_done), self._stop_requested()])
+            if not left:
+                break
+            if stopping:  # an environment may be slow or hang: the validation is cut, the learners save
+                self.session.drop("val")
+                self.val_done = []
+                self.job.place.share(None, "rollout")
+                return
             for group in self.session.exchange():
                 self._finished(group)
             if not self.job.engine.busy:  # episodes waiting for their environments

@@ -146,6 +146,13 @@ class StreamSession:
         """Collective over the rollout pool in an ``EpisodeStream``; single-turn samples have nothing to exchange."""
         return []
 
+    def drop(self, kind: str) -> None:
+        """Abort and forget the requests of one sampling (``'val'``: a validation cut by a stop)."""
+        ids = [rid for rid, r in self.requests.items() if r.kind == kind]
+        self.engine.abort(ids)
+        for rid in ids:
+            del self.requests[rid]
+
     def abort(self) -> None:
         """Abort every request in flight (the engine can serve another job)."""
         self.engine.abort(list(self.requests))
