@@ -185,7 +185,7 @@ class EpisodeStream:
         over (``env/restarted_on_resume``)."""
         for d in requests:
             fields = {k: copy.deepcopy(v) for k, v in d.items() if k in Episode.__dataclass_fields__}
-            fields["finish_reason"] = d["episode_finish_reason"]
+            fields["finish_reason"] = d.get("episode_finish_reason", d["finish_reason"] or "stop")
             if fields.get("failure") is not None:
                 fields["failure"] = Failure(**fields["failure"])
             e = Episode(**fields, owner=self._owns(d["serial"]))

@@ -92,7 +92,7 @@ class ToolEnv:
 
     def state_dict(self) -> dict:
         """Its attributes (a subclass's too; the tools load again): an episode in flight continues after a resume."""
-        return {k: v for k, v in vars(self).items() if k != "tools"}
+        return {k: v for k, v in self.__getstate__().items() if k != "tools"}  # what pickles between turns
 
     def load_state_dict(self, state: dict) -> None:
         vars(self).update(state)

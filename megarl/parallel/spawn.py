@@ -63,9 +63,7 @@ def _exit_cleanly() -> None:
     """A finished rank's exit: the exit handlers (vLLM's shutdown, the run's lease), then ``os._exit(0)``, without
     the interpreter's teardown: there a process group's threads can abort the rank after its work is done (CI saw
     exit -6, SIGABRT, from a rank that had returned its result and ended cleanly)."""
-    for t in threading.enumerate():  # what the interpreter waits for first (a writer still writing)
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    threading._shutdown()  # what the interpreter does first: its exit callbacks (thread pools), then the joins
     mp_util._exit_function()  # what multiprocessing runs after the target returns (finalizers, children)
     atexit._run_exitfuncs()
     sys.stdout.flush()
