@@ -604,6 +604,7 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
     Killed from outside at a random moment and resumed: the prompts trained are exactly the data stream's first
     6 x 4 in order, each prompt's 8 samples once, the same prompts as the uninterrupted run's (nothing is in flight at
     the end: admission stops at the run's last prompt)."""
+    _killed_from_outside_then_resumed(chain)  # first: a failed run's output
     for out in (chain["ref"], chain["cut"]):
         rows = _metrics(out)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -621,7 +622,6 @@ def test_bounded_keeps_every_token_within_the_bound_and_trains_each_prompt_once_
         assert serials == sorted(serials) and sorted(set(serials)) == list(range((step - 1) * 4, step * 4))
         assert all(serials.count(i) == 8 for i in set(serials))
         assert cut[step] == ref[step]  # the same prompts, in the same order: the data stream's
-    _killed_from_outside_then_resumed(chain)
     if "sigterm" in chain["runs"]:  # step 5 dropped (step 4 saved with the stream), or finished and saved
         stop = chain["runs"]["sigterm"]
         assert stop.rc == EXIT_PREEMPTED, stop.out[-4000:]
