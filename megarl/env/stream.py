@@ -47,8 +47,6 @@ class EpisodeStream:
         self.session, self.runner, self.tp = session, runner, tp
         self.episodes: dict[str, Episode] = {}
         """Every episode of the groups submitted and not handed back (finished ones wait for their group)."""
-        self.turns: dict[str, int] = {}
-        """Episode key -> how many of its turns were submitted (each turn samples with its own seed)."""
         self.held: list[Episode] = []
         """Episodes whose next turn waits for a weight push (``partial_rollout: none``: the push waits for the
         engine to empty, so no turn starts meanwhile)."""
@@ -70,7 +68,6 @@ class EpisodeStream:
             e = Episode(serial, i, record or {}, seed + i, list(prompt_ids), self._owns(serial), kind=kind,
                         segment=segment)  # fmt: skip
             self.episodes[e.key] = e
-            self.turns[e.key] = 0
             self._call(e, None, reset_action(e))
 
     def _owns(self, serial: int) -> bool:
@@ -83,9 +80,8 @@ class EpisodeStream:
 
     def _turn(self, e: Episode) -> None:
         """Submit the episode's next turn: its whole sequence so far, the room left as its budget."""
-        request = Request(e.prompt_index, e.sample_index, e.prompt_ids + e.tokens, turn_seed(e, self.turns[e.key]),
+        request = Request(e.prompt_index, e.sample_index, e.prompt_ids + e.tokens, turn_seed(e, len(e.turn_ends)),
                           segment=e.segment, kind=e.kind)  # fmt: skip
-        self.turns[e.key] += 1
         self.session.add(request, self.runner.limit(e, self.samplings[e.kind]))
 
     def step(self) -> list[list[Sample]]:
@@ -141,7 +137,7 @@ class EpisodeStream:
             if all(g is not None and g.done for g in group):
                 done.append([g.sample() for g in group])
                 for g in group:
-                    del self.episodes[g.key], self.turns[g.key]
+                    del self.episodes[g.key]
         return done
 
     def drop(self, kind: str) -> None:
@@ -149,14 +145,14 @@ class EpisodeStream:
         ignored when they come."""
         self.session.drop(kind)
         for key in [k for k, e in self.episodes.items() if e.kind == kind]:
-            del self.episodes[key], self.turns[key]
+            del self.episodes[key]
         self.held = [e for e in self.held if e.kind != kind]
 
     def abort(self) -> None:
         """Abort the turns in flight (the engine can serve another job); the environments' calls in flight end with
         the job's workers."""
         self.session.abort()
-        self.episodes, self.turns, self.held = {}, {}, []
+        self.episodes, self.held = {}, []
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def snapshot(self) -> list[dict]:
@@ -169,7 +165,6 @@ class EpisodeStream:
             r = self.session.requests.get(key)
             d["turn"] = None if r is None else {"token_ids": list(r.token_ids), "logprobs": list(r.logprobs),
                                                 "weight_versions": list(r.weight_versions), "seed": r.seed}  # fmt: skip
-            d["turns"] = self.turns[key]
             d["episode_finish_reason"] = e.finish_reason  # the episode's; the server reads finish_reason
             d.update(serial=e.prompt_index, finish_reason=e.finish_reason if e.done else None,
                      weight_versions=e.versions + (d["turn"]["weight_versions"] if r is not None else []))
@@ -189,7 +184,7 @@ class EpisodeStream:
             if fields.get("failure") is not None:
                 fields["failure"] = Failure(**fields["failure"])
             e = Episode(**fields, owner=self._owns(d["serial"]))
-            self.episodes[e.key], self.turns[e.key] = e, d["turns"]
+            self.episodes[e.key] = e
             if e.done:
                 continue
             e.segment += 1
@@ -207,14 +202,14 @@ class EpisodeStream:
         fresh = Episode(e.prompt_index, e.sample_index, e.record, e.seed, list(e.source_ids), e.owner, kind=e.kind,
                         segment=e.segment)  # fmt: skip
         fresh.stats["restarted_on_resume"] = 1.0
-        self.episodes[e.key], self.turns[e.key] = fresh, 0
+        self.episodes[e.key] = fresh
         self._call(fresh, None, reset_action(fresh))
 
     def _resume_turn(self, e: Episode, turn: dict | None) -> None:
         """The turn in flight at the save, continued: its tokens so far stay, the rest samples with the new seed."""
         e.state = e.saved
         request = Request(e.prompt_index, e.sample_index, e.prompt_ids + e.tokens,
-                          turn_seed(e, max(self.turns[e.key] - 1, 0)), segment=e.segment, kind=e.kind)  # fmt: skip
+                          turn_seed(e, len(e.turn_ends)), segment=e.segment, kind=e.kind)  # fmt: skip
         if turn is not None:
             request.token_ids, request.logprobs = list(turn["token_ids"]), list(turn["logprobs"])
             request.weight_versions = list(turn["weight_versions"])
