@@ -33,10 +33,13 @@ class Case:
     gqa: bool = True
     entropy_coeff: float = 0.0
     compile_elementwise: bool = False
+    qk_norm: bool = False
+    """Qwen3's per-head q/k RMSNorm."""
 
     @property
     def spec(self):
         spec = tiny_spec()
+        spec = replace(spec, family="qwen3", qkv_bias=False, qk_norm=True) if self.qk_norm else spec
         return spec if self.gqa else replace(spec, num_kv_heads=spec.num_heads)
 
 

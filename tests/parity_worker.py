@@ -7,6 +7,8 @@ mean of identical gradients is exactly the single-rank gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -22,7 +24,11 @@ from megarl.parallel.layout import ParallelLayout
 LR = 0.5
 
 
-def tiny_spec(tied: bool = False) -> ModelSpec:
+def tiny_spec(tied: bool = False, qwen3: bool = False) -> ModelSpec:
+    """Llama-style with a QKV bias (Qwen2's layout); ``qwen3``: per-head q/k norms, no bias, head_dim 64 (4 x 64 !=
+    hidden 128)."""
+    if qwen3:
+        return dataclasses.replace(tiny_spec(tied), family="qwen3", qkv_bias=False, qk_norm=True, head_dim=64)
     return ModelSpec(
         family="llama",
         hidden_size=128,
@@ -68,6 +74,8 @@ def _full_shapes(spec: ModelSpec, value_head: bool) -> dict[str, tuple]:
         out[p + "self_attention.linear_qkv.weight"] = (qkv, h)
         if spec.qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        if spec.qk_norm:
+            out[p + "self_attention.q_layernorm.weight"] = out[p + "self_attention.k_layernorm.weight"] = (d,)
         out[p + "self_attention.linear_proj.weight"] = (h, spec.num_heads * d)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
         out[p + "mlp.linear_fc1.weight"] = (2 * f, h)

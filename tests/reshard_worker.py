@@ -53,6 +53,9 @@ def expected_vllm(hf: dict[str, torch.Tensor], spec, r: int, d: int) -> dict[str
         out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"].chunk(d, dim=1)[r]
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + n] = hf[p + n]
+        if spec.qk_norm:  # Qwen3: whole on every rank
+            for n in ("q_norm.weight", "k_norm.weight"):
+                out[a + n] = hf[a + n]
     return out
 
 

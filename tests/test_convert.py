@@ -16,7 +16,8 @@ from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
 from tests.convert_worker import LOAD_LAYOUTS, run_conversions
 
-FAMILIES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "mistral": {}}
+FAMILIES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "mistral": {}, "qwen3": {}}  # qwen3: q/k norms,
+# head_dim 64 with 4 heads of hidden 128
 
 
 @pytest.fixture(scope="module")

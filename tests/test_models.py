@@ -32,6 +32,16 @@ def test_families(model_type, qkv_bias):
     assert tc.kv_channels == 32 and tc.tensor_model_parallel_size == 2 and tc.layernorm_epsilon == 1e-5
 
 
+@pytest.mark.parametrize("head_dim, want", [(64, 64), (None, 128)])  # absent: Qwen3Config's default, 128
+def test_qwen3_has_per_head_q_k_norms_and_its_config_s_head_dim(head_dim, want):
+    hf = {**BASE, "model_type": "qwen3", **({"head_dim": head_dim} if head_dim else {})}
+    spec = spec_from_hf_config(hf)
+    assert spec.family == "qwen3" and spec.qk_norm and not spec.qkv_bias and spec.head_dim == want
+    tc = transformer_config(spec, ParallelLayout(tp=2))
+    assert tc.qk_layernorm and tc.kv_channels == want and not tc.add_qkv_bias
+    assert not transformer_config(spec_from_hf_config({**BASE, "model_type": "llama"}), ParallelLayout()).qk_layernorm
+
+
 def test_rope_parameters_and_llama3_scaling():
     hf = {
         **BASE,
@@ -67,6 +77,8 @@ def test_vocab_padding_is_tp_independent():
         ({"model_type": "qwen2", "head_dim": 64}, "head_dim=64 differs"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen3", "attention_bias": True}, "qwen3: attention_bias=true"),
+        ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers"),
     ],
 )
 def test_unsupported_configs_are_refused(extra, message):

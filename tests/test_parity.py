@@ -18,6 +18,8 @@ WORLD2 = [
     ("pp2", dict(layout=L(pp=2), spec=tiny_spec())),  # 4 micro-batches through the 1F1B schedule
     ("ref_tied", dict(layout=L(dp=2), spec=tiny_spec(tied=True), reference=True)),
     ("pp2_tied", dict(layout=L(pp=2), spec=tiny_spec(tied=True))),
+    ("ref_qwen3", dict(layout=L(dp=2), spec=tiny_spec(qwen3=True), reference=True)),
+    ("tp2_qwen3", dict(layout=L(tp=2), spec=tiny_spec(qwen3=True))),  # q/k norms' gradients summed over TP
 ]
 WORLD4 = [
     ("ref", dict(layout=L(dp=4), spec=tiny_spec(), reference=True)),
@@ -57,7 +59,7 @@ def _assert_matches(case: dict, ref: dict):
 
 
 def _ref_name(case: str) -> str:
-    for suffix in ("tied", "adam", "value"):
+    for suffix in ("tied", "adam", "value", "qwen3"):
         if suffix in case:
             return f"ref_{suffix}"
     return "ref"

@@ -35,6 +35,8 @@ CASES = [
     Case(L(tp=2), 2, 128, dtype=BF16, entropy_coeff=0.01),
     Case(L(dp=2), 4, 256, dtype=BF16, compile_elementwise=True),
     Case(L(dp=2), 2, 128, recompute=True, compile_elementwise=True),
+    Case(L(dp=2), 4, 128, qk_norm=True),  # Qwen3
+    Case(L(tp=2), 2, 256, dtype=BF16, qk_norm=True, gqa=False),
 ]
 TOLERANCE = 0.15
 

@@ -33,7 +33,9 @@ def models(tmp_path_factory):
         tie_word_embeddings=True,
         seed=6,
     )
-    return {"llama": llama, "qwen2": qwen2}
+    qwen3 = make_tiny_hf_model(str(root / "qwen3"), "qwen3", hidden_size=256, num_heads=8, num_kv_heads=2,
+                               ffn_hidden_size=512, seed=7)  # q/k norms, head_dim 64 (8 x 64 != 256)  # fmt: skip
+    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def world2(models):
 
 @pytest.fixture(scope="module")
 def world4(models):
-    cases = {"llama": (models["llama"], WORLD4_LLAMA), "qwen2": (models["qwen2"], WORLD4_QWEN2)}
+    cases = {"llama": (models["llama"], WORLD4_LLAMA), "qwen2": (models["qwen2"], WORLD4_QWEN2)}  # qwen3: world 2
     return run_on_ranks(run_reshard_cases, 4, cases, [1, 2, 4])
 
 
@@ -53,7 +55,7 @@ def _cases(results):
 
 def test_world2_every_destination_tensor_is_bitwise_equal(world2):
     cases = _cases(world2)
-    assert len(cases) == 2 * 2 * 3  # models x layouts x (vLLM TP1, TP2, HF)
+    assert len(cases) == 3 * 2 * 3  # models (llama, qwen2, qwen3) x layouts x (vLLM TP1, TP2, HF)
     for key, r in cases.items():
         assert all(m == ([], []) for m in r["mismatched"]), (key, r["mismatched"])
 

@@ -1,9 +1,11 @@
 """The resharding engine into a real vLLM engine (CPU build), colocated with a real Megatron actor.
 
-Three 2-rank spawns, one engine each:
+Four 2-rank spawns, one engine each:
 - vLLM TP=2 (one engine over both ranks) fed by Megatron PP=2 (Llama);
 - vLLM TP=1 (two engines) fed by Megatron TP=2 (Qwen2: tied embeddings, q/k/v bias);
-- vLLM TP=2 with the CPU build's weight packing off, to read the engine's parameters back (Qwen2).
+- vLLM TP=2 with the CPU build's weight packing off, to read the engine's parameters back (Qwen2);
+- vLLM TP=2 fed by Megatron PP=2, packing off, for Qwen3 (per-head q/k norms, head_dim 64 with 4 heads of
+  hidden 128): log-probs, and the parameters read back.
 After every sync, through each transport, the engine's log-probabilities for a fixed 180-token sequence and for its
 own generated tokens (after a 200-token prompt, so a stale prefix cache would show) equal those of an HF model holding
 the same weights, fp32, to 1e-5.
@@ -35,6 +37,16 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     return _versions(tmp_path_factory.mktemp("vllm-qwen2"), "qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return _versions(tmp_path_factory.mktemp("vllm-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def readable_qwen3(qwen3):
+    return run_on_ranks(run_vllm_sync, 2, qwen3, (1, 2, 1), 2, SEQ, PROMPT, True)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +118,10 @@ def test_vllm_layout_description_matches_the_engine(readable):
     for rank, layout in enumerate(readable["layout"]):
         assert layout["engine"] == layout["described"], rank
         assert layout["unequal"] == [], rank  # the shard-written parameters are bitwise the expected shards
+
+
+def test_vllm_tp2_qwen3_log_probs_and_layout_match_the_engine(readable_qwen3, qwen3):
+    _check_engine(readable_qwen3, qwen3)
+    for rank, layout in enumerate(readable_qwen3["layout"]):
+        assert layout["engine"] == layout["described"], rank
+        assert layout["unequal"] == [], rank

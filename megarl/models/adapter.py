@@ -1,4 +1,4 @@
-"""HF <-> Megatron tensor mapping for the Llama-style families (Llama, Qwen2, Mistral), described once.
+"""HF <-> Megatron tensor mapping for the Llama-style families (Llama, Qwen2, Mistral, Qwen3), described once.
 
 Each Megatron full tensor (TP=1 names, global layer index) is built from one or more HF tensors:
 
@@ -7,6 +7,7 @@ Each Megatron full tensor (TP=1 names, global layer index) is built from one or 
 | embedding.word_embeddings.weight   | model.embed_tokens.weight                | rows padded to the padded vocabulary |
 | input_layernorm.weight             | input_layernorm.weight                   | copy                                 |
 | self_attention.linear_qkv.{w,b}    | self_attn.{q,k,v}_proj.{w,b} (b: Qwen2)  | per query group g: [q_g; k_g; v_g]   |
+| self_attention.{q,k}_layernorm.w   | self_attn.{q,k}_norm.weight (Qwen3)      | copy ([head_dim], per-head RMSNorm)  |
 | self_attention.linear_proj.weight  | self_attn.o_proj.weight                  | copy                                 |
 | pre_mlp_layernorm.weight           | post_attention_layernorm.weight          | copy                                 |
 | mlp.linear_fc1.weight              | mlp.gate_proj.weight, mlp.up_proj.weight | [gate; up]                           |
@@ -89,6 +90,9 @@ def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
             maps.append(
                 TensorMap(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), QKV, i)
             )
+        if spec.qk_norm:
+            maps += [TensorMap(f"{m}self_attention.{p}_layernorm.weight", (f"{attn}{p}_norm.weight",), COPY, i)
+                     for p in "qk"]  # fmt: skip
         maps += [
             TensorMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COPY, i),
             TensorMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), COPY, i),

@@ -75,6 +75,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -102,13 +103,14 @@ def transformer_config(
     )
 
 
-def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = False):
+def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = False, *, qk_layernorm: bool = False):
     """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable.
 
     The local spec's MLP activation is ``megarl.models.swiglu.SwiGLU``; its core attention is ``attention``:
     ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's fused kernels) or ``unfused`` (Megatron's
     ``DotProductAttention``, which materialises the scores). ``compiled``: the activation is ``CompiledSwiGLU``
-    (torch.compile's kernels). TE's spec has its own fused attention and activation."""
+    (torch.compile's kernels). TE's spec has its own fused attention and activation. ``qk_layernorm``: per-head
+    RMSNorm on queries and keys (Qwen3; ``self_attention.{q,k}_layernorm``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megarl.models.attention import ATTENTION, SdpaAttention  # with Megatron's layer specs: when a model is built
@@ -122,8 +124,8 @@ def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = 
                 "transformer_impl=transformer_engine but transformer_engine is not installed "
                 "(GPU only: pip install -e .[gpu]); use model.transformer_impl=local"
             )
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec.submodules.mlp.submodules.activation_func = CompiledSwiGLU if compiled else SwiGLU
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
@@ -164,7 +166,8 @@ def build_model_chunk(
     with megatron_mode():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(transformer_impl, attention, compile_elementwise),
+            transformer_layer_spec=layer_spec(transformer_impl, attention, compile_elementwise,
+                                              qk_layernorm=spec.qk_norm),
             vocab_size=spec.padded_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

@@ -29,10 +29,14 @@ class ModelFamily:
     """Q/K/V projections have a bias (Qwen2)."""
     honours_config_head_dim: bool
     """Whether the family reads ``head_dim`` from the config (vLLM's Qwen2 ignores it: hidden / heads is used)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys after the projection, before RoPE (Qwen3's ``self_attn.{q,k}_norm``)."""
+    default_head_dim: int | None = None
+    """``head_dim`` when the config omits it (Qwen3's config class defaults to 128); None: hidden / heads."""
 
     def head_dim(self, hf: dict) -> int:
         derived = hf["hidden_size"] // hf["num_attention_heads"]
-        given = hf.get("head_dim")
+        given = hf.get("head_dim", self.default_head_dim)
         if given is None or given == derived:
             return derived
         if not self.honours_config_head_dim:
@@ -75,6 +79,8 @@ class ModelFamily:
                 f"{self.name}: sliding_window={window} is not supported; set sliding_window to null "
                 f"(or >= max_position_embeddings) to train with full attention"
             )
+        if "sliding_attention" in (hf.get("layer_types") or ()):
+            raise UnsupportedModelError(f"{self.name}: sliding-window layers (layer_types) are not supported")
         self.rope_scaling_factor(hf)
 
 
@@ -82,6 +88,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", "llama", "LlamaForCausalLM", qkv_bias=False, honours_config_head_dim=True),
     "qwen2": ModelFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, honours_config_head_dim=False),
     "mistral": ModelFamily("mistral", "mistral", "MistralForCausalLM", qkv_bias=False, honours_config_head_dim=True),
+    "qwen3": ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, honours_config_head_dim=True,
+                         qk_norm=True, default_head_dim=128),
 }
 _BY_MODEL_TYPE = {f.hf_model_type: f for f in FAMILIES.values()}
 

@@ -18,10 +18,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama/Qwen2/Mistral style), independent of any parallel layout."""
+    """A decoder-only transformer (Llama/Qwen2/Mistral/Qwen3 style), independent of any parallel layout."""
 
     family: str
-    """Registry name of the model family (``llama``, ``qwen2``, ``mistral``)."""
+    """Registry name of the model family (``llama``, ``qwen2``, ``mistral``, ``qwen3``)."""
     hidden_size: int
     """Model width."""
     num_layers: int
@@ -50,6 +50,8 @@ class ModelSpec:
     """Output layer shares the input embedding."""
     qkv_bias: bool
     """Q/K/V projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm ([head_dim] weights) on queries and keys before RoPE (Qwen3)."""
     score_head: bool = False
     """A reward model (HF ``*ForSequenceClassification``, one label): the output layer is a scalar head without bias
     holding HF's ``score.weight``, not the language-model head."""
@@ -101,6 +103,7 @@ def spec_from_hf_config(hf: dict, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MU
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) and not _score_head(hf),  # no LM head to tie
         qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
         score_head=_score_head(hf),
     )
 

@@ -9,7 +9,7 @@ Full tensors are named as in a TP=1, PP=1 GPTModel with *global* layer indices
 | linear_qkv (weight, bias)                | dim 0; rows are grouped per query group, so ranks get whole groups |
 | linear_fc1 (SwiGLU [gate; up])           | rank r holds cat(gate.chunk(tp)[r], up.chunk(tp)[r])       |
 | linear_proj, linear_fc2                  | dim 1                                                      |
-| norms, value head                        | replicated                                                 |
+| norms (q/k_layernorm too), value head   | replicated                                                 |
 
 PP: layers are split evenly and renumbered from 0 on each stage; the embedding lives on the first stage, the final
 norm and output layer on the last. With tied embeddings and PP > 1 the last stage holds a copy of the embedding as

@@ -24,6 +24,8 @@ attention: unfused    q rotated and K/V repeated to the query heads (GQA;  ``b (
                       without GQA: q, k and v's view as sdpa), the         ``b ((a + g) d + (a + 2g) d + a d)``,
                       context (linear_proj's input), softmax probabilities ``+ 4 a s`` ``(+ b a s`` if ``b < 4)``
                       in fp32 and, below fp32, their cast for the matmul
+q/k norms (Qwen3)     1/rms per head in fp32; under GQA q's input (its      ``4 (a + g)`` (``+ b a d`` if GQA)
+                      reshape copies a strided view), k's is a view
 MLP (SwiGLU)          local spec: fc1's input and output (all              ``b (h + 2f + f)``
                       ``megarl.models.swiglu`` keeps), fc2's input
                       TE spec (Megatron's GLU): also silu(gate) and        ``b (h + 2f + f + f + f)``
@@ -118,6 +120,8 @@ class Model:
             kept = 3 * a * d if g < a else q_k + qkv
             probs = FP32 * a * mb.length + (b * a * mb.length if b < FP32 else 0)
             total += T * (b * (kept + out) + probs) + mb.length * mb.length  # + the causal mask
+        if s.qk_norm:  # Qwen3's per-head norms: 1/rms per head in fp32; under GQA q's input is a copy (a reshape of a
+            total += T * (FP32 * (a + g) + (b * a * d if g < a else 0))  # strided view), k's a view of the QKV output
         total += T * b * (h + 3 * f)  # fc1 in, fc1 out (2f: all megarl's SwiGLU keeps), fc2 in
         total += T * b * 2 * f if self.kernels.megatron_glu else 0  # silu(gate), up + 0
         return total

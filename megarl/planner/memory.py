@@ -45,6 +45,8 @@ _LAYER_ORDER = (
     "self_attention.linear_proj.weight",
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight",
+    "self_attention.k_layernorm.weight",
     "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight",

@@ -8,7 +8,7 @@ Sides described here:
 - ``megatron_layout``: Megatron local-spec shards (megarl.parallel.megatron_shards rules) on TP x PP x DP ranks.
 - ``vllm_layout``: vLLM's per-rank shards at TP=d (qkv_proj = [q_r; k_r; v_r] with KV heads replicated when
   d > KV heads, gate_up_proj = [gate_r; up_r], o_proj/down_proj split on the input dim, vocabulary padded to 64
-  then split, lm_head tied to embed_tokens when the model ties them).
+  then split, lm_head tied to embed_tokens when the model ties them, Qwen3's per-head q/k norms whole on every rank).
 - ``hf_layout``: full HF tensors (TP=1) on the given ranks.
 Expert and context parallelism would add more split rules to the same Block description; they are not built yet.
 """
@@ -124,6 +124,8 @@ def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.v_proj.bias": (spec.num_kv_heads * d,),
                 }
             )
+        if spec.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return shapes
 
 
@@ -240,6 +242,9 @@ def _vllm_rank_shards(spec: ModelSpec, r: int, d: int) -> list[Shard]:
         )
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out.append(_ShardBuilder(p + norm, None).add(p + norm, (0, h)).build())
+        if spec.qk_norm:  # per-head norms: whole on every rank (vLLM's Qwen3 RMSNorm(head_dim))
+            for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                out.append(_ShardBuilder(p + norm, None).add(p + norm, (0, hd)).build())
     out.append(_ShardBuilder("model.norm.weight", None).add("model.norm.weight", (0, h)).build())
     if not spec.tie_word_embeddings:  # a tied lm_head is the embed_tokens parameter itself in vLLM
         out.append(vocab("lm_head.weight", "lm_head.weight"))
