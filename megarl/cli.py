@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")
     tiny.add_argument("--out", required=True, help="output directory")
-    tiny.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral", "qwen3"])
+    from megarl.models.family import FAMILIES  # no torch: the registry's names, declared once
+
+    tiny.add_argument("--family", default="llama", choices=list(FAMILIES))
     tiny.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--init-std", type=float, default=0.02, help="std of the random weights (norms around 1)")

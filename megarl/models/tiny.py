@@ -12,8 +12,6 @@ _HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral":
                       "qwen3": "Qwen3Config"}  # fmt: skip
 _HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                      "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
-TINY_FAMILIES = tuple(_HF_CONFIG_CLASSES)
-"""The families ``megarl tiny-model --family`` builds."""
 _TINY_HEAD_DIM = {"qwen3": 64}
 """Families whose tiny model has heads x head_dim != hidden (Qwen3's real models do); the others hidden / heads."""
 _HF_CLASSIFIER_CLASSES = {f: c.replace("CausalLM", "SequenceClassification") for f, c in _HF_MODEL_CLASSES.items()}
@@ -76,12 +74,11 @@ def make_tiny_hf_model(
     init_std: float = 0.02,
     num_labels: int | None = None,
     pad_token_id: int = 0,
-    head_dim: int | None = None,
 ) -> str:
     """Write a random HF model (config.json, safetensors) and the byte tokenizer to ``out_dir``; returns it.
     ``num_labels``: a ``*ForSequenceClassification`` model (a reward model with 1) instead of a causal LM;
-    ``pad_token_id``: the config's pad token (2, the EOS, for "pad = eos"); ``head_dim``: default hidden / heads
-    (Qwen3: 64, so heads x head_dim != hidden).
+    ``pad_token_id``: the config's pad token (2, the EOS, for "pad = eos"). head_dim is hidden / heads (Qwen3:
+    64, so heads x head_dim != hidden).
 
     Every parameter (norms and biases included) is drawn from N(0, init_std), norms around 1, so a layout
     mistake in any tensor changes the logits.
@@ -100,7 +97,7 @@ def make_tiny_hf_model(
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
-        head_dim=head_dim or _TINY_HEAD_DIM.get(family, hidden_size // num_heads),
+        head_dim=_TINY_HEAD_DIM.get(family, hidden_size // num_heads),
         pad_token_id=pad_token_id,
         bos_token_id=1,
         eos_token_id=2,
