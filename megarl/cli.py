@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+from megarl.models.family import FAMILIES  # no torch: the registry's names, declared once
+
 
 def _cmd_train(args) -> int:
     stop = None
@@ -100,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random HF model + byte tokenizer (no downloads)")
     tiny.add_argument("--out", required=True, help="output directory")
-    from megarl.models.family import FAMILIES  # no torch: the registry's names, declared once
-
     tiny.add_argument("--family", default="llama", choices=list(FAMILIES))
     tiny.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     tiny.add_argument("--seed", type=int, default=0)

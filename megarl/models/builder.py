@@ -62,20 +62,8 @@ def transformer_config(
 
     params_dtype = DTYPES[dtype]
     return TransformerConfig(
+        **_architecture(spec),
         cuda_graph_scope=[],  # the whole layer; megatron-core 0.16.1's default "full" warns that it is deprecated
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -100,6 +88,25 @@ def transformer_config(
         transformer_impl=transformer_impl,
         perform_initialization=init_weights,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
+    )
+
+
+def _architecture(spec: ModelSpec) -> dict:
+    """The TransformerConfig fields that describe the model itself (what the HF config says), not how it runs."""
+    return dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
     )
 
 
