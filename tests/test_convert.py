@@ -14,16 +14,20 @@ from megarl.convert.hf_io import HFWeights
 from megarl.convert.hf_to_megatron import check_hf_source
 from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.spawn import run_on_ranks
-from tests.convert_worker import LOAD_LAYOUTS, run_conversions
+from tests.convert_worker import LOAD_LAYOUTS, MOE_LAYOUTS, family_of, run_conversions
 
-FAMILIES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "mistral": {}, "qwen3": {}}  # qwen3: q/k norms,
-# head_dim 64 with 4 heads of hidden 128
+FAMILIES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "mistral": {}, "qwen3": {},
+            "qwen3_tied": {"tie_word_embeddings": True}, "qwen3_moe": {},
+            "qwen3_moe_unnorm": {"moe": {"norm_topk_prob": False}}, "qwen3_moe_mixed": {"moe": {"mlp_only_layers": [1]}}}  # fmt: skip
+"""Models by name (the family is the name up to a known suffix): qwen3 with q/k norms and head_dim 64 with 4 heads of
+hidden 128, tied and untied; qwen3_moe with 8 experts, top-2, probabilities renormalised or not, and a mixed model
+whose layer 1 is dense. MoE models load at TP=1 only (``MOE_LAYOUTS``)."""
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
-    hf_dirs = {f: make_tiny_hf_model(str(root / f"{f}-src"), f, seed=3, **kw) for f, kw in FAMILIES.items()}
+    hf_dirs = {f: make_tiny_hf_model(str(root / f"{f}-src"), family_of(f), seed=3, **kw) for f, kw in FAMILIES.items()}
     corrupted = str(root / "llama-corrupted-src")
     shutil.copytree(hf_dirs["llama"], corrupted)
     weights = load_file(os.path.join(corrupted, "model.safetensors"))
@@ -34,8 +38,10 @@ def work(tmp_path_factory):
     return {"root": str(root), "hf_dirs": hf_dirs, "results": results}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("layout", sorted(LOAD_LAYOUTS))
+@pytest.mark.parametrize(
+    "family,layout",
+    [(f, lay) for f in sorted(FAMILIES) for lay in sorted(MOE_LAYOUTS if "moe" in f else LOAD_LAYOUTS)],
+)
 def test_logits_match_hf(work, family, layout):
     r = work["results"][family, layout]
     assert r["passed"] and r["max_abs_diff"] <= 1e-5, r
@@ -70,6 +76,12 @@ def test_written_at_tp2_loads_at_tp1_and_pp2(work):
     res = work["results"]
     assert res["tp2_written", "tp1pp1"]["passed"] and res["tp2_written", "tp1pp2"]["passed"]
     assert res["tp2_written_state_equal"]
+
+
+def test_an_moe_model_written_at_pp2_loads_at_pp1_and_is_refused_at_tp2(work):
+    res = work["results"]
+    assert res["moe_pp2_written", "tp1pp1"]["passed"] and res["moe_pp2_written_state_equal"]
+    assert "an MoE model trains at tp=1" in res["moe_tp2_refused"], res["moe_tp2_refused"]
 
 
 def test_swapped_gate_up_fails_verification(work):

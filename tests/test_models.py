@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megarl.models import UnsupportedModelError, read_hf_config, spec_from_hf_config
+from megarl.models.family import MOE_TP_REFUSAL
 from megarl.models.builder import layer_spec, transformer_config, transformer_engine_available
 from megarl.parallel.layout import ParallelLayout
 
@@ -40,6 +41,36 @@ def test_qwen3_has_per_head_q_k_norms_and_its_config_s_head_dim(head_dim, want):
     tc = transformer_config(spec, ParallelLayout(tp=2))
     assert tc.qk_layernorm and tc.kv_channels == want and not tc.add_qkv_bias
     assert not transformer_config(spec_from_hf_config({**BASE, "model_type": "llama"}), ParallelLayout()).qk_layernorm
+
+
+MOE = {**BASE, "model_type": "qwen3_moe", "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 64, "norm_topk_prob": True}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra,layers",
+    [({}, (1, 1, 1, 1)), ({"mlp_only_layers": [1]}, (1, 0, 1, 1)),
+     ({"decoder_sparse_step": 2}, (0, 1, 0, 1)), ({"num_experts": None, "num_local_experts": 8}, (1, 1, 1, 1))],
+)  # fmt: skip
+def test_qwen3_moe_layers_follow_hf_and_map_to_megatron_s_router(extra, layers):
+    hf = {**MOE, "num_hidden_layers": 4, **extra}
+    spec = spec_from_hf_config({k: v for k, v in hf.items() if v is not None})
+    assert spec.moe_layers == layers and spec.num_experts == 8 and spec.moe_top_k == 2 and spec.qk_norm
+    tc = transformer_config(spec, ParallelLayout())
+    assert tc.moe_layer_freq == list(layers) and tc.num_moe_experts == 8 and tc.moe_ffn_hidden_size == 64
+    assert tc.moe_router_pre_softmax is False and tc.moe_router_dtype == "fp32" and tc.moe_aux_loss_coeff == 0
+    unnorm = spec_from_hf_config({**MOE, "norm_topk_prob": False})
+    assert transformer_config(unnorm, ParallelLayout()).moe_router_pre_softmax is True
+
+
+def test_an_moe_model_at_tp2_is_refused_in_one_line():
+    from megarl.config.validate import layout_errors
+    from megarl.models.builder import build_model_chunk
+
+    spec = spec_from_hf_config(MOE)
+    assert layout_errors(spec, 2, 1) == [f"actor.parallel.tp=2: {MOE_TP_REFUSAL}"] and layout_errors(spec, 1, 2) == []
+    with pytest.raises(UnsupportedModelError, match="qwen3_moe at tp=2: an MoE model trains at tp=1"):
+        build_model_chunk(spec, ParallelLayout(tp=2))
 
 
 def test_rope_parameters_and_llama3_scaling():
@@ -79,6 +110,9 @@ def test_vocab_padding_is_tp_independent():
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
         ({"model_type": "qwen3", "attention_bias": True}, "qwen3: attention_bias=true"),
         ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers"),
+        ({**MOE, "shared_expert_intermediate_size": 64}, "qwen3_moe: shared experts are not supported"),
+        ({**MOE, "hidden_act": "gelu"}, "qwen3_moe: hidden_act='gelu' is not supported"),
+        ({**MOE, "sliding_window": 64, "use_sliding_window": True}, "qwen3_moe: sliding_window=64"),
     ],
 )
 def test_unsupported_configs_are_refused(extra, message):

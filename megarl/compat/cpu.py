@@ -10,6 +10,8 @@ Process-wide (module attributes, so they hold in every thread):
   * ``torch.cuda.{get,set}_rng_state``, ``manual_seed``, ``manual_seed_all`` (and ``torch.cuda.random.*``) -> the CPU
     default generator. ``manual_seed`` must call ``torch.default_generator.manual_seed``; ``torch.manual_seed`` would
     call back into ``torch.cuda.manual_seed_all`` and recurse.
+  * ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> a host stream whose events are complete: the MoE
+    all-to-all dispatcher builds a side stream and records an event on it every forward (token_dispatcher.py).
   * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below (autograd
     runs backward functions outside any mode entered around ``backward()``).
   * ``fused_softmax.get_{default,sliding_window}_causal_mask`` (the unfused attention's, ``device="cuda"``) run in
@@ -81,6 +83,41 @@ def install_if_needed() -> bool:
     return is_installed()
 
 
+class _HostEvent:
+    """A CUDA event on the CPU: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream on the CPU: work is done when it is issued."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _cpu_get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -113,6 +150,12 @@ def install() -> None:
     cuda.random.set_rng_state = cuda.set_rng_state
     cuda.random.manual_seed = _cpu_manual_seed
     cuda.random.manual_seed_all = _cpu_manual_seed
+    # the MoE all-to-all dispatcher moves its split sizes to the host on a side stream (token_dispatcher.py:
+    # ``torch.cuda.Stream()`` at construction, ``current_stream``/``stream``/``record_event`` every forward): on the
+    # CPU there is one stream and nothing to wait for
+    cuda.Stream = _HostStream
+    cuda.current_stream = lambda device=None: _HOST_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     from megatron.core.tensor_parallel import random as mc_random
 

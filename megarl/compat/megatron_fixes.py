@@ -6,6 +6,9 @@
   loaded). Without the attribute, ``param_is_not_tensor_parallel_duplicate`` treats every TP rank > 0's shard as a
   replica, so the optimizer's gradient norm (and clipping by it) counts only TP rank 0's shards. Seen as a TP=2
   ``actor/grad_norm`` 26% below the single-rank value (tests/test_rl_update.py).
+- ``router_without_transformer_engine`` (megatron-core 0.16.x): without Transformer Engine, ``moe_utils`` never
+  defines ``te_general_gemm`` (its import sits in a ``try``), yet ``RouterGatingLinearFunction.forward`` tests it
+  for None: every MoE router forward raises ``NameError``. Defined as None, the router takes its torch path.
 - ``prime_optimizer_state`` / ``unshare_optimizer_steps`` (and a patched ``_set_main_param_and_optimizer_states``):
   the distributed optimizer's checkpoint load with torch's Adam (no TE/Apex) in 0.16.x; see below.
 """
@@ -44,6 +47,16 @@ def restore_tp_attributes(model) -> int:
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=getattr(module, "stride", 1))
         fixed += 1
     return fixed
+
+
+def router_without_transformer_engine() -> None:
+    """Define megatron-core's missing ``moe_utils.te_general_gemm`` as None when Transformer Engine is absent."""
+    if not _applies():
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # --- Distributed optimizer checkpoints with torch.optim.Adam (no TE / Apex), megatron-core 0.16.x -------------------

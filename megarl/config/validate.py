@@ -9,7 +9,7 @@ from megarl.config import device_defaults
 from megarl.config.loader import ConfigError
 from megarl.config.recipe import needs_critic, needs_reference, reward_model_spec
 from megarl.config.schema import REWARD_WAIT_MARGIN_S, ROLES, MegarlConfig
-from megarl.models.family import UnsupportedModelError
+from megarl.models.family import MOE_TP_REFUSAL, UnsupportedModelError
 from megarl.models.source import model_source
 from megarl.models.spec import DTYPE_BYTES, ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout, Pool, parse_ranks
@@ -152,6 +152,8 @@ def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parall
             fits = divisors(math.gcd(*(count for count, _ in sizes[name])))
             errors.append(f"{option.format(name)}={degree} does not divide the model's {', '.join(missed)}; use a "
                           f"{name} in {fits}")  # fmt: skip
+    if spec.is_moe and tp > 1:
+        errors.append(f"{option.format('tp')}={tp}: {MOE_TP_REFUSAL}")
     return errors
 
 

@@ -1,4 +1,5 @@
-"""HF <-> Megatron tensor mapping for the Llama-style families (Llama, Qwen2, Mistral, Qwen3), described once.
+"""HF <-> Megatron tensor mapping for the Llama-style families (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE), described
+once.
 
 Each Megatron full tensor (TP=1 names, global layer index) is built from one or more HF tensors:
 
@@ -12,6 +13,8 @@ Each Megatron full tensor (TP=1 names, global layer index) is built from one or 
 | pre_mlp_layernorm.weight           | post_attention_layernorm.weight          | copy                                 |
 | mlp.linear_fc1.weight              | mlp.gate_proj.weight, mlp.up_proj.weight | [gate; up]                           |
 | mlp.linear_fc2.weight              | mlp.down_proj.weight                     | copy                                 |
+| mlp.router.weight (MoE layer)      | mlp.gate.weight [experts, hidden]        | copy                                 |
+| mlp.experts.local_experts.j.fc1/2  | mlp.experts.j.{gate,up,down}_proj.weight | as linear_fc1 / linear_fc2           |
 | decoder.final_layernorm.weight     | model.norm.weight                        | copy                                 |
 | output_layer.weight (untied only)  | lm_head.weight                           | rows padded                          |
 
@@ -96,14 +99,30 @@ def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
         maps += [
             TensorMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COPY, i),
             TensorMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), COPY, i),
-            TensorMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), GATE_UP, i),
-            TensorMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COPY, i),
         ]
+        maps += _experts(m, h, i, spec) if spec.moe_layers and spec.moe_layers[i] else _swiglu(m + "mlp.", h + "mlp.", i)
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if spec.score_head:  # a reward model: HF's [1, hidden] score head
         maps.append(TensorMap("output_layer.weight", ("score.weight",), COPY))
     elif not spec.tie_word_embeddings:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB))
+    return maps
+
+
+def _swiglu(m: str, h: str, i: int) -> list[TensorMap]:
+    """One SwiGLU MLP: Megatron ``{m}linear_fc{1,2}`` from HF ``{h}{gate,up,down}_proj``."""
+    return [
+        TensorMap(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), GATE_UP, i),
+        TensorMap(m + "linear_fc2.weight", (h + "down_proj.weight",), COPY, i),
+    ]
+
+
+def _experts(m: str, h: str, i: int, spec: ModelSpec) -> list[TensorMap]:
+    """A routed-expert MLP (hub layout, which ``save_pretrained`` writes): the router ``mlp.gate`` [E, hidden] and
+    each expert j's SwiGLU, ``mlp.experts.j`` <-> ``mlp.experts.local_experts.j``."""
+    maps = [TensorMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), COPY, i)]
+    for j in range(spec.num_experts):
+        maps += _swiglu(f"{m}mlp.experts.local_experts.{j}.", f"{h}mlp.experts.{j}.", i)
     return maps
 
 

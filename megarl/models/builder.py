@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.compiled import check_compile_elementwise
 from megarl.compat.cpu import megatron_mode
-from megarl.compat.megatron_fixes import restore_tp_attributes
+from megarl.compat.megatron_fixes import restore_tp_attributes, router_without_transformer_engine
 from megarl.compat.megatron_speed import (
     batch_major_logits,
     compiled_rope_as_megatrons_fusion,
@@ -28,6 +28,7 @@ from megarl.compat.megatron_speed import (
     rms_norm_on_cpu,
     rope_in_four_ops,
 )
+from megarl.models.family import MOE_TP_REFUSAL, UnsupportedModelError
 from megarl.models.spec import DTYPE_BYTES, ModelSpec
 from megarl.models.swiglu import CompiledSwiGLU, SwiGLU
 from megarl.models.value_head import ValueHead
@@ -81,7 +82,7 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         # micro-batches are padded to their own longest sequence: stages exchange each activation's shape first
         variable_seq_lengths=layout.pp > 1,
-        moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
+        moe_token_dispatcher_type="alltoall",  # the default (allgather) refuses variable lengths (PP > 1)
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=cpu_init,
@@ -107,17 +108,64 @@ def _architecture(spec: ModelSpec) -> dict:
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
+        **_experts(spec),
     )
 
 
-def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = False, *, qk_layernorm: bool = False):
+def _experts(spec: ModelSpec) -> dict:
+    """The MoE fields of TransformerConfig (none for a dense model). The router runs in fp32 whatever the dtype;
+    HF's ``norm_topk_prob`` (renormalise the top-k probabilities) is a softmax over the top-k logits, Megatron's
+    ``moe_router_pre_softmax=False`` (moe_utils.py); Megatron's own load-balancing loss stays off: megarl's
+    ``megarl.models.moe`` computes it at any coefficient (to log it) and attaches it."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_top_k,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_layer_freq=list(spec.moe_layers),  # a list: an integer N means "every layer i with i % N == 0"
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_aux_loss_coeff=0.0,
+    )
+
+
+def block_spec(config, spec: ModelSpec, transformer_impl: str, attention: str = "sdpa", compiled: bool = False):
+    """The decoder's spec: one layer spec for a dense model; for an MoE model this stage's layers, each dense or
+    routed-expert as ``spec.moe_layers`` says (Megatron's ``get_gpt_decoder_block_spec`` with the local spec's
+    modules of ``layer_spec``)."""
+    dense = layer_spec(transformer_impl, attention, compiled, qk_layernorm=spec.qk_norm)
+    if not spec.is_moe:
+        return dense
+    from megatron.core.transformer import transformer_block as block
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    moe = layer_spec(transformer_impl, attention, compiled, qk_layernorm=spec.qk_norm, num_experts=spec.num_experts)
+    layers = [moe if sparse else dense for sparse in spec.moe_layers]
+    offset = get_transformer_layer_offset(config)
+    return block.TransformerBlockSubmodules(  # the final norm a dense model's block gets (transformer_block.py)
+        layer_specs=layers[offset : offset + block.get_num_layers_to_build(config)], layer_norm=block.LayerNormImpl
+    )
+
+
+def layer_spec(
+    transformer_impl: str,
+    attention: str = "sdpa",
+    compiled: bool = False,
+    *,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+):
     """Megatron layer spec: the local (torch) spec, or Transformer Engine's when requested and importable.
 
     The local spec's MLP activation is ``megarl.models.swiglu.SwiGLU``; its core attention is ``attention``:
     ``sdpa`` (``megarl.models.attention.SdpaAttention``, torch's fused kernels) or ``unfused`` (Megatron's
     ``DotProductAttention``, which materialises the scores). ``compiled``: the activation is ``CompiledSwiGLU``
     (torch.compile's kernels). TE's spec has its own fused attention and activation. ``qk_layernorm``: per-head
-    RMSNorm on queries and keys (Qwen3; ``self_attention.{q,k}_layernorm``)."""
+    RMSNorm on queries and keys (Qwen3; ``self_attention.{q,k}_layernorm``). ``num_experts``: a routed-expert MLP
+    (``mlp.router``, ``mlp.experts.local_experts.{j}``, Megatron's ``SequentialMLP``) whose experts are SwiGLU too
+    (the local MoE spec leaves their activation unset, so ``activation_func`` would apply to [gate; up])."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megarl.models.attention import ATTENTION, SdpaAttention  # with Megatron's layer specs: when a model is built
@@ -131,9 +179,14 @@ def layer_spec(transformer_impl: str, attention: str = "sdpa", compiled: bool = 
                 "transformer_impl=transformer_engine but transformer_engine is not installed "
                 "(GPU only: pip install -e .[gpu]); use model.transformer_impl=local"
             )
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    spec.submodules.mlp.submodules.activation_func = CompiledSwiGLU if compiled else SwiGLU
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
+    mlp = spec.submodules.mlp.submodules
+    (mlp.experts.submodules if num_experts else mlp).activation_func = CompiledSwiGLU if compiled else SwiGLU
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
@@ -160,6 +213,8 @@ def build_model_chunk(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if spec.is_moe and layout.tp > 1:
+        raise UnsupportedModelError(f"{spec.family} at tp={layout.tp}: {MOE_TP_REFUSAL}")
     device = torch.device(device) if device is not None else rank_device()
     if compile_elementwise:
         check_compile_elementwise(device.type, transformer_impl)
@@ -168,13 +223,13 @@ def build_model_chunk(
         cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,
     )  # fmt: skip
     rope_in_four_ops()
+    router_without_transformer_engine()
     no_tp_mappings_on_one_rank()
     linear_without_communication()
     with megatron_mode():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(transformer_impl, attention, compile_elementwise,
-                                              qk_layernorm=spec.qk_norm),
+            transformer_layer_spec=block_spec(config, spec, transformer_impl, attention, compile_elementwise),
             vocab_size=spec.padded_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

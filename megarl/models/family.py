@@ -11,6 +11,10 @@ from dataclasses import dataclass
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+MOE_TP_REFUSAL = ("an MoE model trains at tp=1 (megatron-core's MoE layers need sequence parallelism at TP > 1, "
+                  "which megarl lacks); use tp=1 and scale with dp or pp")
+
+
 class UnsupportedModelError(ValueError):
     """The HF config describes an architecture or option megarl cannot represent exactly."""
 
@@ -33,6 +37,19 @@ class ModelFamily:
     """Per-head RMSNorm on queries and keys after the projection, before RoPE (Qwen3's ``self_attn.{q,k}_norm``)."""
     default_head_dim: int | None = None
     """``head_dim`` when the config omits it (Qwen3's config class defaults to 128); None: hidden / heads."""
+    moe: bool = False
+    """Routed-expert MLPs (Qwen3-MoE): a softmax top-k router (``mlp.gate``) over ``num_experts`` SwiGLU experts of
+    ``moe_intermediate_size``, no shared expert; layers listed in ``mlp_only_layers`` (or off the
+    ``decoder_sparse_step``) keep a dense MLP of ``intermediate_size``."""
+
+    def moe_layers(self, hf: dict) -> tuple[int, ...]:
+        """Per layer 1 where HF builds a routed-expert MLP, 0 for a dense one (``modeling_qwen3_moe.py``: layer i
+        is sparse iff i is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0); () when the
+        family has no experts."""
+        if not self.moe:
+            return ()
+        dense, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step", 1)
+        return tuple(int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"]))
 
     def head_dim(self, hf: dict) -> int:
         derived = hf["hidden_size"] // hf["num_attention_heads"]
@@ -79,6 +96,9 @@ class ModelFamily:
                 f"{self.name}: sliding_window={window} is not supported; set sliding_window to null "
                 f"(or >= max_position_embeddings) to train with full attention"
             )
+        shared = hf.get("shared_expert_intermediate_size") or hf.get("n_shared_experts") or 0
+        if self.moe and shared:
+            raise UnsupportedModelError(f"{self.name}: shared experts are not supported (shared_expert_* is set)")
         if "sliding_attention" in (hf.get("layer_types") or ()):
             raise UnsupportedModelError(f"{self.name}: sliding-window layers (layer_types) are not supported")
         self.rope_scaling_factor(hf)
@@ -90,6 +110,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "mistral": ModelFamily("mistral", "mistral", "MistralForCausalLM", qkv_bias=False, honours_config_head_dim=True),
     "qwen3": ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, honours_config_head_dim=True,
                          qk_norm=True, default_head_dim=128),
+    "qwen3_moe": ModelFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False,
+                             honours_config_head_dim=True, qk_norm=True, default_head_dim=128, moe=True),
 }
 _BY_MODEL_TYPE = {f.hf_model_type: f for f in FAMILIES.values()}
 

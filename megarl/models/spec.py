@@ -18,10 +18,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama/Qwen2/Mistral/Qwen3 style), independent of any parallel layout."""
+    """A decoder-only transformer (Llama/Qwen2/Mistral/Qwen3/Qwen3-MoE style), independent of any parallel layout."""
 
     family: str
-    """Registry name of the model family (``llama``, ``qwen2``, ``mistral``, ``qwen3``)."""
+    """Registry name of the model family (``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``qwen3_moe``)."""
     hidden_size: int
     """Model width."""
     num_layers: int
@@ -52,6 +52,17 @@ class ModelSpec:
     """Q/K/V projections carry a bias (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm ([head_dim] weights) on queries and keys before RoPE (Qwen3)."""
+    moe_layers: tuple[int, ...] = ()
+    """Per layer 1 for a routed-expert MLP, 0 for a dense one; () for a dense model (Qwen3-MoE:
+    ``ModelFamily.moe_layers``)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF ``num_experts``, ``num_local_experts`` in memory)."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """One expert's SwiGLU intermediate size (HF ``moe_intermediate_size``)."""
+    moe_norm_topk_prob: bool = False
+    """The top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
     score_head: bool = False
     """A reward model (HF ``*ForSequenceClassification``, one label): the output layer is a scalar head without bias
     holding HF's ``score.weight``, not the language-model head."""
@@ -59,6 +70,10 @@ class ModelSpec:
     @property
     def kv_channels(self) -> int:
         return self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +120,21 @@ def spec_from_hf_config(hf: dict, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MU
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
         score_head=_score_head(hf),
+        **_experts(family, hf),
+    )
+
+
+def _experts(family: ModelFamily, hf: dict) -> dict:
+    """The ModelSpec's expert fields of ``hf`` (none for a dense family)."""
+    layers = family.moe_layers(hf)
+    if not any(layers):
+        return {}
+    return dict(
+        moe_layers=layers,
+        num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # hub configs / transformers' attribute
+        moe_top_k=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
 
 

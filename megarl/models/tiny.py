@@ -9,10 +9,10 @@ import torch
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 _HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                      "qwen3": "Qwen3Config"}  # fmt: skip
+                      "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}  # fmt: skip
 _HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
-_TINY_HEAD_DIM = {"qwen3": 64}
+                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+_TINY_HEAD_DIM = {"qwen3": 64, "qwen3_moe": 64}
 """Families whose tiny model has heads x head_dim != hidden (Qwen3's real models do); the others hidden / heads."""
 _HF_CLASSIFIER_CLASSES = {f: c.replace("CausalLM", "SequenceClassification") for f, c in _HF_MODEL_CLASSES.items()}
 
@@ -57,6 +57,11 @@ def _randomize(model, seed: int, init_std: float) -> None:
             p.copy_(1.0 + noise if "norm" in name else noise)
 
 
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                mlp_only_layers=[], decoder_sparse_step=1)  # fmt: skip
+"""The tiny Qwen3-MoE's experts: 8 of SwiGLU width 64, top-2, probabilities renormalised, every layer sparse."""
+
+
 def make_tiny_hf_model(
     out_dir: str,
     family: str = "llama",
@@ -74,11 +79,12 @@ def make_tiny_hf_model(
     init_std: float = 0.02,
     num_labels: int | None = None,
     pad_token_id: int = 0,
+    moe: dict | None = None,
 ) -> str:
     """Write a random HF model (config.json, safetensors) and the byte tokenizer to ``out_dir``; returns it.
     ``num_labels``: a ``*ForSequenceClassification`` model (a reward model with 1) instead of a causal LM;
     ``pad_token_id``: the config's pad token (2, the EOS, for "pad = eos"). head_dim is hidden / heads (Qwen3:
-    64, so heads x head_dim != hidden).
+    64, so heads x head_dim != hidden). ``moe``: HF config fields over ``TINY_MOE`` for a ``qwen3_moe`` model.
 
     Every parameter (norms and biases included) is drawn from N(0, init_std), norms around 1, so a layout
     mistake in any tensor changes the logits.
@@ -102,6 +108,7 @@ def make_tiny_hf_model(
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="float32",
+        **({**TINY_MOE, **(moe or {})} if family == "qwen3_moe" else {}),
     )
     if family == "mistral":
         config.sliding_window = None

@@ -7,9 +7,10 @@ Full tensors are named as in a TP=1, PP=1 GPTModel with *global* layer indices
 |------------------------------------------|------------------------------------------------------------|
 | embedding.word_embeddings / output_layer | rows (dim 0) of the padded vocabulary                      |
 | linear_qkv (weight, bias)                | dim 0; rows are grouped per query group, so ranks get whole groups |
-| linear_fc1 (SwiGLU [gate; up])           | rank r holds cat(gate.chunk(tp)[r], up.chunk(tp)[r])       |
+| linear_fc1 (SwiGLU [gate; up]), experts' | rank r holds cat(gate.chunk(tp)[r], up.chunk(tp)[r])       |
 | linear_proj, linear_fc2                  | dim 1                                                      |
-| norms (q/k_layernorm too), value head   | replicated                                                 |
+| norms (q/k_layernorm too), value head,   | replicated                                                 |
+| MoE router                               |                                                            |
 
 PP: layers are split evenly and renumbered from 0 on each stage; the embedding lives on the first stage, the final
 norm and output layer on the last. With tied embeddings and PP > 1 the last stage holds a copy of the embedding as
@@ -64,7 +65,7 @@ def tp_split(name: str, value_head: bool = False) -> str:
         return ROWS
     if ".linear_qkv." in name and not name.endswith("layer_norm_weight"):
         return ROWS
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # the dense MLP's and each expert's
         return GATE_UP
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return COLS
