@@ -24,9 +24,12 @@ from megarl.parallel.layout import ParallelLayout
 LR = 0.5
 
 
-def tiny_spec(tied: bool = False, qwen3: bool = False) -> ModelSpec:
+def tiny_spec(tied: bool = False, qwen3: bool = False, moe: bool = False) -> ModelSpec:
     """Llama-style with a QKV bias (Qwen2's layout); ``qwen3``: per-head q/k norms, no bias, head_dim 64 (4 x 64 !=
-    hidden 128)."""
+    hidden 128); ``moe``: Qwen3-MoE, both layers routed over 4 SwiGLU experts of width 64, top-2, renormalised."""
+    if moe:
+        return dataclasses.replace(tiny_spec(tied, qwen3=True), family="qwen3_moe", moe_layers=(1, 1), num_experts=4,
+                                   moe_top_k=2, moe_ffn_hidden_size=64, moe_norm_topk_prob=True)  # fmt: skip
     if qwen3:
         return dataclasses.replace(tiny_spec(tied), family="qwen3", qkv_bias=False, qk_norm=True, head_dim=64)
     return ModelSpec(
@@ -65,11 +68,11 @@ def _full_weights(spec: ModelSpec, value_head: bool) -> dict[str, torch.Tensor]:
 
 
 def _full_shapes(spec: ModelSpec, value_head: bool) -> dict[str, tuple]:
-    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    h, d = spec.hidden_size, spec.head_dim
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
     out = {"embedding.word_embeddings.weight": (spec.padded_vocab_size, h)}
     for i in range(spec.num_layers):
-        p = f"decoder.layers.{i}."
+        p, f = f"decoder.layers.{i}.", spec.ffn_hidden_size
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "self_attention.linear_qkv.weight"] = (qkv, h)
         if spec.qkv_bias:
@@ -78,8 +81,12 @@ def _full_shapes(spec: ModelSpec, value_head: bool) -> dict[str, tuple]:
             out[p + "self_attention.q_layernorm.weight"] = out[p + "self_attention.k_layernorm.weight"] = (d,)
         out[p + "self_attention.linear_proj.weight"] = (h, spec.num_heads * d)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
-        out[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-        out[p + "mlp.linear_fc2.weight"] = (h, f)
+        mlps = [p + "mlp."]
+        if spec.moe_layers and spec.moe_layers[i]:
+            out[p + "mlp.router.weight"], f = (spec.num_experts, h), spec.moe_ffn_hidden_size
+            mlps = [f"{p}mlp.experts.local_experts.{j}." for j in range(spec.num_experts)]
+        for m in mlps:
+            out[m + "linear_fc1.weight"], out[m + "linear_fc2.weight"] = (2 * f, h), (h, f)
     out["decoder.final_layernorm.weight"] = (h,)
     if value_head:
         out["output_layer.weight"], out["output_layer.bias"] = (1, h), (1,)

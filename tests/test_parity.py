@@ -20,6 +20,9 @@ WORLD2 = [
     ("pp2_tied", dict(layout=L(pp=2), spec=tiny_spec(tied=True))),
     ("ref_qwen3", dict(layout=L(dp=2), spec=tiny_spec(qwen3=True), reference=True)),
     ("tp2_qwen3", dict(layout=L(tp=2), spec=tiny_spec(qwen3=True))),  # q/k norms' gradients summed over TP
+    ("ref_moe", dict(layout=L(dp=2), spec=tiny_spec(moe=True), reference=True)),
+    ("dp2_moe", dict(layout=L(dp=2), spec=tiny_spec(moe=True))),  # the router and experts' gradients over DP
+    ("pp2_moe", dict(layout=L(pp=2), spec=tiny_spec(moe=True))),  # a routed layer on each stage
 ]
 WORLD4 = [
     ("ref", dict(layout=L(dp=4), spec=tiny_spec(), reference=True)),
@@ -59,7 +62,7 @@ def _assert_matches(case: dict, ref: dict):
 
 
 def _ref_name(case: str) -> str:
-    for suffix in ("tied", "adam", "value", "qwen3"):
+    for suffix in ("tied", "adam", "value", "qwen3", "moe"):
         if suffix in case:
             return f"ref_{suffix}"
     return "ref"

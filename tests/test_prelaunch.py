@@ -59,6 +59,11 @@ def recipes(tiny_llama_dir, tmp_path_factory):
     (lora / "iter_0000001" / "metadata.json").write_text("{}")
     (lora / "latest").write_text("iter_0000001\n")
     (lora / "megarl_checkpoint.json").write_text(json.dumps({"format_version": 1, "lora": {"rank": 4}}))
+    (d / "moe").mkdir()  # a Qwen3-MoE's config (RL with routed experts is refused until it is built)
+    (d / "moe" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "vocab_size": 320, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}))  # fmt: skip
     return d
 
 
@@ -73,6 +78,7 @@ def _bad_inputs(d) -> dict[str, list[str]]:
         "train: missing recipe": ["train", str(d / "nowhere.yaml")],
         "train: missing model": ["train", tiny, f"model.path={d}/no-model"],
         "train: layout": ["train", tiny, "actor.parallel.tp=3"],
+        "train: an MoE model": ["train", tiny, f"model.path={d}/moe"],
         "plan: layout": ["plan", tiny, "actor.parallel.pp=3"],
         "plan: unknown key": ["plan", tiny, "actor.paralel.tp=2"],
         "plan: hardware option": ["plan", tiny, "--gpus-per-node", "-1"],
