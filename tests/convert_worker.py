@@ -28,7 +28,8 @@ def family_of(model: str) -> str:
     return max((f for f in FAMILIES if model == f or model.startswith(f + "_")), key=len)
 
 
-def _full_state(ckpt_dir: str, layout=L(dp=4)) -> dict[str, torch.Tensor]:
+def _full_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    layout = L(dp=4)
     init_distributed(layout)
     meta = read_meta(ckpt_dir)
     chunk = build_model_chunk(spec_from_hf_config(meta["hf_config"]), layout, init_weights=False)

@@ -18,7 +18,8 @@ from tests.convert_worker import LOAD_LAYOUTS, MOE_LAYOUTS, family_of, run_conve
 
 FAMILIES = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "mistral": {}, "qwen3": {},
             "qwen3_tied": {"tie_word_embeddings": True}, "qwen3_moe": {},
-            "qwen3_moe_unnorm": {"moe": {"norm_topk_prob": False}}, "qwen3_moe_mixed": {"moe": {"mlp_only_layers": [1]}}}  # fmt: skip
+            "qwen3_moe_unnorm": {"moe": {"norm_topk_prob": False}},
+            "qwen3_moe_mixed": {"moe": {"mlp_only_layers": [1]}}}  # fmt: skip
 """Models by name (the family is the name up to a known suffix): qwen3 with q/k norms and head_dim 64 with 4 heads of
 hidden 128, tied and untied; qwen3_moe with 8 experts, top-2, probabilities renormalised or not, and a mixed model
 whose layer 1 is dense. MoE models load at TP=1 only (``MOE_LAYOUTS``)."""

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megarl.models import UnsupportedModelError, read_hf_config, spec_from_hf_config
-from megarl.models.family import MOE_TP_REFUSAL
 from megarl.models.builder import layer_spec, transformer_config, transformer_engine_available
+from megarl.models.family import MOE_TP_REFUSAL
 from megarl.parallel.layout import ParallelLayout
 
 BASE = {

@@ -182,9 +182,11 @@ class PackStats:
 
 
 def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """One micro-batch: ``tokens``, ``targets``, ``position_ids``, ``loss_mask`` [b, S] (S = longest - 1), plus each
-    response-aligned field scattered to [b, S] (0 outside the response), and ``scored_from``: the first position
-    that scores a response token (the shortest prompt's length - 1; nothing before it needs logits)."""
+    """One micro-batch: ``tokens``, ``targets``, ``position_ids``, ``loss_mask`` [b, S] (S = longest - 1),
+    ``padding_mask`` [b, S] (True past a sequence's end: routed-expert layers leave those out of their
+    load-balancing loss), plus each response-aligned field scattered to [b, S] (0 outside the response), and
+    ``scored_from``: the first position that scores a response token (the shortest prompt's length - 1; nothing
+    before it needs logits)."""
     fields = fields or {}
     width = max(len(s.tokens) for s in seqs) - 1
     b = len(seqs)
@@ -201,9 +203,10 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
         for name, values in fields.items():
             out[name][i, start:n] = values[i]
     positions = torch.arange(width).expand(b, width).contiguous()
+    padding = positions >= torch.tensor([len(s.tokens) - 1 for s in seqs]).unsqueeze(1)
     first = min(max(min(s.prompt_len for s in seqs) - 1, 0), width - 1)  # one position even if no response
-    return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask, **out,
-            "scored_from": first}  # fmt: skip
+    return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask,
+            "padding_mask": padding, **out, "scored_from": first}  # fmt: skip
 
 
 def response_values(values_BS: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

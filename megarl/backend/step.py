@@ -1,8 +1,9 @@
 """One optimizer step over micro-batches through Megatron's pipeline schedule (1F1B for PP > 1).
 
-A micro-batch is a dict of [batch, seq] tensors: ``tokens``, ``position_ids``, optionally ``labels`` and whatever
-the loss needs, and optionally ``scored_from``: the first position the loss scores (the output layer skips the
-positions before it where it can, and the loss gets its fields from the same position: ``positions_from``). With
+A micro-batch is a dict of [batch, seq] tensors: ``tokens``, ``position_ids``, optionally ``labels``,
+``padding_mask`` (True past each sequence's end) and whatever the loss needs, and optionally ``scored_from``: the
+first position the loss scores (the output layer skips the positions before it where it can, and the loss gets its
+fields from the same position: ``positions_from``). With
 labels, a GPTModel returns the per-token cross-entropy (= -log p of the label), computed vocab-parallel without
 gathering logits; a critic returns values [batch, seq, 1].
 """
@@ -51,6 +52,7 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
     """Megatron's schedule over the micro-batches; returns each micro-batch's metrics dict on the last stage
     (an empty list on other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     def forward_step(data_iterator, model_chunk):
         device = next(model_chunk.parameters()).device  # batches are built on the host; the model may be on a GPU
@@ -62,9 +64,13 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
         # the model's forward and the loss as on a GPU: without the CPU shim's mode, a Python call per torch call
         # (compat.cpu); Megatron's schedule calls the loss inside the mode
         with logits_from(model_chunk, wanted) as first, outside_megatron_mode():
-            output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"))
+            output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"), **routing(mb))
         return output, outside_megatron_mode()(partial(loss_fn, positions_from(mb, first)))
 
+    def routing(mb: dict) -> dict:  # routed-expert layers leave padding out of their load balancing (backend.moe)
+        return {"padding_mask": mb["padding_mask"]} if moe and "padding_mask" in mb else {}
+
+    moe = getattr(get_model_config(model[0] if isinstance(model, list) else model), "num_moe_experts", None)
     batch_size, seq_length = micro_batches[0]["tokens"].shape
     with megatron_mode():
         reported = get_forward_backward_func()(
