@@ -35,4 +35,4 @@ def test_padding_is_left_out_and_a_uniform_router_scores_one():
     got = switch_load_balancing_loss(logits, 2, valid)
     want = oracle(logits.unsqueeze(1), torch.eye(4), 2, valid)
     assert abs(float(got) - float(want)) <= 1e-6
-    assert abs(float(switch_load_balancing_loss(torch.zeros(8, 4) + torch.arange(8.0)[:, None] * 0, 2)) - 1.0) < 1e-6
+    assert abs(float(switch_load_balancing_loss(torch.zeros(8, 4), 2)) - 1.0) < 1e-6

@@ -139,8 +139,8 @@ def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
 
 
 MOE_RL_NOT_YET = ("RL runs with routed experts are not built yet (the weight sync into vLLM's fused-MoE layout, "
-                  "the load-balancing loss and the planner's expert bytes come next); megarl convert and verify "
-                  "take it today")
+                  "the load-balancing term in the RL step and the planner's expert bytes come next); megarl convert "
+                  "and verify take it today")
 
 
 def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:

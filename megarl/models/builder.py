@@ -116,7 +116,7 @@ def _experts(spec: ModelSpec) -> dict:
     """The MoE fields of TransformerConfig (none for a dense model). The router runs in fp32 whatever the dtype;
     HF's ``norm_topk_prob`` (renormalise the top-k probabilities) is a softmax over the top-k logits, Megatron's
     ``moe_router_pre_softmax=False`` (moe_utils.py); Megatron's own load-balancing loss stays off: megarl's
-    ``megarl.models.moe`` computes it at any coefficient (to log it) and attaches it."""
+    ``megarl.backend.moe`` computes it at any coefficient (to log it) and attaches it."""
     if not spec.is_moe:
         return {}
     return dict(
