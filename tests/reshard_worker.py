@@ -47,10 +47,20 @@ def expected_vllm(hf: dict[str, torch.Tensor], spec, r: int, d: int) -> dict[str
                 [hf[a + f"q_proj.{s}"].chunk(d)[r], kv(hf[a + f"k_proj.{s}"]), kv(hf[a + f"v_proj.{s}"])]
             )
         out[a + "o_proj.weight"] = hf[a + "o_proj.weight"].chunk(d, dim=1)[r]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"].chunk(d)[r], hf[p + "mlp.up_proj.weight"].chunk(d)[r]]
-        )
-        out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"].chunk(d, dim=1)[r]
+        if spec.moe_layers and spec.moe_layers[i]:  # vLLM's fused experts: [E, 2I/d, H] and [E, H, I/d]
+            e = [f"{p}mlp.experts.{j}." for j in range(spec.num_experts)]
+            out[p + "mlp.gate.weight"] = hf[p + "mlp.gate.weight"]
+            out[p + "mlp.experts.routed_experts.w13_weight"] = torch.stack(
+                [torch.cat([hf[x + "gate_proj.weight"].chunk(d)[r], hf[x + "up_proj.weight"].chunk(d)[r]]) for x in e]
+            )
+            out[p + "mlp.experts.routed_experts.w2_weight"] = torch.stack(
+                [hf[x + "down_proj.weight"].chunk(d, dim=1)[r] for x in e]
+            )
+        else:
+            out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"].chunk(d)[r], hf[p + "mlp.up_proj.weight"].chunk(d)[r]]
+            )
+            out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"].chunk(d, dim=1)[r]
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + n] = hf[p + n]
         if spec.qk_norm:  # Qwen3: whole on every rank
@@ -100,7 +110,7 @@ def _model_cases(hf_dir: str, layouts: list[tuple[int, int, int]], dst_tps: list
                     continue
                 dst_side, want = vllm_layout(spec, d, world, GPUS_PER_NODE), expected_vllm(hf, spec, rank % d, d)
             dst, stats = _sync(src_layout, dst_side, src_tensors, bucket_bytes=256 * 1024)
-            mismatched = sorted(n for n in want if n not in dst or not torch.equal(dst[n], want[n]))
+            mismatched = sorted(n for n in want if n not in dst or not torch.equal(dst[n].view(want[n].shape), want[n]))
             extra = sorted(set(dst) - set(want))
             everyone = [None] * world
             dist.all_gather_object(everyone, (mismatched, extra))

@@ -13,6 +13,7 @@ from megarl.reshard.plan import plan, plan_stats, theoretical_minimum
 from tests.reshard_worker import run_reshard_cases
 
 WORLD2 = [(2, 1, 1), (1, 2, 1)]
+WORLD2_MOE = [(1, 1, 2), (1, 2, 1)]  # MoE trains at TP=1
 WORLD4_LLAMA = [(2, 2, 1), (4, 1, 1), (2, 1, 2), (1, 2, 2)]
 WORLD4_QWEN2 = [(2, 2, 1), (2, 1, 2), (1, 2, 2)]  # 2 KV heads: Megatron TP=4 is impossible, vLLM TP=4 replicates KV
 
@@ -35,12 +36,14 @@ def models(tmp_path_factory):
     )
     qwen3 = make_tiny_hf_model(str(root / "qwen3"), "qwen3", hidden_size=256, num_heads=8, num_kv_heads=2,
                                ffn_hidden_size=512, seed=7)  # q/k norms, head_dim 64 (8 x 64 != 256)  # fmt: skip
-    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
+    moe = make_tiny_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=8, moe={"mlp_only_layers": [1]})
+    return {"llama": llama, "qwen2": qwen2, "qwen3_moe": moe, "qwen3": qwen3}  # the MoE model: a routed layer 0
 
 
 @pytest.fixture(scope="module")
 def world2(models):
-    return run_on_ranks(run_reshard_cases, 2, {m: (d, WORLD2) for m, d in models.items()}, [1, 2])
+    layouts = {m: WORLD2_MOE if m == "qwen3_moe" else WORLD2 for m in models}
+    return run_on_ranks(run_reshard_cases, 2, {m: (d, layouts[m]) for m, d in models.items()}, [1, 2])
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def _cases(results):
 
 def test_world2_every_destination_tensor_is_bitwise_equal(world2):
     cases = _cases(world2)
-    assert len(cases) == 3 * 2 * 3  # models (llama, qwen2, qwen3) x layouts x (vLLM TP1, TP2, HF)
+    assert len(cases) == 4 * 2 * 3  # models (llama, qwen2, qwen3, qwen3_moe) x layouts x (vLLM TP1, TP2, HF)
     for key, r in cases.items():
         assert all(m == ([], []) for m in r["mismatched"]), (key, r["mismatched"])
 
@@ -195,3 +198,27 @@ def test_cross_pool_exchange_on_cuda_is_one_coalesced_nccl_call():
     calls.clear()
     coalesced_exchange(RecordingGroup(), [], [])  # a rank with nothing in this bucket makes no call
     assert calls == []
+
+
+QWEN3_30B_A3B = {  # the hub config's shapes (Qwen/Qwen3-30B-A3B config.json)
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("vllm_tp", [4, 8])
+def test_moe_plan_meets_the_theoretical_minimum(vllm_tp):
+    """Qwen3-30B-A3B's shapes (8 of its 48 layers), Megatron PP4/DP2 on 8 ranks (MoE trains at TP=1) -> vLLM
+    TP4/TP8: every expert's slice moved once, nothing a rank holds itself."""
+    from megarl.models import spec_from_hf_config
+
+    spec = spec_from_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 8})
+    src = megatron_layout(spec, ParallelLayout(tp=1, pp=4, dp=2), gpus_per_node=8)
+    dst = vllm_layout(spec, vllm_tp, 8, gpus_per_node=8)
+    w13 = next(s for s in dst.ranks[1] if s.name.endswith("layers.0.mlp.experts.routed_experts.w13_weight"))
+    assert w13.view == (128, 2 * 768 // vllm_tp, 2048) and len(w13.blocks) == 2 * 128
+    stats = plan_stats(plan(src, dst), bytes_per_element=2)
+    assert stats["bytes_moved"] == theoretical_minimum(src, dst, bytes_per_element=2)["rank_min"]

@@ -23,6 +23,7 @@ from tests.reshard_worker import expected_vllm
 
 ROLLOUT = RolloutConfig(kv_cache_mb=32, max_model_len=512, bucket_mb=1)
 GEN = SamplingConfig(temperature=1.0, max_new_tokens=8)
+BOTH_TRANSPORTS = ((1, "shard_write"), (2, "full_reload"), (1, "full_reload"), (2, "shard_write"))
 
 
 def _everyone(obj):
@@ -38,11 +39,15 @@ def run_vllm_sync(
     seq: list[int],
     prompt: list[int],
     readable: bool = False,
+    steps: tuple[tuple[int, str], ...] = BOTH_TRANSPORTS,
+    corrupted: str = "mlp.up_proj.weight",
 ) -> dict:
-    """Sync versions through both transports and record what the engine computes after each sync.
+    """Sync versions through the transports of ``steps`` ((version, transport) in order) and record what the engine
+    computes after each sync; then a sync with a piece of an HF tensor ending in ``corrupted`` corrupted in transit.
 
     ``readable``: switch the CPU build's oneDNN packing off (this test only) so parameters can be read back and
-    compared with the layout description and the expected shards."""
+    compared with the layout description and the expected shards. A full reload that ``steps`` leaves out is tried
+    once and its refusal recorded (``full_reload_refused``)."""
     tp, pp, dp = megatron
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
     init_distributed(layout, seed=7)
@@ -68,13 +73,19 @@ def run_vllm_sync(
     except EngineUnhealthyError:
         out["refused_before_sync"] = True
 
-    steps = []
-    for version, transport in ((1, "shard_write"), (2, "full_reload"), (1, "full_reload"), (2, "shard_write")):
+    if all(transport != "full_reload" for _, transport in steps):
+        try:
+            engine.update_weights(actor_tensors(chunk), 1, transport="full_reload")
+            out["full_reload_refused"] = None
+        except ValueError as e:
+            out["full_reload_refused"] = str(e)
+    records = []
+    for version, transport in steps:
         load_hf_into_chunk(chunk, versions[version], spec, layout, rank, progress=False)
         report = engine.update_weights(actor_tensors(chunk), version, transport=transport)
         torch.manual_seed(5000 + rank)  # diverging global RNGs must not change what the engine's ranks sample
         samples, _ = engine.generate([prompt], [0], [1234], GEN)
-        steps.append(
+        records.append(
             {
                 "version": version,
                 "transport": transport,
@@ -83,10 +94,10 @@ def run_vllm_sync(
                 "report": _everyone(report),
             }
         )
-    out["steps"] = steps
+    out["steps"] = records
 
     def corrupt(t, piece):
-        if t.hf.endswith("mlp.up_proj.weight"):
+        if t.hf.endswith(corrupted):
             piece[0] += 1.0
 
     try:

