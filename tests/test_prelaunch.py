@@ -59,7 +59,7 @@ def recipes(tiny_llama_dir, tmp_path_factory):
     (lora / "iter_0000001" / "metadata.json").write_text("{}")
     (lora / "latest").write_text("iter_0000001\n")
     (lora / "megarl_checkpoint.json").write_text(json.dumps({"format_version": 1, "lora": {"rank": 4}}))
-    (d / "moe").mkdir()  # a Qwen3-MoE's config (RL with routed experts is refused until it is built)
+    (d / "moe").mkdir()  # a Qwen3-MoE's config
     (d / "moe" / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "vocab_size": 320, "num_experts": 8,
@@ -78,7 +78,9 @@ def _bad_inputs(d) -> dict[str, list[str]]:
         "train: missing recipe": ["train", str(d / "nowhere.yaml")],
         "train: missing model": ["train", tiny, f"model.path={d}/no-model"],
         "train: layout": ["train", tiny, "actor.parallel.tp=3"],
-        "train: an MoE model": ["train", tiny, f"model.path={d}/moe"],
+        "train: LoRA on an MoE model's MLP": ["train", tiny, f"model.path={d}/moe", "actor.lora.rank=4",
+                                              "actor.lora.target_modules=[q_proj,gate_proj]"],  # fmt: skip
+        "train: an MoE model at TP=2": ["train", tiny, f"model.path={d}/moe", "actor.parallel.tp=2"],
         "plan: layout": ["plan", tiny, "actor.parallel.pp=3"],
         "plan: unknown key": ["plan", tiny, "actor.paralel.tp=2"],
         "plan: hardware option": ["plan", tiny, "--gpus-per-node", "-1"],

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.backend.init_weights import load_initial_weights
+from megarl.backend.moe import LoadBalancing
 from megarl.backend.setup import make_scheduler, wrap_for_training
 from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model, reward_model_spec
 from megarl.config.schema import MegarlConfig
@@ -36,6 +37,8 @@ class RLModels:
     """LoRA: the reference is the actor with its adapters off (no second copy of the weights)."""
     reward_model: torch.nn.Module | None = None
     """A frozen reward model with a scalar score head (``reward.model``)."""
+    actor_balancing: LoadBalancing | None = None
+    """A routed-expert actor's load-balancing loss (``actor.moe_aux_loss_coef``; logged at any coefficient)."""
 
 
 ALL_ROLES = ("actor", "critic", "reference", "reward_model")
@@ -76,6 +79,8 @@ def build_rl_models(
         actor_chunk = chunk(load=load_weights or cfg.actor.lora is not None)  # LoRA: the base is never in a checkpoint
         if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
             add_adapters(actor_chunk, cfg, spec)
+        if spec.is_moe:
+            models.actor_balancing = LoadBalancing(actor_chunk, cfg.actor.moe_aux_loss_coef)
         models.actor, models.actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
         models.actor_sched = make_scheduler(models.actor_optim, cfg.actor.optim)
     if needs_critic(cfg) and "critic" in roles:

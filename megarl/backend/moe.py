@@ -40,6 +40,10 @@ class LoadBalancing:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.coefficient = coefficient
+        self.scale = 1.0
+        """The attached term's weight on this rank (``megarl.backend.update.ppo_updates`` sets it per mini-batch):
+        Megatron's schedule weighs each micro-batch's term by 1 / this rank's micro-batches and DDP averages over DP,
+        so local micro-batches x DP / the mini-batch's micro-batches makes it the mini-batch's mean."""
         self.values: list[torch.Tensor] = []
         """This rank's losses since ``take``: one per routed layer and micro-batch (detached)."""
         self.routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
@@ -59,7 +63,7 @@ class LoadBalancing:
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
         probs, routing_map = output
-        return MoEAuxLossAutoScaler.apply(probs, self.coefficient * loss), routing_map
+        return MoEAuxLossAutoScaler.apply(probs, self.coefficient * self.scale * loss), routing_map
 
     def take(self) -> float:
         """Collective over the model's pipeline stages and data-parallel ranks: the mean of the losses every rank

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megarl.backend.batch import Batching, PackStats, Sequence, micro_batches, plan, response_values
 from megarl.backend.logprobs import forward_per_token
 from megarl.backend.losses import GlobalNorm
+from megarl.backend.moe import LoadBalancing
 from megarl.backend.step import SUM, NonFiniteUpdate, train_step
 
 
@@ -92,6 +93,7 @@ def ppo_updates(
     scheduler=None,
     trained: list[bool] | None = None,
     stats: PackStats | None = None,
+    balancing: LoadBalancing | None = None,
 ) -> dict[str, float]:
     """Collective: ``epochs`` passes of one optimizer step per mini-batch (``scheduler`` stepped before each).
     ``trained`` (default: all) marks the sequences in the loss: the others leave ``loss_mask`` and the global token
@@ -102,7 +104,9 @@ def ppo_updates(
     A mini-batch with no trained sequence takes no optimizer and no scheduler step (a zero gradient would still move
     Adam's moments and apply weight decay); ``empty_minibatches`` counts them. ``trained`` is the same on every
     rank, so every DP and PP rank skips the same mini-batches without a collective. The loss's denominators are the
-    mini-batch's (``GlobalNorm``), so the update does not depend on how its sequences are shared out and packed."""
+    mini-batch's (``GlobalNorm``), so the update does not depend on how its sequences are shared out and packed.
+    ``balancing`` (a routed-expert model's): its term weighed to the mean over each mini-batch's micro-batches, and
+    ``moe/aux_loss``, the unscaled loss's mean over this update's micro-batches and routed layers."""
     dp_rank, dp = _dp_coords()
     trained = trained if trained is not None else [True] * len(seqs)
     history: list[dict] = []
@@ -116,6 +120,8 @@ def ppo_updates(
                 continue
             _count(stats, seqs, per_rank)
             batches = _trained_micro_batches(seqs, fields, per_rank[dp_rank], trained)
+            if balancing is not None:
+                balancing.scale = len(batches) * dp / sum(len(groups) for groups in per_rank)
             norm = GlobalNorm(
                 tokens=sum(seqs[i].loss_tokens for i in rows if trained[i]),
                 seqs=sum(trained[i] for i in rows),
@@ -135,6 +141,8 @@ def ppo_updates(
         k: max(h[k] for h in history) if k.startswith("max/") else sum(h[k] for h in history) / len(history)
         for k in keys
     }
+    if balancing is not None:
+        averaged["moe/aux_loss"] = balancing.take()
     return {**averaged, "empty_minibatches": float(empty)}
 
 

@@ -258,6 +258,10 @@ class ActorConfig:
     verl's low_var_kl). k1 is refused: its expected gradient is 0."""
     lora: LoraConfig | None = None
     """LoRA adapters instead of full fine-tuning (absent or null: full fine-tuning)."""
+    moe_aux_loss_coef: float = 0.0
+    """Routed-expert models: the coefficient of Megatron's switch load-balancing loss in the update (0: not
+    trained on; ``moe/aux_loss`` is logged at any coefficient). Each mini-batch's term is the mean over its
+    micro-batches and routed layers, whatever the DP layout."""
 
     @property
     def agg_mode(self) -> str:
@@ -289,6 +293,7 @@ class ActorConfig:
         _require(self.clip_ratio_c > 1, "clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
         _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
         _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        _require(self.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", "must be >= 0")
         _require(self.kl_loss_type != "k1", "kl_loss_type", K1_LOSS_REFUSED)
         kl = self.kl_loss_type
         _require(kl in KL_LOSSES, "kl_loss_type", f"must be one of {KL_LOSSES}, got {kl!r}")

@@ -53,8 +53,6 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     errors += _pool_layout_errors(cfg, spec, pools)
     errors += _async_errors(cfg, pools)
     errors += _env_errors(cfg)
-    if spec.is_moe:
-        errors.append(f"model.path: {cfg.model.path} is a {spec.family} (MoE) model: {MOE_RL_NOT_YET}")
     if spec.score_head:
         errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
                       "be a causal LM (set it as reward.model.path)")  # fmt: skip
@@ -136,11 +134,6 @@ def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
         "collective while a rank scores, re-scoring included); raise it, lower reward.timeout_s, or set "
         "reward.step_timeout_s"
     ]
-
-
-MOE_RL_NOT_YET = ("RL runs with routed experts are not built yet (the weight sync into vLLM's fused-MoE layout, "
-                  "the load-balancing term in the RL step and the planner's expert bytes come next); megarl convert "
-                  "and verify take it today")
 
 
 def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:
@@ -345,6 +338,10 @@ def _lora_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
         )
     if cfg.actor.parallel.tp > 1 and spec.num_kv_heads % cfg.actor.parallel.tp:
         errors.append(f"actor.lora: {spec.num_kv_heads} key/value heads do not split over actor.parallel.tp")
+    mlp = [t for t in lora.target_modules if t in ("gate_proj", "up_proj", "down_proj")]
+    if spec.is_moe and mlp:
+        errors.append(f"actor.lora.target_modules: {mlp} on {spec.family}, an MoE model: adapters on routed experts "
+                      "are not built; target the attention (q_proj, k_proj, v_proj, o_proj)")  # fmt: skip
     return errors
 
 

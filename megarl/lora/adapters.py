@@ -191,14 +191,17 @@ def linear_io(module, args, output) -> tuple:
 
 
 def lora_layers(chunk) -> list[tuple[int, str, nn.Module]]:
-    """(global layer index, Megatron linear path, the linear) of every targetable linear of this chunk."""
+    """(global layer index, Megatron linear path, the linear) of every targetable linear of this chunk. A
+    routed-expert layer has no MLP linears to target (``megarl.config.validate`` refuses MLP targets on an MoE
+    model): its attention linears only."""
     out = []
     for layer in chunk.decoder.layers:
         for path in MODULES:
             module = layer
             for part in path.split("."):
-                module = getattr(module, part)
-            out.append((layer.layer_number - 1, path, module))
+                module = getattr(module, part, None)
+            if module is not None:
+                out.append((layer.layer_number - 1, path, module))
     return out
 
 

@@ -48,9 +48,11 @@ _LAYER_ORDER = (
     "self_attention.q_layernorm.weight",
     "self_attention.k_layernorm.weight",
     "pre_mlp_layernorm.weight",
+    "mlp.router.weight",
     "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight",
 )
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ def _module_order(name: str) -> tuple:
         return (0,)
     m = ms._LAYER.match(name)
     if m:
-        return (1, int(m.group(1)), _LAYER_ORDER.index(m.group(2)))
+        expert = _EXPERT.match(m.group(2))  # a routed layer: its router, then expert by expert fc1 and fc2
+        where = (_LAYER_ORDER.index("mlp.router.weight"), int(expert[1]), int(expert[2])) if expert else ()
+        return (1, int(m.group(1)), where or (_LAYER_ORDER.index(m.group(2)),))
     if name == "decoder.final_layernorm.weight":
         return (2,)
     return (3, name.endswith(".bias"))

@@ -134,6 +134,7 @@ class Actor(_PolicyRole):
                 scheduler=self.models.actor_sched,
                 trained=trained,
                 stats=stats,
+                balancing=self.models.actor_balancing,
             )
         )
 
