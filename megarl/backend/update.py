@@ -136,14 +136,19 @@ def ppo_updates(
                 if scheduler is not None:
                     scheduler.step(-1)
                 raise
-    keys = history[0].keys() if history else ()
-    averaged = {
-        k: max(h[k] for h in history) if k.startswith("max/") else sum(h[k] for h in history) / len(history)
-        for k in keys
-    }
+    averaged = _averaged(history)
     if balancing is not None:
         averaged["moe/aux_loss"] = balancing.take()
     return {**averaged, "empty_minibatches": float(empty)}
+
+
+def _averaged(history: list[dict]) -> dict[str, float]:
+    """Each metric's mean over the optimizer steps (``max/`` keys: the maximum)."""
+    keys = history[0].keys() if history else ()
+    return {
+        k: max(h[k] for h in history) if k.startswith("max/") else sum(h[k] for h in history) / len(history)
+        for k in keys
+    }
 
 
 def _trained_micro_batches(seqs: list[Sequence], fields: dict, groups: list[list[int]], trained: list[bool]
