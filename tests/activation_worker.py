@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from megarl.backend.moe import LoadBalancing
 from megarl.backend.setup import wrap_for_training
 from megarl.backend.step import run_schedule
 from megarl.config.schema import OptimConfig
@@ -35,9 +36,15 @@ class Case:
     compile_elementwise: bool = False
     qk_norm: bool = False
     """Qwen3's per-head q/k RMSNorm."""
+    moe: bool = False
+    """Qwen3-MoE (both layers routed: ``tiny_spec(moe=True)``), with the actor's load balancing hooked."""
+    aux: float = 0.0
+    """The load-balancing coefficient (``actor.moe_aux_loss_coef``)."""
 
     @property
     def spec(self):
+        if self.moe:
+            return tiny_spec(moe=True)
         spec = tiny_spec()
         spec = replace(spec, family="qwen3", qkv_bias=False, qk_norm=True) if self.qk_norm else spec
         return spec if self.gqa else replace(spec, num_kv_heads=spec.num_heads)
@@ -69,6 +76,7 @@ def count(case: Case) -> dict:
         spec, case.layout, attention=case.attention, dtype=case.dtype, recompute=case.recompute,
         value_head=case.value_head, compile_elementwise=case.compile_elementwise,
     )  # fmt: skip
+    balancing = LoadBalancing(chunk, case.aux) if case.moe else None  # noqa: F841 -- its hooks, as the actor's
     model, _ = wrap_for_training(chunk, OptimConfig(optimizer="sgd", lr=0.1))
     gen = torch.Generator().manual_seed(3)
     n, s = case.sequences, case.length

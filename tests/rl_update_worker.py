@@ -123,8 +123,10 @@ def lora_logits(chunk, vocab: int) -> dict:
 
 def run_case(
     hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = (),
-    shape=SPREAD, lockstep: bool = False, episodes: bool = False, alter: str | None = None,
+    shape=SPREAD, lockstep: bool = False, episodes: bool = False, alter: str | None = None, hf: str | None = None,
 ) -> dict:
+    """``hf``: another model than ``hf_dir`` (a Qwen3-MoE)."""
+    hf_dir = hf or hf_dir
     overrides = [
         f"model.path={hf_dir}",
         f"actor.parallel.tp={layout.tp}",
@@ -170,7 +172,7 @@ def run_case(
     if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
         for metrics in (learned.actor, learned.critic):
             for k in metrics:
-                if k not in ("grad_norm", "lr") and not k.startswith("max/"):
+                if k not in ("grad_norm", "lr", "moe/aux_loss") and not k.startswith("max/"):  # aux: a mean
                     metrics[k] /= layout.dp
     lengths = [len(s.token_ids) for s in batch.samples]
     out = {
@@ -253,12 +255,13 @@ def memory_overrides(hf_dir: str, layout: ParallelLayout, distopt: bool) -> list
             f"critic.optim.use_distributed_optimizer={distopt}"]  # fmt: skip
 
 
-def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool) -> dict:
+def memory_case(hf_dir: str, layout: ParallelLayout, distopt: bool, hf: str | None = None) -> dict:
     """PPO (actor, critic, reference; Adam) after one real update: the bytes each consumer the planner names has
     allocated; then an offload -> reload round trip (what it freed, whether everything came back bitwise) and the
     next update compared with a second model set that was never offloaded, and one built with recompute."""
     from megarl.backend.offload import Offloader, grad_buffers, optimizer_tensors
 
+    hf_dir = hf or hf_dir
     overrides = memory_overrides(hf_dir, layout, distopt)
     cfg = load_config(None, overrides)
     spec = spec_from_hf_config(read_hf_config(hf_dir))

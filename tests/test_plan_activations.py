@@ -3,7 +3,8 @@ the actor's (or critic's) loss and Megatron's schedule, counting the unique stor
 (``tests.saved_tensors``), and compares them with the planner's accounting (``megarl.planner.activations``) on every
 rank: within 15%. Sequence lengths 64-1024, 1-8 sequences per micro-batch, TP=1/2, PP=2 (1F1B, 4 micro-batches),
 recompute on and off, both attention variants, fp32 and bf16, actor (the trainer's loss, with and without an entropy
-bonus) and critic. One spawned world of 2."""
+bonus) and critic, dense and routed-expert (Qwen3-MoE, with the load-balancing term on and off). One spawned world of
+2."""
 
 from dataclasses import replace
 
@@ -37,6 +38,10 @@ CASES = [
     Case(L(dp=2), 2, 128, recompute=True, compile_elementwise=True),
     Case(L(dp=2), 4, 128, qk_norm=True),  # Qwen3
     Case(L(tp=2), 2, 256, dtype=BF16, qk_norm=True, gqa=False),
+    Case(L(dp=2), 4, 128, moe=True),  # Qwen3-MoE: both layers routed, 4 experts, top-2
+    Case(L(dp=2), 4, 256, dtype=BF16, moe=True, aux=0.01),
+    Case(L(dp=2), 2, 256, moe=True, aux=0.01, recompute=True),
+    Case(L(pp=2), 2, 128, dtype=BF16, moe=True, aux=0.01, micro_batches=4),
 ]
 TOLERANCE = 0.15
 
@@ -44,7 +49,9 @@ TOLERANCE = 0.15
 def planned(case: Case, rank: int) -> int:
     """The planner's bytes for this rank (what it plans for every device; the count runs on CPU)."""
     stage = case.layout.coords(rank).pp
-    model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention))
+    model = Model(case.spec, 4 if case.dtype == "float32" else 2, case.layout.tp, Kernels(case.attention),
+                  load_balancing=case.aux > 0)  # fmt: skip
+    per_stage = case.spec.num_layers // case.layout.pp
     return stage_activation_bytes(
         model,
         MicroBatchShape(case.sequences * case.length, case.length),
@@ -55,6 +62,7 @@ def planned(case: Case, rank: int) -> int:
         recompute=case.recompute,
         value_head=case.value_head,
         entropy_bonus=case.entropy_coeff != 0,
+        routed=sum(case.spec.moe_layers[stage * per_stage : (stage + 1) * per_stage]),
     )
 
 

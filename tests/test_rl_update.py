@@ -10,6 +10,7 @@ bonus (vocab-parallel entropy under TP), one mini-batch. One spawned group per w
 import pytest
 import torch
 
+from megarl.models.tiny import make_tiny_hf_model
 from megarl.parallel.layout import ParallelLayout as L
 from megarl.parallel.spawn import run_on_ranks
 from tests.metric_tolerance import bf16_ulp, far_apart
@@ -94,11 +95,25 @@ WORLD2 += [("ref_episodes_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="m
            ("tp2_episodes_grpo_bf16", dict(layout=L(tp=2), algo="grpo", split="pack", episodes=True, extra=BF16))]
 WORLD4 += [(f"tp2pp2_episodes_{a}", dict(layout=L(tp=2, pp=2), algo=a, split="mbs1", episodes=True,
                                          extra=EPISODE[a])) for a in ALGOS]  # fmt: skip
-# the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt
-MEMORY = {"mem_tp2": ("world2", L(tp=2), False), "mem_pp2": ("world2", L(pp=2), False),
-          "mem_tp2dp2_distopt": ("world4", L(tp=2, dp=2), True)}  # fmt: skip
-WORLD2 += [(n, dict(layout=lay, distopt=d)) for n, (w, lay, d) in MEMORY.items() if w == "world2"]
-WORLD4 += [(n, dict(layout=lay, distopt=d)) for n, (w, lay, d) in MEMORY.items() if w == "world4"]
+# Qwen3-MoE (both layers routed): GRPO with the load-balancing term at 0.01, one sequence per micro-batch, at DP=2
+# and PP=2 (a routed layer per stage); LoRA on the attention at PP=2
+MOE = ("actor.moe_aux_loss_coef=0.01",)
+ATTENTION_LORA = ("actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",)
+WORLD2 += [("ref_moe_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe", extra=MOE)),
+           ("dp2_moe_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", hf="moe", extra=MOE)),
+           ("pp2_moe_grpo", dict(layout=L(pp=2), algo="grpo", split="mbs1", hf="moe", extra=MOE)),
+           ("ref_moe_lora", dict(layout=L(dp=2), algo="grpo_lora", split="mbs1", reference=True, hf="moe",
+                                 extra=(*MOE, *ATTENTION_LORA))),
+           ("pp2_moe_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", hf="moe",
+                                 extra=(*MOE, *ATTENTION_LORA)))]  # fmt: skip
+# the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt;
+# Qwen3-MoE at DP=2 and PP=2
+MEMORY = {"mem_tp2": ("world2", L(tp=2), False, None), "mem_pp2": ("world2", L(pp=2), False, None),
+          "mem_tp2dp2_distopt": ("world4", L(tp=2, dp=2), True, None),
+          "mem_moe_dp2": ("world2", L(dp=2), False, "moe"),
+          "mem_moe_pp2": ("world2", L(pp=2), False, "moe")}  # fmt: skip
+WORLD2 += [(n, dict(layout=lay, distopt=d, hf=hf)) for n, (w, lay, d, hf) in MEMORY.items() if w == "world2"]
+WORLD4 += [(n, dict(layout=lay, distopt=d, hf=hf)) for n, (w, lay, d, hf) in MEMORY.items() if w == "world4"]
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +127,17 @@ def adapter_dir(random_adapter_dir):
 
 
 @pytest.fixture(scope="module")
-def world2(hf_dir, adapter_dir):
-    lora = {"extra": (f"actor.lora.init_from={adapter_dir}",)}
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, top-2, both layers routed) with larger weights, as ``hf_dir``."""
+    return make_tiny_hf_model(str(tmp_path_factory.mktemp("rl-moe") / "moe"), "qwen3_moe", seed=3, init_std=0.08)
+
+
+@pytest.fixture(scope="module")
+def world2(hf_dir, adapter_dir, moe_dir):
+    lora = {"extra": (f"actor.lora.init_from={adapter_dir}",)}  # the Llama's adapter; the MoE's start fresh
     with_adapter = lambda kw: {**kw, "extra": (*kw.get("extra", ()), *lora["extra"])}  # noqa: E731
-    cases = [(n, with_adapter(kw) if kw.get("algo") == "grpo_lora" else kw) for n, kw in WORLD2]
+    cases = [(n, with_adapter(kw) if kw.get("algo") == "grpo_lora" and not kw.get("hf") else kw) for n, kw in WORLD2]
+    cases = [(n, {**kw, "hf": moe_dir} if kw.get("hf") == "moe" else kw) for n, kw in cases]
     return run_on_ranks(run_cases, 2, hf_dir, cases)
 
 
@@ -327,6 +349,25 @@ def test_lora_update_matches_single_rank_and_leaves_the_base_bitwise(world2, ada
     assert ref["base_bitwise"] and ref["trainable"] == sum(v.numel() for v in start.values())
 
 
+@pytest.mark.parametrize("case", ["dp2_moe_grpo", "pp2_moe_grpo"])
+def test_moe_update_with_load_balancing_matches_single_rank(world2, case):
+    """Qwen3-MoE with the load-balancing term at 0.01: the same update (metrics, moe/aux_loss, router and experts'
+    weights) at DP=2 and PP=2 as on one rank; the router moves."""
+    ref = world2["ref_moe_grpo"]
+    assert ref["actor"]["moe/aux_loss"] > 0.5  # about 1 for a near-uniform router (switch loss)
+    router = "decoder.layers.0.mlp.router.weight"
+    assert (ref["weights"][router] - ref["initial"][router]).abs().max() > 100 * ATOL_WEIGHTS
+    _assert_same_update(world2[case], ref)
+
+
+def test_moe_lora_on_the_attention_matches_single_rank(world2):
+    """LoRA on q/k/v/o of a Qwen3-MoE at PP=2 (a routed layer per stage) as on one rank; the base stays bitwise."""
+    ref, case = world2["ref_moe_lora"], world2["pp2_moe_lora"]
+    assert len(ref["adapters"]) == 2 * 4 * 2 and max(a.abs().max().item() for a in ref["adapters"].values()) > 0
+    _assert_same_update(case, ref)
+    assert case["base_bitwise"] and ref["base_bitwise"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_planner_bytes_equal_what_a_lora_run_allocates(world2, hf_dir, dtype):
     """LoRA (Adam, distributed optimizer, TP=2): the frozen base plus the adapters (fp32 in both dtypes), gradient
@@ -401,7 +442,8 @@ def _memory_case(request, hf_dir, name):
     from megarl.models import read_hf_config, spec_from_hf_config
     from megarl.planner.memory import rank_memory
 
-    world, layout, distopt = MEMORY[name]
+    world, layout, distopt, hf = MEMORY[name]
+    hf_dir = request.getfixturevalue("moe_dir") if hf == "moe" else hf_dir
     cfg = load_config(None, memory_overrides(hf_dir, layout, distopt))
     planned = rank_memory(cfg, spec_from_hf_config(read_hf_config(hf_dir)), layout, gpus_per_node=layout.world_size)
     return request.getfixturevalue(world)[name], planned

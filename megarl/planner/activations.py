@@ -30,6 +30,10 @@ MLP (SwiGLU)          local spec: fc1's input and output (all              ``b (
                       ``megarl.models.swiglu`` keeps), fc2's input
                       TE spec (Megatron's GLU): also silu(gate) and        ``b (h + 2f + f + f + f)``
                       up + 0 (it adds its GLU offset)
+routed experts        instead of the MLP row: the router's input, top-k     ``b h + 20 k + 5 E + k (b h + 4``
+(Qwen3-MoE, EP = 1)   and dispatch bookkeeping, per routed copy the         ``+ 4 b f)`` (``+ 4 E + 8 k`` with
+                      permuted token and the expert's SwiGLU                the load-balancing term trained on)
+                      (``Model.routed_mlp_bytes``)
 ====================  ===================================================  ====================================
 
 Per micro-batch and layer: the unfused causal mask, ``s * s`` bools. Per stage: RoPE's cos and sin, ``2 b s d``,
@@ -99,6 +103,9 @@ class Model:
     """Tensor-parallel degree."""
     kernels: Kernels = Kernels()
     """What the device's kernels save."""
+    load_balancing: bool = False
+    """Routed experts whose load-balancing term is trained on (``actor.moe_aux_loss_coef`` > 0): its router
+    softmax and top-k stay for backward too (``megarl.backend.moe``)."""
 
     def _per_rank(self, n: int) -> int:
         return n // self.tp
@@ -107,8 +114,8 @@ class Model:
         h = self.spec.hidden_size
         return tokens * (self.dtype_bytes * h + FP32)
 
-    def layer_bytes(self, mb: MicroBatchShape) -> int:
-        """Saved by one transformer layer for one micro-batch."""
+    def layer_bytes(self, mb: MicroBatchShape, routed: bool = False) -> int:
+        """Saved by one transformer layer for one micro-batch (``routed``: its MLP is routed experts)."""
         s, b, T = self.spec, self.dtype_bytes, mb.tokens
         h, d = s.hidden_size, s.head_dim
         a, g, f = self._per_rank(s.num_heads), self._per_rank(s.num_kv_heads), self._per_rank(s.ffn_hidden_size)
@@ -122,9 +129,25 @@ class Model:
             total += T * (b * (kept + out) + probs) + mb.length * mb.length  # + the causal mask
         if s.qk_norm:  # Qwen3's per-head norms: 1/rms per head in fp32; under GQA q's input is a copy (a reshape of a
             total += T * (FP32 * (a + g) + (b * a * d if g < a else 0))  # strided view), k's a view of the QKV output
+        if routed:
+            return total + T * self.routed_mlp_bytes()
         total += T * b * (h + 3 * f)  # fc1 in, fc1 out (2f: all megarl's SwiGLU keeps), fc2 in
         total += T * b * 2 * f if self.kernels.megatron_glu else 0  # silu(gate), up + 0
         return total
+
+    def routed_mlp_bytes(self) -> int:
+        """Per token, a routed-expert MLP (local spec, EP = 1; counted on CPU): the router's input (``b h``), its top-k
+        indices (int64) and probabilities (fp32), the dispatcher's routing map (bool) and probabilities (fp32) per
+        expert and its sorted indices (int64, per routed copy); per routed copy (``k`` of them) the permuted token
+        (``b h``: each expert's fc1 input is a view of it), its probability (fp32) and the expert's SwiGLU (fc1 out
+        ``2 f``, the activation and its product with the probability, fc2's input: ``b 4 f``). With the load-balancing
+        term trained on, its softmax (fp32 per expert) and top-k indices too."""
+        s, b = self.spec, self.dtype_bytes
+        h, k, E, f = s.hidden_size, s.moe_top_k, s.num_experts, self._per_rank(s.moe_ffn_hidden_size)
+        router = b * h + (TOKEN_ID_BYTES + FP32) * k + (1 + FP32) * E + TOKEN_ID_BYTES * k
+        experts = k * (b * h + FP32 + b * 4 * f)
+        balancing = FP32 * E + TOKEN_ID_BYTES * k if self.load_balancing else 0
+        return router + experts + balancing
 
     def rope_bytes(self, mb: MicroBatchShape) -> int:
         """RoPE's cos and sin at the micro-batch's length: one pair for the stage (its layers, q and k and its
@@ -159,16 +182,19 @@ def stage_activation_bytes(
     recompute: bool = False,
     value_head: bool = False,
     entropy_bonus: bool = False,
+    routed: int = 0,
 ) -> int:
-    """Peak bytes saved for backward on one pipeline stage holding ``layers`` layers, with ``in_flight``
-    micro-batches between their forward and backward (1F1B: PP - stage)."""
+    """Peak bytes saved for backward on one pipeline stage holding ``layers`` layers (``routed`` of them with
+    routed-expert MLPs), with ``in_flight`` micro-batches between their forward and backward (1F1B: PP - stage)."""
     last_bytes = model.last_stage_bytes(mb, value_head, entropy_bonus) if last else 0
     ends = (mb.tokens * TOKEN_ID_BYTES if first else 0) + last_bytes
     rope = model.rope_bytes(mb) if layers else 0
     if not recompute:
-        return rope + in_flight * (layers * model.layer_bytes(mb) + ends)
+        saved = (layers - routed) * model.layer_bytes(mb) + routed * model.layer_bytes(mb, routed=True)
+        return rope + in_flight * (saved + ends)
     kept = layers * model.recomputed_layer_bytes(mb)
-    recomputed = model.layer_bytes(mb)
+    kinds = ([False] if routed < layers else []) + ([True] if routed else [])  # the stage's layers: dense, routed
+    recomputed = max(model.layer_bytes(mb, routed=r) for r in kinds)  # the largest is recomputed at some point
     recomputed -= model.recomputed_layer_bytes(mb)  # its first norm keeps the very input the checkpoint holds
     # the loss's tensors are freed before the last layer's backward recomputes it: the larger of the two is the peak
     return rope + in_flight * kept + (in_flight - 1) * ends + max(ends, recomputed)

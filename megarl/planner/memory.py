@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megarl.backend.offload import ACTOR_GRADS, ACTOR_OPTIMIZER, CRITIC, REFERENCE, REWARD_MODEL, flagged_groups
 from megarl.config.device_defaults import kv_cache_bytes
@@ -201,11 +201,14 @@ def activation_bytes(
     largest micro-batch (``micro_batch_shape``), as ``megarl.planner.activations`` accounts them tensor by tensor: up to
     PP - stage micro-batches in flight (1F1B), ``model.recompute`` keeping one input per layer."""
     role = cfg.critic if critic else cfg.actor
-    model = activation_model(cfg, spec, layout)
+    balancing = not critic and spec.is_moe and cfg.actor.moe_aux_loss_coef > 0
+    model = replace(activation_model(cfg, spec, layout), load_balancing=balancing)
+    per_stage = spec.num_layers // layout.pp
     return stage_activation_bytes(
         model,
         micro_batch_shape(role, cfg.actor.seq_length),
-        layers=spec.num_layers // layout.pp,
+        layers=per_stage,
+        routed=sum(spec.moe_layers[pp_rank * per_stage : (pp_rank + 1) * per_stage]),
         first=pp_rank == 0,
         last=pp_rank == layout.pp - 1,
         in_flight=layout.pp - pp_rank,
