@@ -7,7 +7,8 @@ import torch
 from megarl.config.schema import RolloutConfig, SamplingConfig
 
 
-def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
+def run_hf_engine(hf_dir: str, engine_dir: str, moe: tuple[str, str] | None = None) -> dict:
+    """``moe``: also a Qwen3-MoE's (HF dir, engine dir), synced from Megatron at DP=2 (``moe_logits``)."""
     from megarl.backend.logprobs import token_logprobs
     from megarl.convert.hf_to_megatron import load_hf_into_chunk
     from megarl.models import read_hf_config, spec_from_hf_config
@@ -63,6 +64,7 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
         argmax &= logits.argmax(-1).tolist() == s.token_ids
         seed_free &= next(o.token_ids for o in other if o.prompt_index == s.prompt_index) == s.token_ids
     engine.sleep()
+    moe_diff = _moe_logits(*moe, layout) if moe else None
     asleep = engine.resident_bytes()
     engine.update_weights(actor_tensors(chunk), 1)
     again = run([0, 1, 2, 3])
@@ -82,4 +84,28 @@ def run_hf_engine(hf_dir: str, engine_dir: str) -> dict:
         "same_after_sleep": tokens(again) == tokens(together),
         "greedy_is_argmax": argmax and len(first) == 4,
         "greedy_seed_and_batch_free": seed_free,
+        "moe_logits": moe_diff,
     }
+
+
+def _moe_logits(hf_dir: str, engine_dir: str, layout) -> float:
+    """A Qwen3-MoE's HF engine (transformers' fused experts) after a sync from Megatron: the largest difference of
+    its logits from transformers' own model loaded from ``hf_dir`` (fp32), on a 64-token sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.convert.hf_to_megatron import load_hf_into_chunk
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.models.builder import build_model_chunk
+    from megarl.reshard.layout import megatron_layout
+    from megarl.reshard.sync import actor_tensors
+    from megarl.rollout.hf_engine import HFEngine
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    chunk = build_model_chunk(spec, layout, init_weights=False)
+    load_hf_into_chunk(chunk, hf_dir, spec, layout, torch.distributed.get_rank(), progress=False)
+    engine = HFEngine(RolloutConfig(max_model_len=256, bucket_mb=1), engine_dir, spec, megatron_layout(spec, layout, 2))
+    engine.update_weights(actor_tensors(chunk), 0)
+    seq = torch.randint(3, 259, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(seq).logits
+        return (engine.model(seq).logits - want).abs().max().item()

@@ -22,7 +22,9 @@ def dp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-engine")
     hf_dir = make_tiny_hf_model(str(root / "llama"), "llama", seed=3, init_std=0.08)
     engine_dir = write_engine_dir(read_hf_config(hf_dir), hf_dir, str(root / "engine"))
-    return run_on_ranks(run_hf_engine, 2, hf_dir, engine_dir)
+    moe_dir = make_tiny_hf_model(str(root / "moe"), "qwen3_moe", seed=4, init_std=0.08)
+    moe_engine = write_engine_dir(read_hf_config(moe_dir), moe_dir, str(root / "moe-engine"))
+    return run_on_ranks(run_hf_engine, 2, hf_dir, engine_dir, (moe_dir, moe_engine))
 
 
 def test_one_batch_per_step_and_samples_independent_of_the_batch(dp2):
@@ -50,6 +52,12 @@ def test_temperature_zero_is_greedy(dp2):
 def test_sleep_frees_the_weights_and_the_next_sync_restores_them(dp2):
     assert dp2["asleep_bytes"] == 0 and dp2["awake_bytes"] > 0
     assert dp2["model_kept"] and dp2["same_after_sleep"]  # built once; every parameter rewritten by the sync
+
+
+def test_qwen3_moe_engine_holds_the_synced_experts(dp2):
+    """rollout.backend=hf with Qwen3-MoE: the sync's per-expert tensors land in transformers' fused experts
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the engine's logits are transformers' own (fp32)."""
+    assert dp2["moe_logits"] <= 1e-5, dp2["moe_logits"]
 
 
 def test_gumbel_max_draws_from_the_truncated_softmax():

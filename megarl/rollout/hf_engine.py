@@ -14,6 +14,7 @@ configured, is ignored by them (said once in the log).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 
@@ -31,13 +32,37 @@ from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
 
 
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def hub_targets(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Where each tensor of the hub layout (the sync's HF names) lives in a transformers model: its parameter, or for
+    fused experts (Qwen3-MoE in memory: ``mlp.experts.gate_up_proj`` [E, 2I, H] = per expert [gate; up], and
+    ``down_proj`` [E, H, I]; ``modeling_qwen3_moe.py``) expert j's rows of them, a view that writes through."""
+    out = {}
+    for name, param in model.named_parameters():
+        fused = _FUSED_EXPERTS.match(name)
+        if fused is None:
+            out[name] = param
+            continue
+        prefix, kind, width = fused[1], fused[2], spec.moe_ffn_hidden_size
+        for j in range(param.shape[0]):
+            if kind == "gate_up_proj":
+                out[f"{prefix}.{j}.gate_proj.weight"] = param[j, :width]
+                out[f"{prefix}.{j}.up_proj.weight"] = param[j, width:]
+            else:
+                out[f"{prefix}.{j}.down_proj.weight"] = param[j]
+    return out
+
+
 class _HFModelWrite:
     """Data path: executor -> full HF tensors of one layer on this rank -> copied into the transformers model."""
 
     name = "hf_model_write"
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype):
+    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype):
         self.params, self.dtype = params, dtype
+        """Hub name -> the tensor (a parameter or a view of one) it is copied into (``hub_targets``)."""
 
     @torch.no_grad()
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
@@ -139,7 +164,7 @@ class HFEngine:
         report = run_sync(
             self.sub_plans,
             src_tensors,
-            _HFModelWrite(dict(self.model.named_parameters()), self.dtype),
+            _HFModelWrite(hub_targets(self.model, self.spec), self.dtype),
             bucket_bytes=self.cfg.bucket_mb * 1024**2,
             verify=self.cfg.verify,
             compare_full=self.cfg.verify_full,
