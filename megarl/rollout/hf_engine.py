@@ -31,7 +31,6 @@ from megarl.reshard.plan import plan
 from megarl.reshard.sync import SyncReport, run_sync, split_by_layer
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
 
-
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
