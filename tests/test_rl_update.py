@@ -106,6 +106,9 @@ WORLD2 += [("ref_moe_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", refe
                                  extra=(*MOE, *ATTENTION_LORA))),
            ("pp2_moe_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", hf="moe",
                                  extra=(*MOE, *ATTENTION_LORA)))]  # fmt: skip
+WORLD2 += [("ref_moe_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe",
+                                      extra=(*MOE, *BF16))),
+           ("pp2_moe_grpo_bf16", dict(layout=L(pp=2), algo="grpo", split="mbs1", hf="moe", extra=(*MOE, *BF16)))]
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt;
 # Qwen3-MoE at DP=2 and PP=2
 MEMORY = {"mem_tp2": ("world2", L(tp=2), False, None), "mem_pp2": ("world2", L(pp=2), False, None),
@@ -358,6 +361,10 @@ def test_moe_update_with_load_balancing_matches_single_rank(world2, case):
     router = "decoder.layers.0.mlp.router.weight"
     assert (ref["weights"][router] - ref["initial"][router]).abs().max() > 100 * ATOL_WEIGHTS
     _assert_same_update(world2[case], ref)
+
+
+def test_moe_update_in_bf16_matches_single_rank_bf16(world2):
+    _assert_same_update(world2["pp2_moe_grpo_bf16"], world2["ref_moe_grpo_bf16"], bf16=True)
 
 
 def test_moe_lora_on_the_attention_matches_single_rank(world2):
