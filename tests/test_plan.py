@@ -200,3 +200,33 @@ def test_startup_phase_equals_the_training_state_resident_when_the_engine_starts
                                                                      "critic params+grads+optimizer",
                                                                      "reference params"}  # fmt: skip
         assert seen == {"built": m.consumers["actor params"], "first sync": m.consumers["actor params"]}, m.rank
+
+
+QWEN3_30B_A3B_LAYER = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * 768 * 2048
+"""One Qwen3-30B-A3B layer: attention (q, k, v in; o out), q/k norms, two norms, the router, 128 experts x (gate, up,
+down) of 768; 623,120,640 parameters. With 48 of them, embed + lm_head 2 x 151936 x 2048 and the final norm:
+30,532,122,624, the model's 30.5B."""
+
+
+def test_a_qwen3_moe_plan_counts_every_expert_and_prints_their_bytes(tmp_path):
+    """Qwen3-30B-A3B's shapes (tests/test_reshard.py; 8 of its 48 layers) at PP=4, DP=2 (MoE trains at TP=1): the
+    stages hold every parameter once, the memory table shows the routed experts' share of the actor's bytes on
+    lines of their own, and the step time counts the FLOPs of the experts a token is routed to."""
+    import json
+
+    from tests.test_reshard import QWEN3_30B_A3B
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": 8}))
+    cfg = load_config(RECIPE, [f"model.path={tmp_path}", "actor.parallel.tp=1", "actor.parallel.pp=4",
+                               "actor.parallel.dp=2", "rollout.tp=8", "model.dtype=bfloat16"])  # fmt: skip
+    job = make_plan(cfg, validate(cfg), Hardware(1, 8))
+    actor = model_params(job.spec, job.layout)
+    total = 2 * 151936 * 2048 + 8 * QWEN3_30B_A3B_LAYER + 2048
+    assert sum(p.numel for pp in range(4) for p in actor[job.layout.rank(0, pp, 0)]) == total
+    experts = 2 * 128 * 3 * 768 * 2048  # a stage's 2 layers
+    assert job.ranks[0].parts == {"of which routed experts' params": 2 * experts,
+                                  "of which routed experts' grads": 4 * experts}  # fmt: skip
+    assert "of which routed experts' params" in format_plan(job)
+    from megarl.planner.step_time import _params  # the step time's FLOPs: a token computes with 8 of 128 experts
+
+    assert _params(job.spec, active=True) == total - 8 * 128 * 3 * 768 * 2048 * (128 - 8) // 128

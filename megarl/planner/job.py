@@ -396,6 +396,8 @@ def _memory_table(job: JobPlan) -> list[str]:
     for c in reps[0].consumers:
         label = c + (" [offloaded]" if c in reps[0].offloaded else "")
         rows.append(f"{label:{name_w}}" + "".join(f"{_gb(m.consumers[c]):>{width}}" for m in reps))
+    for part in reps[0].parts:  # shares of the lines above (counted there)
+        rows.append(f"{'  ' + part:{name_w}}" + "".join(f"{_gb(m.parts[part]):>{width}}" for m in reps))
     for phase in reps[0].phases:
         label = f"= {phase} peak"
         rows.append(f"{label:{name_w}}" + "".join(f"{_gb(m.phase_bytes(phase)):>{width}}" for m in reps))

@@ -52,6 +52,7 @@ _LAYER_ORDER = (
     "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight",
 )
+_EXPERT_PARAM = re.compile(r"\.mlp\.experts\.local_experts\.")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
@@ -259,6 +260,9 @@ class RankMemory:
     offloaded: dict[str, int] = field(default_factory=dict)
     """Consumers moved to host memory while vLLM generates (and what that frees)."""
     phases: dict[str, list[str]] = field(default_factory=dict)
+    parts: dict[str, int] = field(default_factory=dict)
+    """Shares of consumers shown on lines of their own (already counted in their consumer, in no phase): the
+    routed experts' parameters and gradients of an MoE actor."""
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.consumers[c] for c in self.phases[phase])
@@ -347,6 +351,10 @@ class _JobMemory:
         m.consumers["actor params"] = actor.params
         m.consumers[ACTOR_GRADS] = actor.grads
         m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
+        if "actor" in pool.roles and self.spec.is_moe:
+            experts = sum(p.numel for p in self.params_of("actor")[local] if _EXPERT_PARAM.search(p.name))
+            m.parts["of which routed experts' params"] = experts * DTYPE_BYTES[dtype]
+            m.parts["of which routed experts' grads"] = 0 if self.adapters is not None else experts * GRAD_BYTES
         if needs_critic(cfg):
             critic = ModelBytes(0)
             if "critic" in pool.roles:

@@ -43,8 +43,14 @@ class StepTime:
         return max(self.generate_s, self.learn_s) + self.sync_s
 
 
-def _params(spec: ModelSpec, *, value_head: bool = False) -> int:
-    return sum(p.numel for p in model_params(spec, ParallelLayout(), value_head=value_head)[0])
+def _params(spec: ModelSpec, *, value_head: bool = False, active: bool = False) -> int:
+    """The model's parameters; ``active``: those one token computes with (of the routed experts, top-k of E)."""
+    params = model_params(spec, ParallelLayout(), value_head=value_head)[0]
+    total = sum(p.numel for p in params)
+    if active and spec.is_moe:
+        experts = sum(p.numel for p in params if ".mlp.experts.local_experts." in p.name)
+        total -= experts - experts * spec.moe_top_k // spec.num_experts
+    return total
 
 
 def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime:
@@ -54,7 +60,7 @@ def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime
     prompt, new = cfg.data.max_prompt_length, cfg.rollout.sampling.max_new_tokens
     tokens = seqs * (prompt + new)
     train = 8 if cfg.model.recompute else 6  # FLOPs per parameter and token, forward and backward
-    actor, critic = _params(spec), _params(spec, value_head=True)
+    actor, critic = _params(spec, active=True), _params(spec, value_head=True, active=True)  # FLOPs per token
     pools = pools_of(cfg)
     a = cfg.actor.parallel
     actor_gpus = a.tp * a.pp * a.dp
@@ -72,7 +78,8 @@ def step_time(cfg: MegarlConfig, spec: ModelSpec, hw, sync_s: float) -> StepTime
     rollout_ranks = next((p.size for p in pools if "rollout" in p.roles), actor_gpus)
     tp = rollout_tp(cfg)
     per_engine = math.ceil(seqs / (rollout_ranks // tp))
-    read_s = actor * DTYPE_BYTES[cfg.model.dtype] / tp / (hw.hbm_gb_s * 1e9 * hw.decode_bw_efficiency)
+    weights = _params(spec) * DTYPE_BYTES[cfg.model.dtype]  # a decode step reads every expert a batch routes to
+    read_s = weights / tp / (hw.hbm_gb_s * 1e9 * hw.decode_bw_efficiency)
     decode_step_s = max(read_s, 2 * actor * per_engine / tp / flops_s)
     prefill_s = 2 * actor * per_engine * prompt / tp / flops_s
     return StepTime(prefill_s + new * decode_step_s, learn_s, sync_s)
