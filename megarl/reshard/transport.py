@@ -117,6 +117,7 @@ class ShardWrite:
     def load(self, layers: Iterable[dict[str, torch.Tensor]]) -> None:
         for tensors in layers:
             touched: dict[int, torch.nn.Module] = {}
+            experts: dict[int, torch.nn.Module] = {}  # the modules holding fused experts
             for name, value in tensors.items():  # names come from the layout, checked against the engine above
                 value = value.view(self.views[name]) if name in self.views else value
                 for module, attr in self.holders[name]:
@@ -131,7 +132,14 @@ class ShardWrite:
                             f"{name}: engine holds shape {tuple(current.shape)}, sync sent {value.shape}"
                         )
                     touched[id(module)] = module
+                    if name in self.views:
+                        experts[id(module)] = module
             _post_load(touched.values(), self.repack)
+            if not self.repack:  # CUDA: the experts' method converts what was copied in again (FlashInfer CUTLASS
+                # swaps w13 to [up; gate], ROCm's AITER shuffles: fused_moe/oracle/unquantized.py), copying into the
+                # same storage on a weight update (unquantized_fused_moe_method.py:180-189): captured graphs stay valid
+                for module in experts.values():
+                    module.quant_method.process_weights_after_loading(module)
 
 
 class FullReload:
