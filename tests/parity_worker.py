@@ -82,7 +82,7 @@ def _full_shapes(spec: ModelSpec, value_head: bool) -> dict[str, tuple]:
         out[p + "self_attention.linear_proj.weight"] = (h, spec.num_heads * d)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
         mlps = [p + "mlp."]
-        if spec.moe_layers and spec.moe_layers[i]:
+        if spec.routed(i):
             out[p + "mlp.router.weight"], f = (spec.num_experts, h), spec.moe_ffn_hidden_size
             mlps = [f"{p}mlp.experts.local_experts.{j}." for j in range(spec.num_experts)]
         for m in mlps:

@@ -47,7 +47,7 @@ def expected_vllm(hf: dict[str, torch.Tensor], spec, r: int, d: int) -> dict[str
                 [hf[a + f"q_proj.{s}"].chunk(d)[r], kv(hf[a + f"k_proj.{s}"]), kv(hf[a + f"v_proj.{s}"])]
             )
         out[a + "o_proj.weight"] = hf[a + "o_proj.weight"].chunk(d, dim=1)[r]
-        if spec.moe_layers and spec.moe_layers[i]:  # vLLM's fused experts: [E, 2I/d, H] and [E, H, I/d]
+        if spec.routed(i):  # vLLM's fused experts: [E, 2I/d, H] and [E, H, I/d]
             e = [f"{p}mlp.experts.{j}." for j in range(spec.num_experts)]
             out[p + "mlp.gate.weight"] = hf[p + "mlp.gate.weight"]
             out[p + "mlp.experts.routed_experts.w13_weight"] = torch.stack(

@@ -100,8 +100,7 @@ def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
             TensorMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), COPY, i),
             TensorMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), COPY, i),
         ]
-        routed = spec.moe_layers and spec.moe_layers[i]
-        maps += _experts(m, h, i, spec) if routed else _swiglu(m + "mlp.", h + "mlp.", i)
+        maps += _experts(m, h, i, spec) if spec.routed(i) else _swiglu(m + "mlp.", h + "mlp.", i)
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if spec.score_head:  # a reward model: HF's [1, hidden] score head
         maps.append(TensorMap("output_layer.weight", ("score.weight",), COPY))

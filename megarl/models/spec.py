@@ -75,6 +75,10 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
+    def routed(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts (else a dense SwiGLU)."""
+        return bool(self.moe_layers) and bool(self.moe_layers[layer])
+
     def to_dict(self) -> dict:
         return asdict(self)
 

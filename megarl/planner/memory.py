@@ -101,6 +101,11 @@ def model_params(spec: ModelSpec, layout: ParallelLayout, *, value_head: bool = 
     return out
 
 
+def expert_numel(params: list[Param]) -> int:
+    """Elements of the routed experts' parameters among ``params`` (Megatron's ``mlp.experts.local_experts``)."""
+    return sum(p.numel for p in params if _EXPERT_PARAM.search(p.name))
+
+
 def lora_params(spec: ModelSpec, layout: ParallelLayout, lora) -> dict[int, list[Param]]:
     """Every rank's adapter parameters (the only trainable ones with ``actor.lora``), in module order: the layout
     description's (``megatron_adapter_layout``: per layer of its stage, each linear's A factors then its B factors)."""
@@ -352,7 +357,7 @@ class _JobMemory:
         m.consumers[ACTOR_GRADS] = actor.grads
         m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
         if "actor" in pool.roles and self.spec.is_moe:
-            experts = sum(p.numel for p in self.params_of("actor")[local] if _EXPERT_PARAM.search(p.name))
+            experts = expert_numel(self.params_of("actor")[local])
             m.parts["of which routed experts' params"] = experts * DTYPE_BYTES[dtype]
             m.parts["of which routed experts' grads"] = 0 if self.adapters is not None else experts * GRAD_BYTES
         if needs_critic(cfg):

@@ -20,7 +20,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.config.validate import critic_parallel, pools_of, rollout_tp
 from megarl.models.spec import ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.planner.memory import DTYPE_BYTES, lora_params, model_params
+from megarl.planner.memory import DTYPE_BYTES, expert_numel, lora_params, model_params
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _params(spec: ModelSpec, *, value_head: bool = False, active: bool = False) 
     params = model_params(spec, ParallelLayout(), value_head=value_head)[0]
     total = sum(p.numel for p in params)
     if active and spec.is_moe:
-        experts = sum(p.numel for p in params if ".mlp.experts.local_experts." in p.name)
+        experts = expert_numel(params)
         total -= experts - experts * spec.moe_top_k // spec.num_experts
     return total
 

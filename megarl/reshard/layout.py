@@ -57,11 +57,6 @@ class Shard:
     """The tensor's own shape when it has more than 2 dims (vLLM's fused experts, [E, rows, cols]): ``shape`` is
     then its row view (E * rows, cols), which a reshape turns into it."""
 
-    @property
-    def tensor_shape(self) -> tuple[int, ...]:
-        """The shape of the tensor itself on its side."""
-        return self.view or self.shape
-
 
 @dataclass
 class SideLayout:
@@ -141,7 +136,7 @@ def _mlp_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
     """Layer i's MLP tensors: a dense SwiGLU, or a routed-expert MLP (the router ``mlp.gate`` and each expert j's
     SwiGLU ``mlp.experts.{j}``, the hub layout)."""
     h, p = spec.hidden_size, f"model.layers.{i}.mlp."
-    if not (spec.moe_layers and spec.moe_layers[i]):
+    if not spec.routed(i):
         f = spec.ffn_hidden_size
         return {p + "gate_proj.weight": (f, h), p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f)}
     f, shapes = spec.moe_ffn_hidden_size, {p + "gate.weight": (spec.num_experts, h)}
@@ -268,7 +263,7 @@ def _vllm_mlp(spec: ModelSpec, i: int, r: int, d: int) -> list[Shard]:
     rank-r slice of its intermediate size in ``w13_weight`` [E, 2I/d, H] (per expert [gate_r; up_r]) and
     ``w2_weight`` [E, H, I/d] (per expert down's columns r), each described as its 2-D row view (``Shard.view``)."""
     h, p = spec.hidden_size, f"model.layers.{i}.mlp."
-    if not (spec.moe_layers and spec.moe_layers[i]):
+    if not spec.routed(i):
         ffn = spec.ffn_hidden_size // d
         rows = (r * ffn, (r + 1) * ffn)
         gate_up = _ShardBuilder(p + "gate_up_proj.weight", h).add(p + "gate_proj.weight", rows)
