@@ -17,8 +17,10 @@ from megarl.parallel.layout import ParallelLayout as L
 
 # (TP, PP) layouts to load at; the remaining factor of the 4 ranks is DP (replicas compute the same logits).
 LOAD_LAYOUTS = {"tp1pp1": L(dp=4), "tp2pp1": L(tp=2, dp=2), "tp1pp2": L(pp=2, dp=2), "tp2pp2": L(tp=2, pp=2)}
-MOE_LAYOUTS = {name: LOAD_LAYOUTS[name] for name in ("tp1pp1", "tp1pp2")}
-"""An MoE model is built at TP=1 only: at DP=4 and at PP=2 x DP=2."""
+MOE_LAYOUTS = {**{name: LOAD_LAYOUTS[name] for name in ("tp1pp1", "tp1pp2")},
+               "ep2": L(dp=4, ep=2), "ep2pp2": L(pp=2, dp=2, ep=2)}  # fmt: skip
+"""An MoE model is built at TP=1 only: at DP=4, at PP=2 x DP=2, and with its experts split over EP=2 (a checkpoint
+written at EP=1 read at EP=2)."""
 
 
 def family_of(model: str) -> str:
@@ -53,9 +55,9 @@ def run_conversions(hf_dirs: dict[str, str], corrupted_dir: str, root: str) -> d
     a, b = _full_state(f"{root}/llama-ckpt"), _full_state(f"{root}/llama-tp2-ckpt")
     results["tp2_written_state_equal"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # an MoE model written at PP=2 loads at PP=1 (the same tensors); at TP=2 it is refused in one line
+    # an MoE model written at PP=2 x EP=2 loads at PP=1, EP=1 (the same tensors); at TP=2 it is refused in one line
     moe, ck = hf_dirs["qwen3_moe_mixed"], f"{root}/moe-pp2-ckpt"
-    convert_hf_to_megatron(moe, ck, L(pp=2, dp=2))
+    convert_hf_to_megatron(moe, ck, L(pp=2, dp=2, ep=2))
     results["moe_pp2_written", "tp1pp1"] = verify_checkpoint(moe, ck, L(dp=4))
     a, b = _full_state(f"{root}/qwen3_moe_mixed-ckpt"), _full_state(ck)
     results["moe_pp2_written_state_equal"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

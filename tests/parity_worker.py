@@ -110,10 +110,10 @@ def _gather_full(model_chunk, layout: ParallelLayout, spec: ModelSpec, value_hea
              if not k.endswith("_extra_state") and ".lora." not in k}  # fmt: skip (LoRA factors: gather_adapters)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ((c.tp, c.pp, c.dp), local))
-    by_coord = {(t, p): sd for (t, p, d), sd in everyone if d == 0}
-    return shards.full_state_dict(
-        by_coord, layout.tp, layout.pp, spec.num_layers, tied_embeddings=spec.tie_word_embeddings, value_head=value_head
-    )
+    by_coord = {(t, p, d): sd for (t, p, d), sd in everyone if d < layout.ep}  # one replica: DP ranks 0..ep-1
+    return shards.full_state_dict(by_coord, layout.tp, layout.pp, spec.num_layers, ep=layout.ep,
+                                  num_experts=spec.num_experts, tied_embeddings=spec.tie_word_embeddings,
+                                  value_head=value_head)  # fmt: skip
 
 
 def run_case(
@@ -133,7 +133,7 @@ def run_case(
     full = _full_weights(spec, value_head)
     local = shards.local_state_dict(
         full,
-        shards.StageInfo(c.pp, layout.pp, spec.num_layers),
+        shards.StageInfo.at(layout, rank, spec),
         c.tp,
         layout.tp,
         tied_embeddings=spec.tie_word_embeddings,

@@ -79,7 +79,7 @@ def test_written_at_tp2_loads_at_tp1_and_pp2(work):
     assert res["tp2_written_state_equal"]
 
 
-def test_an_moe_model_written_at_pp2_loads_at_pp1_and_is_refused_at_tp2(work):
+def test_an_moe_model_written_at_pp2_ep2_loads_at_pp1_ep1_and_is_refused_at_tp2(work):
     res = work["results"]
     assert res["moe_pp2_written", "tp1pp1"]["passed"] and res["moe_pp2_written_state_equal"]
     assert "an MoE model trains at tp=1" in res["moe_tp2_refused"], res["moe_tp2_refused"]
@@ -159,3 +159,12 @@ def test_bf16_safetensors_convert_verify_and_export_bitwise(work, tmp_path):
     assert a.names == b.names
     for name in sorted(a.names):
         assert a.get(name).dtype == b.get(name).dtype == torch.bfloat16 and torch.equal(a.get(name), b.get(name)), name
+
+
+def test_cli_refuses_ep_on_a_dense_model_and_one_not_dividing_the_experts(work, tmp_path):
+    dense = _tool("hf_to_megatron", "--hf-dir", work["hf_dirs"]["llama"], "--out", str(tmp_path / "a"), "--ep", "2")
+    assert dense.returncode == 2 and "--ep=2: llama has no routed experts to split" in dense.stderr, dense.stderr
+    moe = _tool("verify", "--hf-dir", work["hf_dirs"]["qwen3_moe"], "--ckpt", os.path.join(work["root"],
+                "qwen3_moe-ckpt"), "--ep", "3")  # fmt: skip
+    assert moe.returncode == 2 and "--ep=3: does not divide the model's 8 experts" in moe.stderr, moe.stderr
+    assert len(moe.stderr.strip().splitlines()) == 1

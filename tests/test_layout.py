@@ -19,6 +19,24 @@ def test_groups_equal_megatron(tp, pp, dp):
     assert sorted(layout.dp_groups()) == sorted(_megatron_groups(layout, "dp"))
 
 
+@pytest.mark.parametrize("tp,pp,dp,ep", [(1, 1, 2, 2), (1, 2, 2, 2), (1, 1, 8, 2), (2, 2, 4, 4), (1, 4, 8, 8)])
+def test_expert_groups_equal_megatron(tp, pp, dp, ep):
+    """EP inside DP: Megatron's expert rank generator (expert TP = TP, expert DP = dp / ep) gives the same groups."""
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    gen = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    assert sorted(layout.ep_groups()) == sorted(gen.get_ranks("ep"))
+    assert sorted(layout.expert_dp_groups()) == sorted(gen.get_ranks("dp"))
+    assert sorted(layout.dp_groups()) == sorted(_megatron_groups(layout, "dp"))  # the dense DP groups unchanged
+    for rank in range(layout.world_size):
+        assert layout.ep_group(rank).index(rank) == layout.ep_rank(rank)
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelLayout(dp=4, ep=3)
+    assert str(ParallelLayout(dp=4, ep=2)) == "TP=1 PP=1 DP=4 EP=2 (world 4)"
+
+
 def test_coords_round_trip_tp4_pp8_dp2():
     layout = ParallelLayout(tp=4, pp=8, dp=2, gpus_per_node=8)
     assert layout.world_size == 64

@@ -37,13 +37,32 @@ def test_local_and_full_state_dict_round_trip_with_tied_pp():
     for pp_rank in range(2):
         for tp_rank in range(2):
             stage = ms.StageInfo(pp_rank, 2, 2)
-            locals_[(tp_rank, pp_rank)] = ms.local_state_dict(full, stage, tp_rank, 2, tied_embeddings=True)
-    assert set(locals_[(0, 1)]) == {
+            locals_[(tp_rank, pp_rank, 0)] = ms.local_state_dict(full, stage, tp_rank, 2, tied_embeddings=True)
+    assert set(locals_[(0, 1, 0)]) == {
         "decoder.layers.0.mlp.linear_fc2.weight",
         "decoder.final_layernorm.weight",
         "output_layer.weight",
     }
-    assert torch.equal(locals_[(1, 1)]["output_layer.weight"], full["embedding.word_embeddings.weight"][4:])
+    assert torch.equal(locals_[(1, 1, 0)]["output_layer.weight"], full["embedding.word_embeddings.weight"][4:])
     back = ms.full_state_dict(locals_, 2, 2, 2, tied_embeddings=True)
     assert back.keys() == full.keys()
     assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_experts_split_over_ep_ranks_and_merge_back():
+    """EP=2 x PP=2, 4 experts per layer: EP rank e holds experts 2e and 2e+1 of its stage's layers, renumbered 0, 1."""
+    full = {"decoder.layers.0.mlp.router.weight": torch.randn(4, 4)}
+    for i in range(2):
+        for j in range(4):
+            full[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight"] = torch.randn(8, 4)
+    locals_ = {}
+    for pp_rank in range(2):
+        for ep_rank in range(2):
+            stage = ms.StageInfo(pp_rank, 2, 2, ep_rank, 2, num_experts=4)
+            locals_[(0, pp_rank, ep_rank)] = ms.local_state_dict(full, stage, 0, 1)
+    name = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert set(locals_[(0, 1, 1)]) == {name.format(0), name.format(1)}
+    assert torch.equal(locals_[(0, 1, 1)][name.format(1)], full[name.replace("0.mlp", "1.mlp").format(3)])
+    assert "decoder.layers.0.mlp.router.weight" in locals_[(0, 0, 1)]  # dense tensors on every EP rank
+    back = ms.full_state_dict(locals_, 1, 2, 2, ep=2, num_experts=4)
+    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)

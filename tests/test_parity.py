@@ -23,6 +23,7 @@ WORLD2 = [
     ("ref_moe", dict(layout=L(dp=2), spec=tiny_spec(moe=True), reference=True)),
     ("dp2_moe", dict(layout=L(dp=2), spec=tiny_spec(moe=True))),  # the router and experts' gradients over DP
     ("pp2_moe", dict(layout=L(pp=2), spec=tiny_spec(moe=True))),  # a routed layer on each stage
+    ("ep2_moe", dict(layout=L(dp=2, ep=2), spec=tiny_spec(moe=True))),  # each rank 2 of the 4 experts
 ]
 WORLD4 = [
     ("ref", dict(layout=L(dp=4), spec=tiny_spec(), reference=True)),

@@ -128,7 +128,8 @@ def share_out(lengths: list[int], ranks: int, packing: str = "sorted") -> list[l
 
 FILLER = Sequence([0, 0], 2)
 """What a rank runs to keep pace with ranks that have more micro-batches (``plan``'s ``lockstep``): one position, no
-response token, so it weighs nothing in any masked loss (an MoE router's auxiliary losses, unmasked, would see it)."""
+response token, so it weighs nothing in any masked loss; collated (``filler_batch``) its position is padding, which
+the load-balancing loss leaves out."""
 
 
 def plan(lengths: list[int], ranks: int, batching: Batching, *, lockstep: bool = False) -> list[list[list[int]]]:
@@ -220,10 +221,13 @@ def micro_batches(
     """``groups`` (indices into ``seqs``, as ``plan`` gives them) of ``seqs`` with their response-aligned ``fields``,
     collated; an empty group is a ``FILLER``."""
     fields = fields or {}
-    filler = {name: [values[0][:0]] for name, values in fields.items()}
-    return [
-        collate([seqs[i] for i in g], {name: [values[i] for i in g] for name, values in fields.items()})
-        if g
-        else collate([FILLER], filler)
-        for g in groups
-    ]
+    return [collate([seqs[i] for i in g], {name: [values[i] for i in g] for name, values in fields.items()})
+            if g else filler_batch(fields) for g in groups]  # fmt: skip
+
+
+def filler_batch(fields: dict[str, list[torch.Tensor]]) -> dict:
+    """A ``FILLER`` collated: no response token, and its one position marked padding, so a routed-expert layer's
+    load-balancing loss leaves it out too."""
+    batch = collate([FILLER], {name: [values[0][:0]] for name, values in fields.items()})
+    batch["padding_mask"][:] = True
+    return batch

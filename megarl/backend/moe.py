@@ -46,6 +46,8 @@ class LoadBalancing:
         so local micro-batches x DP / the mini-batch's micro-batches makes it the mini-batch's mean."""
         self.values: list[torch.Tensor] = []
         """This rank's losses since ``take``: one per routed layer and micro-batch (detached)."""
+        self.counted: list[torch.Tensor] = []
+        """Beside each value: 1 where its micro-batch had a valid token, 0 for a lockstep filler (all padding)."""
         self.routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:
             router.register_forward_hook(self._routed)
@@ -58,6 +60,7 @@ class LoadBalancing:
         loss = switch_load_balancing_loss(router.gating(hidden).view(-1, router.config.num_moe_experts),
                                           router.topk, valid)  # fmt: skip
         self.values.append(loss.detach())
+        self.counted.append(torch.ones((), device=loss.device) if valid is None else valid.any().double())  # no sync
         if self.coefficient == 0:
             return None
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
@@ -67,12 +70,15 @@ class LoadBalancing:
 
     def take(self) -> float:
         """Collective over the model's pipeline stages and data-parallel ranks: the mean of the losses every rank
-        kept since the last call (over routed layers, micro-batches and data-parallel ranks), then forgets them."""
+        kept since the last call (over routed layers, micro-batches and data-parallel ranks; lockstep fillers are not
+        counted), then forgets them."""
         from megatron.core import parallel_state as ps
 
-        local = torch.stack(self.values).double().sum() if self.values else torch.zeros((), dtype=torch.float64)
-        total = torch.stack([local, torch.tensor(float(len(self.values)), dtype=torch.float64)])
-        self.values = []
+        def summed(values: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(values).double().sum().cpu() if values else torch.zeros((), dtype=torch.float64)
+
+        total = torch.stack([summed(self.values), summed(self.counted)])
+        self.values, self.counted = [], []
         for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)

@@ -120,8 +120,8 @@ def ppo_updates(
                 continue
             _count(stats, seqs, per_rank)
             batches = _trained_micro_batches(seqs, fields, per_rank[dp_rank], trained)
-            if balancing is not None:
-                balancing.scale = len(batches) * dp / sum(len(groups) for groups in per_rank)
+            if balancing is not None:  # lockstep fillers carry no term
+                balancing.scale = len(batches) * dp / sum(1 for groups in per_rank for g in groups if g)
             norm = GlobalNorm(
                 tokens=sum(seqs[i].loss_tokens for i in rows if trained[i]),
                 seqs=sum(trained[i] for i in rows),

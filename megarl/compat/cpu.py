@@ -12,6 +12,9 @@ Process-wide (module attributes, so they hold in every thread):
     call back into ``torch.cuda.manual_seed_all`` and recurse.
   * ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> a host stream whose events are complete: the MoE
     all-to-all dispatcher builds a side stream and records an event on it every forward (token_dispatcher.py).
+  * ``token_dispatcher.maybe_move_tensor_to_cpu`` -> also turns a host tensor into numpy when asked
+    (``as_numpy=True``): on a GPU the dispatcher's all-to-all split sizes arrive on the host as numpy arrays, on the
+    CPU they stayed tensors, which ``all_to_all_single`` refuses under expert parallelism (``TypeError``).
   * megatron's activation-recompute backward (``CheckpointFunction.backward``) runs in the scoped mode below (autograd
     runs backward functions outside any mode entered around ``backward()``).
   * ``fused_softmax.get_{default,sliding_window}_causal_mask`` (the unfused attention's, ``device="cuda"``) run in
@@ -118,6 +121,11 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for host tensors: numpy where the GPU path gives numpy."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def _cpu_get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -156,6 +164,9 @@ def install() -> None:
     cuda.Stream = _HostStream
     cuda.current_stream = lambda device=None: _HOST_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_splits
 
     from megatron.core.tensor_parallel import random as mc_random
 

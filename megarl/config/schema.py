@@ -51,10 +51,14 @@ class ParallelConfig:
     """Pipeline-parallel size: number of stages the layers are split into."""
     dp: int = 1
     """Data-parallel size: number of model replicas, each training on its own slice of the batch."""
+    ep: int = 1
+    """Expert-parallel size (routed-expert models): the DP ranks that split each MoE layer's experts, ``ep``
+    consecutive ones; divides ``dp`` and the expert count. The world stays tp x pp x dp."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(self.dp % self.ep == 0, "ep", f"{self.ep} must divide dp={self.dp}: experts split over DP ranks")
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ class LaunchError(ValueError):
 
 def recipe_layout(cfg: MegarlConfig, ranks_per_node: int | None = None) -> ParallelLayout:
     par = cfg.actor.parallel
-    return ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=ranks_per_node)
+    return ParallelLayout.of(par, ranks_per_node)
 
 
 def check_nodes(cfg: MegarlConfig, nnodes: int, ranks_per_node: int, nodes_opt: str, ranks_opt: str) -> None:
@@ -57,7 +57,7 @@ def _check_pool_nodes(cfg: MegarlConfig, launched: int, ranks_per_node: int, nod
         role = pool_layout_role(pool)
         if role is not None:  # Megatron's layout of the pool (the actor's, the critic's, the reward model's)
             par = layout_config(cfg, role)
-            layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
+            layout = ParallelLayout.of(par)
             groups = [[pool.ranks.start + r for r in g] for g in layout.tp_groups()]
         elif "rollout" in pool.roles:
             tp = rollout_tp(cfg)

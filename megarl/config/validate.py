@@ -26,7 +26,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"model.path: {e}") from None
     par = cfg.actor.parallel
-    layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
+    layout = ParallelLayout.of(par)
     errors = placement_errors(cfg)
     pools = pools_of(cfg)
     if world_size is not None and pools and world_size != launch_world_size(cfg):
@@ -36,7 +36,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
             f"actor.parallel: tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {layout.world_size}, but {world_size} "
             f"ranks were launched; launch {layout.world_size} ranks or change tp/pp/dp so their product is {world_size}"
         )
-    errors += layout_errors(spec, par.tp, par.pp)
+    errors += layout_errors(spec, par.tp, par.pp, ep=par.ep)
     if spec.padded_vocab_size % par.tp:
         errors.append(
             f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} gives a padded vocabulary of "
@@ -136,8 +136,8 @@ def _reward_wait_errors(cfg: MegarlConfig) -> list[str]:
     ]
 
 
-def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}") -> list[str]:
-    """What in the model a TP/PP layout does not divide: one message per degree, naming each size it does not divide
+def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parallel.{}", ep: int = 1) -> list[str]:
+    """What in the model a TP/PP/EP layout does not divide: one message per degree, naming each size it does not divide
     and the degrees that divide them all; ``option`` names the setting ('actor.parallel.{}' in recipes, '--{}' on
     the conversion tools' command lines)."""
     sizes = {
@@ -154,6 +154,8 @@ def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parall
                           f"{name} in {fits}")  # fmt: skip
     if spec.is_moe and tp > 1:
         errors.append(f"{option.format('tp')}={tp}: {MOE_TP_REFUSAL}")
+    if spec.ep_refusal(ep):
+        errors.append(f"{option.format('ep')}={ep}: {spec.ep_refusal(ep)}")
     return errors
 
 
@@ -415,7 +417,7 @@ def _pool_layout_errors(cfg: MegarlConfig, spec: ModelSpec, pools: list) -> list
             except (FileNotFoundError, ValueError):
                 pass  # named by _reward_model_errors
         for s in specs:
-            errors += layout_errors(s, par.tp, par.pp, option=f"{name}.parallel.{{}}")
+            errors += layout_errors(s, par.tp, par.pp, option=f"{name}.parallel.{{}}", ep=par.ep)
             if s.padded_vocab_size % par.tp:
                 errors.append(f"{name}.parallel.tp={par.tp} does not divide the padded vocabulary of "
                               f"{s.padded_vocab_size} rows")  # fmt: skip
@@ -446,7 +448,7 @@ def _reward_model_errors(cfg: MegarlConfig, spec: ModelSpec | None, pools: list)
     if not pools:  # colocated: at the actor's layout
         par = cfg.actor.parallel
         errors += [e.replace("actor.parallel.", "actor.parallel (the reward model's layout).")
-                   for e in layout_errors(rm_spec, par.tp, par.pp)]  # fmt: skip
+                   for e in layout_errors(rm_spec, par.tp, par.pp, ep=par.ep)]  # fmt: skip
     if not pools and reward_model_parallel(cfg) != cfg.actor.parallel:
         errors.append("reward.model.parallel differs from actor.parallel: colocated models share one layout; give "
                       "the reward model a pool of its own (placement.pools) or drop reward.model.parallel")  # fmt: skip

@@ -17,13 +17,21 @@ from megarl.parallel.layout import ParallelLayout
 def _layout_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size used to {what} (default 1)")
     parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size used to {what} (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help=f"expert-parallel size used to {what} (default 1; MoE "
+                        "models; as many data-parallel ranks, so tp x pp x ep processes)")  # fmt: skip
+
+
+def _layout(args) -> ParallelLayout:
+    """The layout of ``--tp/--pp/--ep``: EP sits inside data parallelism, so ``ep`` data-parallel ranks."""
+    return ParallelLayout(tp=args.tp, pp=args.pp, dp=args.ep, ep=args.ep)
 
 
 def _check_layout(spec, args) -> None:
-    """``--tp`` and ``--pp``: at least 1, and dividing the model (``ConversionError`` naming the sizes that do)."""
-    if args.tp < 1 or args.pp < 1:
-        raise ConversionError(f"--tp and --pp must be >= 1 (got --tp {args.tp} --pp {args.pp})")
-    errors = layout_errors(spec, args.tp, args.pp, option="--{}")
+    """``--tp``, ``--pp`` and ``--ep``: at least 1, and dividing the model (``ConversionError`` naming the sizes that
+    do)."""
+    if args.tp < 1 or args.pp < 1 or args.ep < 1:
+        raise ConversionError(f"--tp, --pp and --ep must be >= 1 (got --tp {args.tp} --pp {args.pp} --ep {args.ep})")
+    errors = layout_errors(spec, args.tp, args.pp, option="--{}", ep=args.ep)
     if errors:
         raise ConversionError("; ".join(errors))
 
@@ -52,7 +60,7 @@ def hf_to_megatron_main(argv: list[str] | None = None) -> int:
         hf_to_megatron.check_hf_source(args.hf_dir)  # the tensors and the tokenizer
     except (ConversionError, FileNotFoundError, ValueError) as e:
         return _fail("hf-to-megatron", str(e))
-    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    layout = _layout(args)
     meta = hf_to_megatron.convert_on_ranks(args.hf_dir, args.out, layout, args.dtype, args.overwrite)
     print(f"wrote {meta['family']} checkpoint to {args.out} (dtype {meta['dtype']}, written at {layout})")
     return 0
@@ -106,7 +114,7 @@ def verify_main(argv: list[str] | None = None) -> int:
         return _fail("verify", str(e))
     from megarl.convert import verify  # here: after the checks (this loads torch, megatron and transformers)
 
-    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    layout = _layout(args)
     r = verify.verify_on_ranks(args.hf_dir, args.ckpt, layout)
     verdict = "PASS" if r["passed"] else "FAIL"
     print(

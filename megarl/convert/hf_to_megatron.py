@@ -70,7 +70,7 @@ def load_hf_into_chunk(
 
     ``value_head=True`` (a critic): the language-model head is not read and the value head keeps its init."""
     c = layout.coords(rank)
-    stage = shards.StageInfo(c.pp, layout.pp, spec.num_layers)
+    stage = shards.StageInfo.at(layout, rank, spec)
     weights = HFWeights(hf_dir)
     params = local_spec_names(chunk.named_parameters())  # a Transformer Engine chunk's fused norms too
     assigned = set()
@@ -120,7 +120,7 @@ def convert_hf_to_megatron(
         "vocab_size": spec.vocab_size,
         "padded_vocab_size": spec.padded_vocab_size,
         "dtype": dtype,
-        "written_with": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+        "written_with": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep},
         "source": os.path.abspath(hf_dir),
     }
     if rank == 0:

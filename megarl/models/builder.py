@@ -78,6 +78,9 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        # experts' weights are marked allreduce=False by it, which puts them in DDP's expert buffers (reduced over
+        # the expert-DP group); left at 1 under EP, DDP averages different experts' gradients over the DP group
+        expert_model_parallel_size=layout.ep,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         # micro-batches are padded to their own longest sequence: stages exchange each activation's shape first
@@ -215,6 +218,8 @@ def build_model_chunk(
 
     if spec.is_moe and layout.tp > 1:
         raise UnsupportedModelError(f"{spec.family} at tp={layout.tp}: {MOE_TP_REFUSAL}")
+    if spec.ep_refusal(layout.ep):
+        raise UnsupportedModelError(f"{spec.family} at ep={layout.ep}: {spec.ep_refusal(layout.ep)}")
     device = torch.device(device) if device is not None else rank_device()
     if compile_elementwise:
         check_compile_elementwise(device.type, transformer_impl)

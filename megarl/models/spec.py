@@ -79,6 +79,17 @@ class ModelSpec:
         """Whether layer ``layer``'s MLP is routed experts (else a dense SwiGLU)."""
         return bool(self.moe_layers) and bool(self.moe_layers[layer])
 
+    def ep_refusal(self, ep: int) -> str | None:
+        """Why this model cannot split its experts over ``ep`` ranks (None: it can)."""
+        if ep == 1:
+            return None
+        if not self.is_moe:
+            return f"{self.family} has no routed experts to split; use ep=1"
+        if self.num_experts % ep:
+            fits = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            return f"does not divide the model's {self.num_experts} experts; use an ep in {fits}"
+        return None
+
     def to_dict(self) -> dict:
         return asdict(self)
 

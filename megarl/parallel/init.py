@@ -21,7 +21,7 @@ def default_backend() -> str:
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> None:
-    """Join the torchrun world (env://) and build Megatron's TP/PP/DP groups for ``layout``; a collective on any of
+    """Join the torchrun world (env://) and build Megatron's TP/PP/DP/EP groups for ``layout``; a collective on any of
     them waits at most ``timeout_s`` (``trainer.collective_timeout_s``; Megatron's groups in whole minutes).
 
     Installs the CPU shim when CUDA is absent, checks that the launched world matches the layout, checks that
@@ -42,20 +42,25 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float 
             f"launched with {world} ranks but the layout {layout} needs {layout.world_size}: "
             f"start {layout.world_size} processes or change actor.parallel.{{tp,pp,dp}}"
         )
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    _destroy_megatron_groups()
+    before = set(_process_groups())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
         distributed_timeout_minutes=math.ceil(timeout_s / 60),
     )
+    _MEGATRON_GROUPS.extend(g for g in _process_groups() if g not in before)
     rank = dist.get_rank()
     got = {
         "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
         "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
         "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+        "ep": dist.get_process_group_ranks(ps.get_expert_model_parallel_group()),
+        "expert_dp": dist.get_process_group_ranks(ps.get_expert_data_parallel_group()),
     }
-    want = {"tp": layout.tp_group(rank), "pp": layout.pp_group(rank), "dp": layout.dp_group(rank)}
+    want = {"tp": layout.tp_group(rank), "pp": layout.pp_group(rank), "dp": layout.dp_group(rank),
+            "ep": layout.ep_group(rank), "expert_dp": layout.expert_dp_group(rank)}  # fmt: skip
     if got != want:
         raise RuntimeError(f"megatron groups {got} differ from ParallelLayout groups {want} on rank {rank}")
     with megatron_mode():
@@ -64,12 +69,31 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: float 
 
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group."""
+    _destroy_megatron_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_MEGATRON_GROUPS: list = []
+"""The process groups the last ``initialize_model_parallel`` created."""
+
+
+def _process_groups() -> list:
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def _destroy_megatron_groups() -> None:
+    """Megatron's groups destroyed, not only forgotten: ``destroy_model_parallel`` drops its references, but torch
+    keeps every group (and, with gloo, its threads: ~3 per group and peer) until it is destroyed. A process that
+    re-initialises for several layouts (conversion, the tests) piled up ~1,800 threads per rank that way."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    while _MEGATRON_GROUPS:
+        group = _MEGATRON_GROUPS.pop()
+        if group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout")

@@ -1,12 +1,16 @@
-"""ParallelLayout: the one owner of TP/PP/DP degrees and all rank arithmetic.
+"""ParallelLayout: the one owner of TP/PP/DP/EP degrees and all rank arithmetic.
 
-Rank order is Megatron's default ``"tp-cp-ep-dp-pp"`` (TP innermost, PP outermost; CP = EP = 1 for now):
+Rank order is Megatron's default ``"tp-cp-ep-dp-pp"`` (TP innermost, PP outermost; CP = 1):
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
 so a TP group is a block of ``tp`` consecutive ranks. vLLM's TP groups are also blocks of consecutive ranks, which is
-why a rollout TP equal to the actor TP gives identical groups. Context and expert parallelism would add factors
-between TP and DP here; they are not built yet.
+why a rollout TP equal to the actor TP gives identical groups. Context parallelism is not built.
+
+Expert parallelism sits *inside* data parallelism (the world stays tp x pp x dp): the routed experts of a stage are
+split over ``ep`` consecutive DP ranks (an EP group, ``dp_rank = ep_rank + ep * expert_dp_rank``), and the ranks
+holding the same experts (equal ``ep_rank``: ``dp / ep`` of them) form an expert-data-parallel group, over which
+expert gradients are reduced and their optimizer state sharded. Expert TP equals TP (Megatron's default).
 
 A launch's pools (``Pool``: contiguous rank ranges, their roles) are rank arithmetic too; their process groups live
 in ``megarl.parallel.pools``. No torch here: the config checks use this module.
@@ -39,14 +43,18 @@ class ParallelLayout:
     """Pipeline-parallel size (number of stages)."""
     dp: int = 1
     """Data-parallel size (number of model replicas)."""
+    ep: int = 1
+    """Expert-parallel size: DP ranks that split each routed-expert layer's experts (divides ``dp``)."""
     gpus_per_node: int | None = None
     """Ranks per node (for rank -> node). None: unknown, node queries are refused."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelLayout.ep={self.ep} must divide dp={self.dp} (experts split over DP ranks)")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
 
@@ -91,6 +99,27 @@ class ParallelLayout:
     def dp_groups(self) -> list[list[int]]:
         return _distinct(self.dp_group(r) for r in range(self.world_size))
 
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s position in its expert-parallel group (which slice of the experts it holds)."""
+        return self.coords(rank).dp % self.ep
+
+    def ep_group(self, rank: int) -> list[int]:
+        """Ranks that split the experts ``rank``'s stage holds: ``ep`` consecutive DP ranks, ordered by EP rank."""
+        c = self.coords(rank)
+        first = c.dp - c.dp % self.ep
+        return [self.rank(c.tp, c.pp, d) for d in range(first, first + self.ep)]
+
+    def expert_dp_group(self, rank: int) -> list[int]:
+        """Ranks holding the same experts as ``rank`` (same tp, pp and EP rank), ordered by DP rank."""
+        c = self.coords(rank)
+        return [self.rank(c.tp, c.pp, d) for d in range(c.dp % self.ep, self.dp, self.ep)]
+
+    def ep_groups(self) -> list[list[int]]:
+        return _distinct(self.ep_group(r) for r in range(self.world_size))
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        return _distinct(self.expert_dp_group(r) for r in range(self.world_size))
+
     def model_parallel_group(self, rank: int) -> list[int]:
         """All ranks of one model replica (TP x PP) holding ``rank``."""
         c = self.coords(rank)
@@ -126,7 +155,13 @@ class ParallelLayout:
         return self.gpus_per_node
 
     def __str__(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp} (world {self.world_size})"
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return f"TP={self.tp} PP={self.pp} DP={self.dp}{ep} (world {self.world_size})"
+
+    @classmethod
+    def of(cls, parallel, gpus_per_node: int | None = None) -> ParallelLayout:
+        """The layout of a recipe's ``*.parallel`` section (``ParallelConfig``)."""
+        return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep, gpus_per_node=gpus_per_node)
 
 
 def _distinct(groups) -> list[list[int]]:

@@ -12,6 +12,9 @@ Full tensors are named as in a TP=1, PP=1 GPTModel with *global* layer indices
 | norms (q/k_layernorm too), value head,   | replicated                                                 |
 | MoE router                               |                                                            |
 
+EP: each stage's routed experts are split evenly over the ``ep`` ranks of an expert-parallel group and renumbered
+from 0 on each (``mlp.experts.local_experts.{j}``: EP rank e holds global experts ``[e * E/ep, (e+1) * E/ep)``).
+
 PP: layers are split evenly and renumbered from 0 on each stage; the embedding lives on the first stage, the final
 norm and output layer on the last. With tied embeddings and PP > 1 the last stage holds a copy of the embedding as
 ``output_layer.weight`` (Megatron keeps the two in sync by all-reducing their gradients); with PP = 1 there is no
@@ -27,11 +30,12 @@ import torch
 
 REPLICATED, ROWS, COLS, GATE_UP = "replicated", "rows", "cols", "gate_up"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
 class StageInfo:
-    """What one pipeline stage holds."""
+    """What one rank's model chunk holds: its pipeline stage's layers and, of their routed experts, its EP rank's."""
 
     pp_rank: int
     """Stage index."""
@@ -39,6 +43,26 @@ class StageInfo:
     """Number of stages."""
     num_layers: int
     """Total layers of the model."""
+    ep_rank: int = 0
+    """Position in the expert-parallel group."""
+    ep: int = 1
+    """Expert-parallel size."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+
+    @classmethod
+    def at(cls, layout, rank: int, spec) -> StageInfo:
+        """What ``rank`` of ``layout`` (a ``ParallelLayout``) holds of the model ``spec`` (a ``ModelSpec``)."""
+        return cls(layout.coords(rank).pp, layout.pp, spec.num_layers, layout.ep_rank(rank), layout.ep,
+                   spec.num_experts)  # fmt: skip
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.experts_per_rank
 
     @property
     def layers_per_stage(self) -> int:
@@ -105,7 +129,14 @@ def local_name(name: str, stage: StageInfo) -> str | None:
     m = _LAYER.match(name)
     if m:
         local = int(m.group(1)) - stage.first_layer
-        return f"decoder.layers.{local}.{m.group(2)}" if 0 <= local < stage.layers_per_stage else None
+        rest = m.group(2)
+        e = _EXPERT.match(rest)
+        if e:  # a routed expert: this EP rank's, renumbered
+            j = int(e.group(2)) - stage.first_expert
+            if not 0 <= j < stage.experts_per_rank:
+                return None
+            rest = f"{e.group(1)}{j}.{e.group(3)}"
+        return f"decoder.layers.{local}.{rest}" if 0 <= local < stage.layers_per_stage else None
     if name.startswith("embedding."):
         return name if stage.is_first else None
     return name if stage.is_last else None
@@ -114,7 +145,12 @@ def local_name(name: str, stage: StageInfo) -> str | None:
 def global_name(name: str, stage: StageInfo) -> str:
     """Inverse of ``local_name``."""
     m = _LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + stage.first_layer}.{m.group(2)}" if m else name
+    if not m:
+        return name
+    rest, e = m.group(2), _EXPERT.match(m.group(2))
+    if e:
+        rest = f"{e.group(1)}{int(e.group(2)) + stage.first_expert}.{e.group(3)}"
+    return f"decoder.layers.{int(m.group(1)) + stage.first_layer}.{rest}"
 
 
 def held_names(name: str, stage: StageInfo, *, tied_embeddings: bool = False) -> list[str]:
@@ -165,26 +201,29 @@ def local_state_dict(
 
 
 def full_state_dict(
-    locals_by_coord: dict[tuple[int, int], dict[str, torch.Tensor]],
+    locals_by_coord: dict[tuple[int, int, int], dict[str, torch.Tensor]],
     tp: int,
     pp: int,
     num_layers: int,
     *,
+    ep: int = 1,
+    num_experts: int = 0,
     tied_embeddings: bool = False,
     value_head: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of ``local_state_dict``: full tensors from every (tp_rank, pp_rank)'s local state dict.
+    """Inverse of ``local_state_dict``: full tensors from every (tp_rank, pp_rank, ep_rank)'s local state dict (one
+    DP replica of each; the EP ranks of a stage hold its dense tensors alike and its experts in slices).
 
     The tied copy of the embedding on the last stage is dropped (the embedding itself is kept).
     """
     full = {}
     for pp_rank in range(pp):
-        stage = StageInfo(pp_rank, pp, num_layers)
-        names = locals_by_coord[(0, pp_rank)].keys()
-        for lname in names:
-            gname = global_name(lname, stage)
-            if tied_embeddings and gname == "output_layer.weight":  # the last stage's copy of the embedding
-                continue
-            split = tp_split(gname, value_head)
-            full[gname] = merge([locals_by_coord[(t, pp_rank)][lname] for t in range(tp)], split)
+        for ep_rank in range(ep):
+            stage = StageInfo(pp_rank, pp, num_layers, ep_rank, ep, num_experts)
+            for lname in locals_by_coord[(0, pp_rank, ep_rank)].keys():
+                gname = global_name(lname, stage)
+                if tied_embeddings and gname == "output_layer.weight":  # the last stage's copy of the embedding
+                    continue
+                split = tp_split(gname, value_head)
+                full[gname] = merge([locals_by_coord[(t, pp_rank, ep_rank)][lname] for t in range(tp)], split)
     return full

@@ -128,7 +128,7 @@ def make_plan(cfg: MegarlConfig, spec: ModelSpec, hw: Hardware, *, sync: bool = 
     except LaunchError as e:
         raise PlanError(str(e)) from None
     par = cfg.actor.parallel
-    layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=hw.gpus_per_node)
+    layout = ParallelLayout.of(par, hw.gpus_per_node)
     gpn = hw.gpus_per_node
     stats = {}
     pools = pools_of(cfg)  # the actor's ranks send to the rollout pool's (colocated: the same ranks)

@@ -307,7 +307,7 @@ class _JobMemory:
         self.layouts = {"actor": layout}
         for role in ("critic", "reward_model"):
             par = layout_config(cfg, role)
-            self.layouts[role] = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp, gpus_per_node=gpus_per_node)
+            self.layouts[role] = ParallelLayout.of(par, gpus_per_node)
         self.rm_spec = reward_model_spec(cfg)[1] if needs_reward_model(cfg) else None
         self.params = {}
         """(layout role, value head) -> per-rank parameters, computed once."""

@@ -199,7 +199,7 @@ def megatron_layout(spec: ModelSpec, layout: ParallelLayout, gpus_per_node: int)
     ranks = {}
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        stage = ms.StageInfo(c.pp, layout.pp, spec.num_layers)
+        stage = ms.StageInfo.at(layout, rank, spec)
         shards = []
         for tmap in maps:
             for lname in ms.held_names(tmap.megatron, stage, tied_embeddings=spec.tie_word_embeddings):
@@ -311,7 +311,7 @@ def megatron_adapter_layout(spec: ModelSpec, lora, layout: ParallelLayout, gpus_
     ranks = {}
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        stage, where = ms.StageInfo(c.pp, layout.pp, spec.num_layers), TPSlice(c.tp, layout.tp)
+        stage, where = ms.StageInfo.at(layout, rank, spec), TPSlice(c.tp, layout.tp)
         shards = []
         for local in range(stage.layers_per_stage):
             layer = stage.first_layer + local

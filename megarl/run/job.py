@@ -152,7 +152,7 @@ def describe_checkpoint_root(job: Job, root: str) -> None:
             "vocab_size": job.spec.vocab_size,
             "padded_vocab_size": job.spec.padded_vocab_size,
             "dtype": job.cfg.model.dtype,
-            "written_with": {"tp": job.layout.tp, "pp": job.layout.pp, "dp": job.layout.dp},
+            "written_with": {"tp": job.layout.tp, "pp": job.layout.pp, "dp": job.layout.dp, "ep": job.layout.ep},
             "source": os.path.abspath(job.source.path),
             "kind": "training",
             "lora": dataclasses.asdict(job.cfg.actor.lora) if job.cfg.actor.lora is not None else None,
@@ -324,7 +324,7 @@ def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelL
     rank's models take (a critic's or reward model's pool has its own) and whether this rank builds Megatron models
     (Megatron's groups are initialised, inside the pool when pooled)."""
     par = cfg.actor.parallel
-    layout = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
+    layout = ParallelLayout.of(par)
     timeout_s = cfg.trainer.collective_timeout_s
     place = None
     if cfg.placement.pools:
@@ -333,7 +333,7 @@ def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelL
     here = layout
     if layout_of not in (None, "actor"):
         par = layout_config(cfg, layout_of)
-        here = ParallelLayout(tp=par.tp, pp=par.pp, dp=par.dp)
+        here = ParallelLayout.of(par)
     if layout_of is not None:
         init_distributed(here, seed=cfg.trainer.seed, timeout_s=timeout_s)
     if cfg.trainer.keep_freed_memory and cpu_compat.is_installed():
@@ -396,7 +396,8 @@ def restore(cfg: MegarlConfig, start, models: RLModels | None, here: ParallelLay
     trains_actor = models.actor is not None
     if trains_actor:
         _check_lora(start.path, saved, cfg.actor.lora, lora_base)
-    same_layout = saved.get("layout" if trains_actor else "critic_layout") == dataclasses.asdict(here)
+    written = saved.get("layout" if trains_actor else "critic_layout")
+    same_layout = written is not None and ParallelLayout(**written) == here  # a checkpoint before EP: ep = 1
     loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
     notes += [f"skipped {s}" for s in start.skipped]
     notes.append(

@@ -190,7 +190,7 @@ def save(job: Job, state: TrainerState, rng: dict | None = None) -> dict:
                      "lora": lora_identity(job.cfg.actor.lora)}  # fmt: skip
     if needs_critic(job.cfg):
         cp = critic_parallel(job.cfg)
-        trainer_state["critic_layout"] = dataclasses.asdict(ParallelLayout(tp=cp.tp, pp=cp.pp, dp=cp.dp))
+        trainer_state["critic_layout"] = dataclasses.asdict(ParallelLayout.of(cp))
     trained = job.models is not None and (job.models.actor is not None or job.models.critic is not None)
     extra = job.feed.in_flight(state.step)  # one-step-off's batch ahead, bounded's stream
     report = save_training(
