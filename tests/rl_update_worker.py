@@ -132,6 +132,7 @@ def run_case(
         f"actor.parallel.tp={layout.tp}",
         f"actor.parallel.pp={layout.pp}",
         f"actor.parallel.dp={layout.dp}",
+        f"actor.parallel.ep={layout.ep}",
         "actor.optim.optimizer=sgd",
         "actor.optim.lr=2.0",
         "actor.optim.clip_grad=0",
@@ -248,7 +249,8 @@ def _adam_state(optimizer) -> list[torch.Tensor]:
 def memory_overrides(hf_dir: str, layout: ParallelLayout, distopt: bool) -> list[str]:
     """PPO with Adam for actor and critic, a KL loss (so a reference), offload on: the planner reads the same."""
     return [f"model.path={hf_dir}", f"actor.parallel.tp={layout.tp}", f"actor.parallel.pp={layout.pp}",
-            f"actor.parallel.dp={layout.dp}", "actor.optim.optimizer=adam", "actor.optim.lr=0.01",
+            f"actor.parallel.dp={layout.dp}", f"actor.parallel.ep={layout.ep}", "actor.optim.optimizer=adam",
+            "actor.optim.lr=0.01",
             f"actor.optim.use_distributed_optimizer={distopt}", "rollout.sampling.n=2",
             "data.train_batch_size=4", "offload.enable=true", *ALGOS["ppo"], *SPLITS["pack"],
             "critic.optim.optimizer=adam", "critic.optim.lr=0.01",
@@ -326,7 +328,8 @@ def lora_memory_overrides(hf_dir: str, layout: ParallelLayout, dtype: str = "flo
     """GRPO with LoRA (rank 4 on q, v, down), Adam and the distributed optimizer, a KL loss (the reference is the
     base), in ``dtype`` (the adapters are fp32 in every one): the planner reads the same."""
     return [f"model.path={hf_dir}", f"actor.parallel.tp={layout.tp}", f"actor.parallel.pp={layout.pp}",
-            f"actor.parallel.dp={layout.dp}", "actor.optim.optimizer=adam", "actor.optim.lr=0.01",
+            f"actor.parallel.dp={layout.dp}", f"actor.parallel.ep={layout.ep}", "actor.optim.optimizer=adam",
+            "actor.optim.lr=0.01",
             "actor.optim.use_distributed_optimizer=true", "rollout.sampling.n=2", "data.train_batch_size=4",
             *ALGOS["grpo_lora"], "actor.lora.target_modules=[q_proj,v_proj,down_proj]", *SPLITS["pack"],
             f"model.dtype={dtype}"]  # fmt: skip

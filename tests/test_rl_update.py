@@ -106,15 +106,25 @@ WORLD2 += [("ref_moe_grpo", dict(layout=L(dp=2), algo="grpo", split="mbs1", refe
                                  extra=(*MOE, *ATTENTION_LORA))),
            ("pp2_moe_lora", dict(layout=L(pp=2), algo="grpo_lora", split="pack", hf="moe",
                                  extra=(*MOE, *ATTENTION_LORA)))]  # fmt: skip
+# expert parallelism: EP=2 (each rank 4 of the 8 experts), and a lopsided batch whose EP ranks run 1 and 7
+# micro-batches (lockstep: 6 fillers on the first); EP=2 x PP=2 in WORLD4
+WORLD2 += [("ep2_moe_grpo", dict(layout=L(dp=2, ep=2), algo="grpo", split="mbs1", hf="moe", extra=MOE)),
+           ("ref_moe_lopsided", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe",
+                                     shape=LOPSIDED, extra=MOE)),
+           ("ep2_moe_lopsided", dict(layout=L(dp=2, ep=2), algo="grpo", split="mbs1", hf="moe", shape=LOPSIDED,
+                                     extra=MOE))]  # fmt: skip
+WORLD4 += [("ref_moe_grpo4", dict(layout=L(dp=4), algo="grpo", split="mbs1", reference=True, hf="moe", extra=MOE)),
+           ("ep2pp2_moe_grpo", dict(layout=L(pp=2, dp=2, ep=2), algo="grpo", split="mbs1", hf="moe", extra=MOE))]
 WORLD2 += [("ref_moe_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe",
                                       extra=(*MOE, *BF16))),
            ("pp2_moe_grpo_bf16", dict(layout=L(pp=2), algo="grpo", split="mbs1", hf="moe", extra=(*MOE, *BF16)))]
 # the planner against a real run (and the offload round trip) at (TP, PP, DP) = (2,1,1), (1,2,1), (2,1,2) distopt;
-# Qwen3-MoE at DP=2 and PP=2
+# Qwen3-MoE at DP=2, PP=2 and EP=2 (the experts in a buffer of their own, with the distributed optimizer)
 MEMORY = {"mem_tp2": ("world2", L(tp=2), False, None), "mem_pp2": ("world2", L(pp=2), False, None),
           "mem_tp2dp2_distopt": ("world4", L(tp=2, dp=2), True, None),
           "mem_moe_dp2": ("world2", L(dp=2), False, "moe"),
-          "mem_moe_pp2": ("world2", L(pp=2), False, "moe")}  # fmt: skip
+          "mem_moe_pp2": ("world2", L(pp=2), False, "moe"),
+          "mem_moe_ep2_distopt": ("world2", L(dp=2, ep=2), True, "moe")}  # fmt: skip
 WORLD2 += [(n, dict(layout=lay, distopt=d, hf=hf)) for n, (w, lay, d, hf) in MEMORY.items() if w == "world2"]
 WORLD4 += [(n, dict(layout=lay, distopt=d, hf=hf)) for n, (w, lay, d, hf) in MEMORY.items() if w == "world4"]
 
@@ -145,8 +155,9 @@ def world2(hf_dir, adapter_dir, moe_dir):
 
 
 @pytest.fixture(scope="module")
-def world4(hf_dir):
-    return run_on_ranks(run_cases, 4, hf_dir, WORLD4)
+def world4(hf_dir, moe_dir):
+    return run_on_ranks(run_cases, 4, hf_dir, [(n, {**kw, "hf": moe_dir} if kw.get("hf") == "moe" else kw)
+                                               for n, kw in WORLD4])  # fmt: skip
 
 
 def _close(a: float, b: float) -> bool:
@@ -361,6 +372,22 @@ def test_moe_update_with_load_balancing_matches_single_rank(world2, case):
     router = "decoder.layers.0.mlp.router.weight"
     assert (ref["weights"][router] - ref["initial"][router]).abs().max() > 100 * ATOL_WEIGHTS
     _assert_same_update(world2[case], ref)
+
+
+def test_moe_update_at_ep2_and_ep2_pp2_matches_single_rank(world2, world4):
+    """Experts split over two DP ranks (alone and with a routed layer per stage): the one-rank update."""
+    _assert_same_update(world2["ep2_moe_grpo"], world2["ref_moe_grpo"])
+    _assert_same_update(world4["ep2pp2_moe_grpo"], world4["ref_moe_grpo4"])
+
+
+def test_ep_ranks_with_1_and_7_micro_batches_run_in_lockstep_and_match_single_rank(world2):
+    """A real expert-parallel group (no stand-in for ``_lockstep``): the rank holding one sequence runs six fillers
+    beside the other's seven micro-batches, every all-to-all is met, and neither the loss nor the load-balancing term
+    nor ``moe/aux_loss`` sees the fillers."""
+    case = world2["ep2_moe_lopsided"]
+    (update_0,), (update_1,) = case["passes_per_rank"]
+    assert [len(update_0), len(update_1)] == [7, 7] and update_0[1:] == [[]] * 6 and [] not in update_1
+    _assert_same_update(case, world2["ref_moe_lopsided"])
 
 
 def test_moe_update_in_bf16_matches_single_rank_bf16(world2):

