@@ -23,7 +23,7 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.spawn import run_on_ranks
 from megarl.reshard.layout import megatron_layout, vllm_layout
 from megarl.reshard.plan import theoretical_minimum
-from tests.vllm_sync_worker import run_vllm_sync
+from tests.vllm_sync_worker import BOTH_TRANSPORTS, run_vllm_sync
 
 TOL = 1e-5
 EP2 = (1, 1, 2, 2)  # Megatron (tp, pp, dp, ep): each rank sends its 4 of the 8 experts (and either the rest)
@@ -71,7 +71,9 @@ def moe_tp2(moe_padded):
 
 @pytest.fixture(scope="module")
 def moe_tp1(moe_mixed):
-    return run_on_ranks(run_vllm_sync, 2, moe_mixed, EP2, 1, SEQ, PROMPT)
+    # expert 5 lives on rank 1 only: its piece travels to rank 0's engine (a dense tensor is on both ranks)
+    return run_on_ranks(run_vllm_sync, 2, moe_mixed, EP2, 1, SEQ, PROMPT, False, BOTH_TRANSPORTS,
+                        "experts.5.up_proj.weight")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +169,14 @@ def _sent_the_minimum(results, versions, megatron, vllm_tp):
 
 
 def test_vllm_tp2_qwen3_moe_fused_experts_padded_by_the_engine(moe_tp2, moe_padded):
-    """Qwen3-MoE from Megatron EP=2 (each rank half the experts) into one engine at TP=2; each expert's 24 rows per rank are padded to 32 and
-    prepacked by vLLM-CPU after every write. Its layerwise full reload cannot refill padded experts: refused."""
+    """Qwen3-MoE from Megatron EP=2 (each rank half the experts) into one engine at TP=2; each expert's 24 rows per
+    rank are padded to 32 and prepacked by vLLM-CPU after every write. Its layerwise full reload cannot refill padded
+    experts: refused."""
     _check_engine(moe_tp2, moe_padded, tol=MOE_TOL, corrupted="w13_weight")
     _sent_the_minimum(moe_tp2, moe_padded, EP2, 2)
     assert "cannot refill fused experts it pads" in moe_tp2["full_reload_refused"]
 
 
 def test_vllm_tp1_qwen3_moe_mixed_through_both_transports(moe_tp1, moe_mixed):
-    _check_engine(moe_tp1, moe_mixed, tol=MOE_TOL)
+    _check_engine(moe_tp1, moe_mixed, tol=MOE_TOL, corrupted="w13_weight")
     _sent_the_minimum(moe_tp1, moe_mixed, EP2, 1)
