@@ -119,8 +119,8 @@ def test_qwen_recipe_validates_with_dry_run(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_the_qwen3_quickstarts_train(family, tmp_path):
     """`megarl train configs/tiny_grpo_qwen3{,_moe}.yaml` on the model `megarl tiny-model --family F` writes: 3 GRPO
-    steps through vLLM (Qwen3 at TP=2; Qwen3-MoE at DP=2, an engine per rank), the engine's log-probs the actor's;
-    the MoE run logs its load-balancing loss every step."""
+    steps through vLLM (Qwen3 at TP=2; Qwen3-MoE at DP=2 with EP=2, an engine per rank fed both ranks' experts), the
+    engine's log-probs the actor's; the MoE run logs its load-balancing loss every step."""
     from megarl.models.tiny import make_tiny_hf_model
 
     model, out_dir = make_tiny_hf_model(str(tmp_path / "model"), family), tmp_path / "run"
@@ -131,6 +131,7 @@ def test_the_qwen3_quickstarts_train(family, tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"grpo on {family} " in out.stdout
+    assert family != "qwen3_moe" or "EP=2" in out.stdout, out.stdout[-3000:]
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     mismatch = [r["rollout/logprob_mismatch_max"] for r in rows]
