@@ -26,10 +26,11 @@ OPTIM = OptimConfig(lr=1e-2, use_distributed_optimizer=True, lr_warmup_steps=2, 
                     lr_decay_steps=10)  # fmt: skip
 
 
-def _models(spec, layout):
+def _models(spec, layout, optim_cfg=OPTIM):
     torch.manual_seed(0)
-    actor, optim = wrap_for_training(build_model_chunk(spec, layout), OPTIM)
-    return types.SimpleNamespace(actor=actor, actor_optim=optim, actor_sched=make_scheduler(optim, OPTIM), critic=None)
+    actor, optim = wrap_for_training(build_model_chunk(spec, layout), optim_cfg)
+    return types.SimpleNamespace(actor=actor, actor_optim=optim, actor_sched=make_scheduler(optim, optim_cfg),
+                                 critic=None)  # fmt: skip
 
 
 def _step(models, batch, step):
@@ -136,4 +137,39 @@ def run(hf_dir: str, root: str) -> dict:
     out["resumed"] = _weights(resumed)
     out["lr"] = (straight.actor_sched.get_lr(straight.actor_optim.param_groups[0]),
                  resumed.actor_sched.get_lr(resumed.actor_optim.param_groups[0]))  # fmt: skip
+    return out
+
+
+EP_OPTIM = OptimConfig(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=True)
+"""Adam's first steps are ~lr * sign(g); a large eps keeps them smooth in g, so layouts compare elementwise."""
+
+
+def run_expert_layouts(hf_dir: str, root: str) -> dict:
+    """A Qwen3-MoE with Adam and the distributed optimizer: two steps and a save at EP=2, loaded at EP=1 (DP=2 both),
+    then step 3; and the reverse. Per direction: the full weights after the load and those the saver held, and step
+    3's weights against the run that never stopped."""
+    from tests.parity_worker import _gather_full
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    init_distributed(ParallelLayout(dp=2))
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = [torch.randint(0, spec.vocab_size, (2, 17), generator=g) for _ in range(3)]
+    out = {}
+    for name, (first, then) in {"ep2_to_ep1": (2, 1), "ep1_to_ep2": (1, 2)}.items():
+        save_at, load_at = ParallelLayout(dp=2, ep=first), ParallelLayout(dp=2, ep=then)
+        init_distributed(save_at)
+        models = _models(spec, save_at, EP_OPTIM)
+        for i, b in enumerate(batches[:2]):
+            _step(models, b, i + 1)
+        save_training(f"{root}/{name}", 2, models, {"step": 2})
+        saved = _gather_full(models.actor.module, save_at, spec, value_head=False)
+        _step(models, batches[2], 3)
+        straight = _gather_full(models.actor.module, save_at, spec, value_head=False)
+        init_distributed(load_at)
+        resumed = _models(spec, load_at, EP_OPTIM)
+        load_training(f"{root}/{name}/iter_0000002", resumed, restore_rng=False)
+        loaded = _gather_full(resumed.actor.module, load_at, spec, value_head=False)
+        _step(resumed, batches[2], 3)
+        out[name] = {"saved": saved, "loaded": loaded, "straight": straight,
+                     "resumed": _gather_full(resumed.actor.module, load_at, spec, value_head=False)}  # fmt: skip
     return out

@@ -9,6 +9,11 @@
 - ``router_without_transformer_engine`` (megatron-core 0.16.x): without Transformer Engine, ``moe_utils`` never
   defines ``te_general_gemm`` (its import sits in a ``try``), yet ``RouterGatingLinearFunction.forward`` tests it
   for None: every MoE router forward raises ``NameError``. Defined as None, the router takes its torch path.
+- ``experts_in_their_own_buffer``: Megatron marks routed experts' weights ``allreduce=False`` only when EP > 1, so
+  at EP = 1 they share the dense DDP buffer and the one optimizer, at EP > 1 they get a buffer and an optimizer of
+  their own (a ``ChainedOptimizer``): a distributed-optimizer checkpoint names its states ``optimizer.*`` in one and
+  ``chained_{0,1}.optimizer.*`` in the other and does not load across (``KeyError``). Marked at every EP, the
+  layout is the same; at EP = 1 the expert-data-parallel group is the DP group, so the gradients are the same.
 - ``prime_optimizer_state`` / ``unshare_optimizer_steps`` (and a patched ``_set_main_param_and_optimizer_states``):
   the distributed optimizer's checkpoint load with torch's Adam (no TE/Apex) in 0.16.x; see below.
 """
@@ -57,6 +62,19 @@ def router_without_transformer_engine() -> None:
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def experts_in_their_own_buffer(model) -> int:
+    """Mark every routed expert's parameter ``allreduce=False`` (at any EP); returns how many."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for p in module.parameters():
+                p.allreduce = False
+                marked += 1
+    return marked
 
 
 # --- Distributed optimizer checkpoints with torch.optim.Adam (no TE / Apex), megatron-core 0.16.x -------------------

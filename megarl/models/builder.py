@@ -19,7 +19,11 @@ import torch.nn.functional as F
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.compiled import check_compile_elementwise
 from megarl.compat.cpu import megatron_mode
-from megarl.compat.megatron_fixes import restore_tp_attributes, router_without_transformer_engine
+from megarl.compat.megatron_fixes import (
+    experts_in_their_own_buffer,
+    restore_tp_attributes,
+    router_without_transformer_engine,
+)
 from megarl.compat.megatron_speed import (
     batch_major_logits,
     compiled_rope_as_megatrons_fusion,
@@ -250,6 +254,7 @@ def build_model_chunk(
     batch_major_logits(model)
     rms_norm_on_cpu(model, compile_elementwise)
     restore_tp_attributes(model)
+    experts_in_their_own_buffer(model)
     place(model, device, config.params_dtype)
     return model
 

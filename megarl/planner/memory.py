@@ -189,16 +189,21 @@ class ModelBytes:
 
 
 def trained_model_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp: int, ep: int = 1) -> ModelBytes:
-    """Parameters, gradient buffer and optimizer state of a model trained with ``optim`` (an OptimConfig). Under
-    expert parallelism (``ep`` > 1) Megatron's DDP keeps the routed experts in a buffer of their own, reduced (and
-    with the distributed optimizer sharded) over the expert-data-parallel group: ``dp / ep`` ranks, this one at
-    ``dp_rank // ep``; at ``ep`` = 1 they share the dense buffer."""
-    if ep > 1:
-        experts = [p for p in params if _EXPERT_PARAM.search(p.name)]
-        dense = [p for p in params if not _EXPERT_PARAM.search(p.name)]
-        a, b = trained_model_bytes(dense, dtype, optim, dp_rank, dp), trained_model_bytes(
-            experts, dtype, optim, dp_rank // ep, dp // ep)
-        return ModelBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
+    """Parameters, gradient buffer and optimizer state of a model trained with ``optim`` (an OptimConfig).
+    Megatron's DDP keeps routed experts in a buffer of their own (at every EP: ``experts_in_their_own_buffer``),
+    reduced (and with the distributed optimizer sharded) over the expert-data-parallel group: ``dp / ep`` ranks,
+    this one at ``dp_rank // ep``."""
+    experts = [p for p in params if _EXPERT_PARAM.search(p.name)]
+    dense = [p for p in params if not _EXPERT_PARAM.search(p.name)]
+    a = _one_buffer_bytes(dense, dtype, optim, dp_rank, dp)
+    if not experts:
+        return a
+    b = _one_buffer_bytes(experts, dtype, optim, dp_rank // ep, dp // ep)
+    return ModelBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
+
+
+def _one_buffer_bytes(params: list[Param], dtype: str, optim, dp_rank: int, dp: int) -> ModelBytes:
+    """``trained_model_bytes`` of parameters that share one DDP buffer over ``dp`` ranks."""
     distopt = optim.use_distributed_optimizer
     buf = grad_buffer(params, dp, distopt)
     # with the distributed optimizer the parameters are re-homed into a padded buffer of their dtype
