@@ -230,3 +230,18 @@ def test_a_qwen3_moe_plan_counts_every_expert_and_prints_their_bytes(tmp_path):
     from megarl.planner.step_time import _params  # the step time's FLOPs: a token computes with 8 of 128 experts
 
     assert _params(job.spec, active=True) == total - 8 * 128 * 3 * 768 * 2048 * (128 - 8) // 128
+
+
+def test_the_qwen3_30b_a3b_recipe_splits_its_experts_over_ep8_and_fits(capsys):
+    """configs/qwen3_30b_a3b_grpo.yaml (4 nodes x 8, TP=1, DP=32, EP=8): every rank holds 16 of each layer's 128
+    experts (their bf16 bytes and fp32 gradients on lines of their own), and the plan says it fits."""
+    recipe = "configs/qwen3_30b_a3b_grpo.yaml"
+    assert main(["plan", recipe]) == 0
+    out = capsys.readouterr().out
+    assert "actor TP=1 PP=1 DP=32 EP=8 (world 32)" in out and "FITS: peak" in out
+    cfg = load_config(recipe, [])
+    job = make_plan(cfg, validate(cfg), Hardware(4, 8), sync=False)
+    experts = 48 * 16 * 3 * 768 * 2048  # 48 layers x 16 local experts x (gate, up, down) of 768 x 2048
+    for rank in (0, 31):
+        assert job.ranks[rank].parts == {"of which routed experts' params": 2 * experts,
+                                         "of which routed experts' grads": 4 * experts}  # fmt: skip
