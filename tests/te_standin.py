@@ -118,3 +118,79 @@ def te_case(hf_dir: str, adapter_dir: str, tp: int) -> dict:
 
 def _factors(chunk) -> dict[str, torch.Tensor]:
     return {n: p for n, p in chunk.named_parameters() if ".lora." in n}
+
+
+class _GroupedLinear(torch.nn.Module):
+    """TE's grouped linear as named: expert j's weight is ``weight{j}`` (the same Parameter objects)."""
+
+    def __init__(self, weights: list[torch.nn.Parameter]):
+        super().__init__()
+        for j, w in enumerate(weights):
+            self.register_parameter(f"weight{j}", w)
+
+
+class GroupedExperts(torch.nn.Module):
+    """Stand-in for ``TEGroupedMLP``'s names and shapes: a layer's experts as ``linear_fc1.weight{j}`` [2I, H] and
+    ``linear_fc2.weight{j}`` [H, I], over the same parameters as the ``SequentialMLP`` it replaces, whose forward it
+    runs (held outside the module tree, so each parameter has one name)."""
+
+    def __init__(self, sequential):
+        super().__init__()
+        experts = sequential.local_experts
+        self.linear_fc1 = _GroupedLinear([e.linear_fc1.weight for e in experts])
+        self.linear_fc2 = _GroupedLinear([e.linear_fc2.weight for e in experts])
+        self.__dict__["sequential"] = sequential
+
+    def forward(self, *args, **kwargs):
+        return self.sequential(*args, **kwargs)
+
+
+def to_te_grouped_experts(chunk) -> int:
+    """Every routed layer's ``mlp.experts`` as ``GroupedExperts``; returns how many."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    layers = [layer for layer in chunk.decoder.layers if isinstance(getattr(layer.mlp, "experts", None), SequentialMLP)]
+    for layer in layers:
+        layer.mlp.experts = GroupedExperts(layer.mlp.experts)
+    return len(layers)
+
+
+def te_grouped_experts_case(hf_dir: str) -> dict:
+    """At EP=2 (DP=2): a local-spec Qwen3-MoE chunk and one whose experts carry TE's grouped names, both loaded from
+    ``hf_dir``: their names, whether the weight sync's tensors are the reshard layout's sources and equal the local
+    chunk's, both chunks' logits, and the HF tensors exported from the grouped chunk's (every rank's experts)."""
+    from megarl.convert.hf_to_megatron import load_hf_into_chunk
+    from megarl.convert.verify import megatron_logits, verification_tokens
+    from megarl.models import read_hf_config, spec_from_hf_config
+    from megarl.models.adapter import tensor_maps, to_hf
+    from megarl.models.builder import build_model_chunk
+    from megarl.parallel import megatron_shards as ms
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.reshard.layout import megatron_layout
+    from megarl.reshard.sync import actor_tensors
+
+    layout = ParallelLayout(dp=2, ep=2)
+    init_distributed(layout, seed=7)
+    rank = dist.get_rank()
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    local = build_model_chunk(spec, layout, init_weights=False)
+    grouped = build_model_chunk(spec, layout, init_weights=False)
+    out = {"grouped_layers": to_te_grouped_experts(grouped)}
+    for chunk in (local, grouped):
+        load_hf_into_chunk(chunk, hf_dir, spec, layout, rank, progress=False)
+    out["names"] = sorted(n for n, _ in grouped.named_parameters())
+    source = {s.name for s in megatron_layout(spec, layout, 2).ranks[rank]}
+    tensors, local_tensors = actor_tensors(grouped), actor_tensors(local)
+    out["sync_names_match_layout"] = set(tensors) == source
+    out["sync_tensors_equal"] = set(tensors) == set(local_tensors) and all(
+        torch.equal(tensors[n], local_tensors[n]) for n in local_tensors)  # fmt: skip
+    tokens = verification_tokens(spec.vocab_size, batch=2, seq=16, seed=7)
+    out["logits"], out["logits_local"] = megatron_logits(grouped, tokens, spec.vocab_size), megatron_logits(
+        local, tokens, spec.vocab_size)
+    stage = ms.StageInfo.at(layout, rank, spec)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {ms.global_name(n, stage): t for n, t in tensors.items()})
+    full = {k: v for part in everyone for k, v in part.items()}
+    out["exported"] = {hf: t for m in tensor_maps(spec) for hf, t in zip(m.hf, to_hf(m, full[m.megatron], spec))}
+    return out

@@ -40,3 +40,29 @@ def test_lora_on_te_fused_norm_linear_equals_merged_weights_and_peft(tp2, lora_l
     off = torch.log_softmax(tp2["adapters_off"], -1)  # adapters off: the base model (the LoRA reference)
     assert (off - torch.log_softmax(tp2["base"], -1)).abs().max() <= 1e-5
     assert tp2["factors_equal"] and tp2["factor_grads_nonzero"] and tp2["factor_grads_equal"]
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_hf_model
+    from tests.te_standin import te_grouped_experts_case
+
+    hf_dir = make_tiny_hf_model(str(tmp_path_factory.mktemp("te-grouped") / "moe"), "qwen3_moe")
+    return hf_dir, run_on_ranks(te_grouped_experts_case, 2, hf_dir)
+
+
+def test_te_grouped_expert_names_load_from_hf_sync_and_export_bitwise(grouped):
+    """TEGroupedMLP's names (``mlp.experts.linear_fc1.weight{j}``) at EP=2: loaded from HF through the one name map,
+    the weight sync's tensors are the layout's sources and the local spec's, the same logits, and the experts of
+    both ranks export to the HF tensors bitwise."""
+    from megarl.convert.hf_io import HFWeights
+
+    hf_dir, r = grouped
+    assert r["grouped_layers"] == 2
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in r["names"]
+    assert not any("local_experts" in n for n in r["names"])
+    assert r["sync_names_match_layout"] and r["sync_tensors_equal"]
+    assert torch.equal(r["logits"], r["logits_local"])
+    source = HFWeights(hf_dir)
+    assert set(r["exported"]) == source.names
+    assert [n for n in sorted(source.names) if not torch.equal(r["exported"][n], source.get(n))] == []

@@ -24,11 +24,15 @@ Names are the local spec's. Transformer Engine's layer spec fuses each norm into
 names the two norms ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``:
 ``local_spec_name`` maps them back, from Megatron's own map (the local spec's ``sharded_state_dict_keys_map``, by
 which a local-spec model writes TE's names into a distributed checkpoint, so both load the same checkpoint).
+TE's grouped-GEMM experts (``TEGroupedMLP``) hold a layer's experts in one linear per projection, expert j's weight
+as ``mlp.experts.linear_fc1.weight{j}`` / ``linear_fc2.weight{j}``: ``local_spec_name`` maps them to
+``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` (both write the same distributed-checkpoint keys).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +67,18 @@ def fused_norm_prefixes() -> dict[str, str]:
     return dict(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)
 
 
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)linear_fc([12])\.weight(\d+)$")
+
+
 def local_spec_name(name: str) -> str:
     """A model parameter's name under the local spec, whichever spec built the model: TE's fused norm names
     (``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``) become the norms' own
-    (``decoder.layers.3.input_layernorm.weight``); every other name is the same in both."""
+    (``decoder.layers.3.input_layernorm.weight``), TE's grouped experts (``mlp.experts.linear_fc1.weight5``) the
+    local ones (``mlp.experts.local_experts.5.linear_fc1.weight``); every other name is the same in both."""
+    grouped = _GROUPED_EXPERT.match(name)
+    if grouped:
+        head, fc, j = grouped.groups()
+        return f"{head}local_experts.{j}.linear_fc{fc}.weight"
     for local, te in fused_norm_prefixes().items():
         head, sep, tail = name.partition("." + te)
         if sep and tail in ("weight", "bias"):
