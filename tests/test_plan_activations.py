@@ -42,6 +42,7 @@ CASES = [
     Case(L(dp=2), 4, 256, dtype=BF16, moe=True, aux=0.01),
     Case(L(dp=2), 2, 256, moe=True, aux=0.01, recompute=True),
     Case(L(pp=2), 2, 128, dtype=BF16, moe=True, aux=0.01, micro_batches=4),
+    Case(L(dp=2, ep=2), 4, 256, moe=True, aux=0.01),  # experts split over the two ranks: tokens through all-to-all
 ]
 TOLERANCE = 0.15
 
