@@ -181,7 +181,11 @@ def _publish(root: str, step: int, tmp: str, final: str, keep_last: int) -> None
     if keep_last:
         for _, old in complete_iterations(root)[0][keep_last:]:
             if os.path.abspath(old) != os.path.abspath(final):
-                shutil.rmtree(old, ignore_errors=True)
+                # renamed first: a kill in the middle of the removal leaves an ``iter_N.tmp-pruned`` that the next
+                # start removes as an interrupted save, not a half-deleted ``iter_N`` no later prune would see
+                doomed = old.rstrip("/") + ".tmp-pruned"
+                os.rename(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 @dataclass
