@@ -154,8 +154,8 @@ def layout_errors(spec: ModelSpec, tp: int, pp: int, option: str = "actor.parall
                           f"{name} in {fits}")  # fmt: skip
     if spec.is_moe and tp > 1:
         errors.append(f"{option.format('tp')}={tp}: {MOE_TP_REFUSAL}")
-    if spec.ep_refusal(ep):
-        errors.append(f"{option.format('ep')}={ep}: {spec.ep_refusal(ep)}")
+    if refusal := spec.ep_refusal(ep):
+        errors.append(f"{option.format('ep')}={ep}: {refusal}")
     return errors
 
 

@@ -222,8 +222,8 @@ def build_model_chunk(
 
     if spec.is_moe and layout.tp > 1:
         raise UnsupportedModelError(f"{spec.family} at tp={layout.tp}: {MOE_TP_REFUSAL}")
-    if spec.ep_refusal(layout.ep):
-        raise UnsupportedModelError(f"{spec.family} at ep={layout.ep}: {spec.ep_refusal(layout.ep)}")
+    if refusal := spec.ep_refusal(layout.ep):
+        raise UnsupportedModelError(f"{spec.family} at ep={layout.ep}: {refusal}")
     device = torch.device(device) if device is not None else rank_device()
     if compile_elementwise:
         check_compile_elementwise(device.type, transformer_impl)

@@ -90,9 +90,10 @@ def _destroy_megatron_groups() -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    alive = set(_process_groups())  # a group torch already destroyed (with the default group) is not again
     while _MEGATRON_GROUPS:
         group = _MEGATRON_GROUPS.pop()
-        if group in dist.distributed_c10d._world.pg_map:
+        if group in alive:
             dist.destroy_process_group(group)
 
 
