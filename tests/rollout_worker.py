@@ -149,6 +149,14 @@ def main(args: dict) -> None:
     except ValueError as e:
         out["too_long"] = str(e)
 
+    # more prompt tokens than one CPU engine step holds (8192): each prompt is prefilled whole (vLLM's chunked prefill
+    # rewinds a seeded request's generator after a partial prefill, which a CPU generator refuses: the engine died)
+    long_batch = [_tokens(500, 20 + i) for i in range(24)]
+    samples, _ = rollout(engines["vllm"], long_batch, step=3, sampling=SamplingConfig(n=1, max_new_tokens=4, seed=5),
+                         seed=0)  # fmt: skip
+    out["long_batch"] = sorted((s.prompt_index, len(s.prompt_ids), len(s.token_ids) == 4 or s.finish_reason == "stop")
+                               for s in samples)  # fmt: skip
+
     out["partial"] = partial_rollout(engines["vllm"], engines["hf"], ddp, train_once)
 
     with open(os.path.join(args["out"], f"rank{rank}.json"), "w") as f:

@@ -595,8 +595,15 @@ def _killed_from_outside_then_resumed(chain) -> None:
     launcher, after, last = runs["launcher"], runs.get("sigterm", runs["last"]), runs["last"]
     assert launcher.rc is None and "[megarl] step 3/6" in launcher.out, launcher.out[-3000:]
     assert re.search(r"resuming from .*iter_000000[2-4] \(step [2-4];", after.out), after.out[-3000:]
-    failed_at = last.out.find("Traceback")  # a rank's traceback comes before torchrun's report of the failure
-    assert last.rc == 0 and "resuming from" in last.out, last.out[max(failed_at - 2000, 0):][:8000] + last.out[-2000:]
+    assert last.rc == 0 and "resuming from" in last.out, _failure(last.out)
+
+
+def _failure(out: str) -> str:
+    """A failed run's output for an assertion message: the raised exceptions' lines first (a rank's traceback, and
+    whatever vLLM dumps before it, can be longer than the message shows), then the first traceback, then the end."""
+    raised = [line for line in out.splitlines() if re.search(r"\w(Error|Exception)(: |$)", line)]
+    failed_at = out.find("Traceback")  # a rank's traceback comes before torchrun's report of the failure
+    return "\n".join(dict.fromkeys(raised)) + "\n" + out[max(failed_at, 0):][:6000] + out[-2000:]
 
 
 def _trained(out_dir) -> dict[int, list[tuple[int, str]]]:

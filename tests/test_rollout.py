@@ -130,6 +130,14 @@ def test_cpu_sleep_is_said_once_and_overlong_prompts_are_refused(llama_tp2):
         assert "prompt 0 has 510 tokens" in r["too_long"] and "rollout.max_model_len=512" in r["too_long"]
 
 
+def test_a_batch_longer_than_an_engine_step_is_generated_whole(llama_tp2):
+    """24 seeded prompts of 500 tokens, more than one CPU engine step's 8192: every prompt gets its sample (vLLM's
+    chunked prefill killed the CPU engine here: "CPU Generator does not use offset"); the engine's ranks agree."""
+    for r in llama_tp2:
+        assert r["long_batch"] == [[i, 500, True] for i in range(24)]
+    assert llama_tp2[0]["long_batch"] == llama_tp2[1]["long_batch"]
+
+
 def test_partial_rollout_continues_in_flight_requests_under_the_new_weights(llama_tp2, qwen2_dp2):
     """Streaming (``megarl.rollout.stream``) with a weight push after a fixed engine step while requests are in
     flight: some samples hold tokens of both versions; each token's log-prob is the teacher-forced HF log-prob (fp32)

@@ -87,6 +87,22 @@ def _memory_args(cfg) -> dict:
     return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": max(0.01, 0.95 * free / total)}
 
 
+CPU_TOKENS_PER_STEP = 8192
+"""vLLM's token budget per engine step on CPU (its default there), raised to ``max_model_len`` where that is longer."""
+
+
+def _scheduler_args(max_model_len: int, cuda: bool) -> dict:
+    """CPU: no chunked prefill. vLLM splits a prompt over engine steps when the step's token budget runs out (a batch
+    of long prompts, or every streamed request re-prefilling at once after a weight push), discards the token sampled
+    after a partial prefill, and rewinds that request's seeded generator (``gpu_model_runner.py``,
+    ``_bookkeeping_sync``: ``gen.set_offset(gen.get_offset() - 4)``), which a CPU generator refuses ("CPU Generator
+    does not use offset": the engine dies). Without chunking a prompt is scheduled whole, in a budget that holds the
+    longest one. CUDA (Philox generators): vLLM's defaults."""
+    if cuda:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_TOKENS_PER_STEP)}
+
+
 def vllm_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``."""
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
@@ -191,6 +207,7 @@ class VLLMEngine:
                 distributed_timeout_seconds=collective_timeout_s,
                 cpu_distributed_timeout_seconds=collective_timeout_s,
                 **_memory_args(self.cfg),
+                **_scheduler_args(self.max_model_len, torch.cuda.is_available()),
                 **_lora_args(self.lora),
             )
 
