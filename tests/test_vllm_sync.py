@@ -66,14 +66,14 @@ def moe_mixed(tmp_path_factory):  # layer 0 routed, layer 1 dense
 @pytest.fixture(scope="module")
 def moe_tp2(moe_padded):
     steps = ((1, "shard_write"), (2, "shard_write"))
-    return run_on_ranks(run_vllm_sync, 2, moe_padded, EP2, 2, SEQ, PROMPT, False, steps, "up_proj.weight")
+    return run_on_ranks(run_vllm_sync, 2, moe_padded, EP2, 2, SEQ, PROMPT, False, steps, "up_proj.weight", True)
 
 
 @pytest.fixture(scope="module")
 def moe_tp1(moe_mixed):
     # expert 5 lives on rank 1 only: its piece travels to rank 0's engine (a dense tensor is on both ranks)
     return run_on_ranks(run_vllm_sync, 2, moe_mixed, EP2, 1, SEQ, PROMPT, False, BOTH_TRANSPORTS,
-                        "experts.5.up_proj.weight")  # fmt: skip
+                        "experts.5.up_proj.weight", True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,17 @@ def test_vllm_tp2_qwen3_moe_fused_experts_padded_by_the_engine(moe_tp2, moe_padd
     _check_engine(moe_tp2, moe_padded, tol=MOE_TOL, corrupted="w13_weight")
     _sent_the_minimum(moe_tp2, moe_padded, EP2, 2)
     assert "cannot refill fused experts it pads" in moe_tp2["full_reload_refused"]
+
+
+@pytest.mark.parametrize("case", ["moe_tp2", "moe_tp1"])
+def test_engine_routes_every_computed_position_as_the_actor_does(case, request):
+    """Rollout routing replay's source on the CPU build: the engine (TP=2, or two at TP=1 with a dense layer) records
+    the experts it routed each position to; every sample has P + G - 1 rows of the MoE layers' top-k (uint8), and the
+    Megatron actor (EP=2), holding the same weights and fed the same tokens, picks the same experts at >= 99.9% of
+    (position, layer) pairs, prompt positions included."""
+    for r in request.getfixturevalue(case)["routes"]:
+        assert r["samples"] == 6 and all(r["rows_ok"]) and r["dtype"] == "torch.uint8", r
+        assert r["agree"] >= 0.999 * r["total"] and r["total"] > 300, r
 
 
 def test_vllm_tp1_qwen3_moe_mixed_through_both_transports(moe_tp1, moe_mixed):

@@ -32,6 +32,36 @@ def _everyone(obj):
     return out
 
 
+def _routes_against_the_actor(engine, chunk, spec, long_prompt: list[int]) -> dict:
+    """Two samples of three prompts (one longer than a KV block): each sample's routes have a row per computed
+    position (P + G - 1), and for how many (position, MoE layer) pairs the actor's router, fed the same tokens,
+    picks the same set of experts as the engine did."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarl.backend.logprobs import token_logprobs
+
+    prompts = [long_prompt, long_prompt[:7], long_prompt[40:75]]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8)
+    samples, _ = engine.generate(prompts, [0, 1, 2], [11, 12, 13], sampling)
+    routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+    picked = []
+    hooks = [r.register_forward_hook(lambda mod, args, result: picked.append(result[1])) for r in routers]
+    rows_ok, agree, total = [], 0, 0
+    for s in samples:
+        picked.clear()
+        seq = s.prompt_ids + s.token_ids
+        token_logprobs(chunk, torch.tensor([seq]), temperature=1.0, true_vocab=spec.vocab_size)
+        mine = torch.stack([m.nonzero()[:, 1].view(m.shape[0], -1) for m in picked], dim=1)  # [positions, layers, k]
+        theirs = s.routed_experts.long().sort(dim=-1).values
+        rows_ok.append(tuple(theirs.shape) == (len(seq) - 1, len(routers), spec.moe_top_k))
+        agree += int((mine == theirs).all(dim=-1).sum())
+        total += mine.shape[0] * mine.shape[1]
+    for h in hooks:
+        h.remove()
+    return {"rows_ok": rows_ok, "agree": agree, "total": total, "dtype": str(samples[0].routed_experts.dtype),
+            "samples": len(samples)}  # fmt: skip
+
+
 def run_vllm_sync(
     versions: dict[int, str],
     megatron: tuple[int, ...],
@@ -41,13 +71,15 @@ def run_vllm_sync(
     readable: bool = False,
     steps: tuple[tuple[int, str], ...] = BOTH_TRANSPORTS,
     corrupted: str = "mlp.up_proj.weight",
+    routes: bool = False,
 ) -> dict:
     """Sync versions through the transports of ``steps`` ((version, transport) in order) and record what the engine
     computes after each sync; then a sync with a piece of an HF tensor ending in ``corrupted`` corrupted in transit.
 
     ``readable``: switch the CPU build's oneDNN packing off (this test only) so parameters can be read back and
     compared with the layout description and the expected shards. A full reload that ``steps`` leaves out is tried
-    once and its refusal recorded (``full_reload_refused``)."""
+    once and its refusal recorded (``full_reload_refused``). ``routes``: the engine records routed experts, and its
+    routes after the last sync are compared with the Megatron actor's own routing (``routes``)."""
     layout = ParallelLayout(*megatron)  # (tp, pp, dp) or (tp, pp, dp, ep)
     init_distributed(layout, seed=7)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,7 +93,7 @@ def run_vllm_sync(
 
     torch.manual_seed(1000 + rank)  # the trainer's RNG, different per rank
     rng_before, threads_before = torch.get_rng_state(), torch.get_num_threads()
-    engine = VLLMEngine(ROLLOUT, versions[1], spec, src_layout, tp=vllm_tp, seed=0)
+    engine = VLLMEngine(ROLLOUT, versions[1], spec, src_layout, tp=vllm_tp, seed=0, record_routes=routes)
     out = {
         "rng_restored": _everyone(torch.equal(torch.get_rng_state(), rng_before)),
         "threads_restored": _everyone(torch.get_num_threads() == threads_before),
@@ -112,6 +144,8 @@ def run_vllm_sync(
         out["refused_after_corrupt"] = True
     engine.update_weights(actor_tensors(chunk), 4)
     out["score_after_recovery"] = engine.score(seq)
+    if routes:
+        out["routes"] = _everyone(_routes_against_the_actor(engine, chunk, spec, seq[:150]))
 
     if readable:
         model = vllm_model(engine.llm)

@@ -57,6 +57,9 @@ class Sample:
     """An episode's counts (turns, tool calls, tokens, ...; the ``env/`` metrics)."""
     env_error: str | None = None
     """Why the episode's environment failed ('error: ...', 'timeout: ...'); it then scores 0."""
+    routed_experts: torch.Tensor | None = None
+    """A MoE sample recorded by its engine (``megarl.rollout.routes``): ``[P + G - 1, MoE layers, k]`` experts, row
+    ``i`` for input position ``i`` of ``prompt_ids + token_ids``. None: not recorded."""
 
     @property
     def weight_version(self) -> int:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megarl import lifetime
 from megarl.compat import quiet, vllm_shm
+from megarl.compat.vllm_routes import bind_route_capture
 from megarl.config.device_defaults import enforce_eager, kv_cache_bytes
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.config.validate import VLLM_LORA_RANKS
@@ -40,6 +41,7 @@ from megarl.reshard.layout import SideLayout
 from megarl.reshard.sync import SyncPlans, SyncReport, run_sync, sends_base
 from megarl.reshard.transport import TRANSPORTS, AdapterSlots
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
+from megarl.rollout.routes import RouteRecorder, completion_routes, external_id
 
 log = logging.getLogger("megarl.rollout")
 
@@ -103,6 +105,14 @@ def _scheduler_args(max_model_len: int, cuda: bool) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_TOKENS_PER_STEP)}
 
 
+def _route_args(record: bool, cuda: bool) -> dict:
+    """Recording routed experts. CUDA: vLLM's own output (Model Runner V2 with prefix caching). CPU: megarl's
+    recorder, with prefix caching off (a position served from the cache is never computed, so it has no row)."""
+    if not record:
+        return {}
+    return {"enable_return_routed_experts": True} if cuda else {"enable_prefix_caching": False}
+
+
 def vllm_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``."""
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
@@ -143,6 +153,7 @@ class VLLMEngine:
         pool: str | None = None,
         offset: int = 0,
         comm=None,
+        record_routes: bool = False,
     ):
         """``lora`` and ``adapter_layout`` (``megatron_adapter_layout``: where the actor's adapter factors live): serve
         the adapters from vLLM's LoRA slots. None: the engine gets whole weights (merged by the trainer when the actor
@@ -150,7 +161,10 @@ class VLLMEngine:
 
         Resource pools: ``pool`` names the rollout pool this engine lives on (the default process group is the
         pool's; its shared memory is named after the pool too), ``offset`` is the pool's first rank in the launch,
-        ``comm`` spans the launch (the actor's ranks send from their own pool; ``src_layout`` has their ranks)."""
+        ``comm`` spans the launch (the actor's ranks send from their own pool; ``src_layout`` has their ranks).
+
+        ``record_routes`` (a MoE model): every sample carries the experts the engine routed its positions to
+        (``Sample.routed_experts``, ``megarl.rollout.routes``)."""
         if (lora is None) != (adapter_layout is None):
             raise ValueError("VLLMEngine: lora and adapter_layout go together")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -177,7 +191,17 @@ class VLLMEngine:
         self.max_model_len = cfg.max_model_len or spec.max_position_embeddings
         self.base_loaded = False
         """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
+        self.record_routes = record_routes
+        self.routes: RouteRecorder | None = None
+        """The CPU build's recorder of routed experts (``record_routes``; CUDA: vLLM reports them itself)."""
+        if record_routes and not spec.is_moe:
+            raise ValueError(f"routed experts cannot be recorded: {spec.family} has no routed experts")
         self.llm = self._start(LLM, engine_dir, dtype, seed, collective_timeout_s)
+        self.moe_layers = [i for i in range(spec.num_layers) if spec.routed(i)]
+        """The hidden layers with routed experts (the columns of vLLM's routed-expert output that a sample keeps)."""
+        if record_routes and not torch.cuda.is_available():
+            self.routes = RouteRecorder(spec.num_experts)
+            self.moe_layers = bind_route_capture(self.llm, self.routes)
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
         self.adapters: AdapterSlots | None = None
@@ -208,6 +232,7 @@ class VLLMEngine:
                 cpu_distributed_timeout_seconds=collective_timeout_s,
                 **_memory_args(self.cfg),
                 **_scheduler_args(self.max_model_len, torch.cuda.is_available()),
+                **_route_args(self.record_routes, torch.cuda.is_available()),
                 **_lora_args(self.lora),
             )
 
@@ -306,14 +331,16 @@ class VLLMEngine:
         start = time.perf_counter()
         requests = [{"prompt_token_ids": p} for p in prompts]
         ids = self.llm.enqueue(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora())
-        position = {_external_id(r): k for k, r in enumerate(ids)}
+        position = {external_id(r): k for k, r in enumerate(ids)}
         groups: list[list[Sample]] = [[] for _ in prompts]
         steps = 0
         while self.llm.llm_engine.has_unfinished_requests():
             steps += 1
             if steps % STOP_POLL_STEPS == 0 and self._stop_agreed():  # a stop: cut short (the rollout is dropped)
-                left = [e for e in map(_external_id, ids) if not groups[position[e]]]
+                left = [e for e in map(external_id, ids) if not groups[position[e]]]
                 self.llm.llm_engine.abort_request(left, internal=False)
+                if self.routes is not None:
+                    self.routes.forget([f"{j}_{e}" for e in left for j in range(sampling.n)] + left)
                 break
             for out in self.llm.llm_engine.step():
                 if out.finished:
@@ -372,6 +399,8 @@ class VLLMEngine:
         if request_ids:
             self.llm.llm_engine.abort_request(request_ids, internal=False)
             self.streamed.difference_update(request_ids)
+            if self.routes is not None:
+                self.routes.forget(request_ids)
 
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
         """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
@@ -379,8 +408,18 @@ class VLLMEngine:
         for j, c in enumerate(out.outputs):
             tokens, logprobs, reason = _completion(c)
             versions = [self.weight_version] * len(tokens)
-            samples.append(Sample(index, j, list(prompt), tokens, logprobs, reason, versions))
+            sample = Sample(index, j, list(prompt), tokens, logprobs, reason, versions)
+            if self.record_routes:  # a request of n > 1 samples is split into requests 'j_<id>' inside the engine
+                request_id = out.request_id if len(out.outputs) == 1 else f"{c.index}_{out.request_id}"
+                sample.routed_experts = self._routes(request_id, c, len(prompt) + len(tokens) - 1)
+            samples.append(sample)
         return samples
+
+    def _routes(self, request_id: str, completion, positions: int):
+        """A finished request's routed experts, ``[positions, MoE layers, k]``: vLLM's (CUDA) or the recorder's."""
+        if self.routes is None:
+            return completion_routes(completion.routed_experts, self.moe_layers, self.spec.num_experts)
+        return self.routes.take(request_id, positions)
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
         """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
@@ -426,10 +465,3 @@ def _completion(c) -> tuple[list[int], list[float], str]:
     'length'; meaningful once the request finished)."""
     logprobs = [d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
     return list(c.token_ids), logprobs, "length" if c.finish_reason == "length" else "stop"
-
-
-def _external_id(request_id: str) -> str:
-    """The id a finished ``RequestOutput`` carries for a request ``LLM.enqueue`` returned as ``request_id``: vLLM
-    0.32 appends '-' and 8 random hex digits to the caller's id inside the engine (``InputProcessor.
-    assign_request_id``) and reports the caller's."""
-    return request_id.rsplit("-", 1)[0]
