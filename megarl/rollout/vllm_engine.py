@@ -133,6 +133,13 @@ def _reset_prefix_cache(llm, running: bool = False) -> None:
         raise RuntimeError("vLLM could not reset its prefix cache (requests still running); not generating from it")
 
 
+def _check_arguments(spec: ModelSpec, lora, adapter_layout, record_routes: bool) -> None:
+    if (lora is None) != (adapter_layout is None):
+        raise ValueError("VLLMEngine: lora and adapter_layout go together")
+    if record_routes and not spec.is_moe:
+        raise ValueError(f"routed experts cannot be recorded: {spec.family} has no routed experts")
+
+
 class VLLMEngine:
     """One vLLM engine per rank group of ``tp`` consecutive ranks; every rank of the world (colocated) or of the
     rollout pool builds its part."""
@@ -162,11 +169,9 @@ class VLLMEngine:
         Resource pools: ``pool`` names the rollout pool this engine lives on (the default process group is the
         pool's; its shared memory is named after the pool too), ``offset`` is the pool's first rank in the launch,
         ``comm`` spans the launch (the actor's ranks send from their own pool; ``src_layout`` has their ranks).
-
         ``record_routes`` (a MoE model): every sample carries the experts the engine routed its positions to
         (``Sample.routed_experts``, ``megarl.rollout.routes``)."""
-        if (lora is None) != (adapter_layout is None):
-            raise ValueError("VLLMEngine: lora and adapter_layout go together")
+        _check_arguments(spec, lora, adapter_layout, record_routes)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         quiet.quiet_vllm_logs()  # before vLLM's own import logs its first note
         from vllm import LLM  # imported before vllm_shm patches the shared memory
@@ -175,10 +180,8 @@ class VLLMEngine:
         lifetime.join_run()  # the engine's shared memory belongs to this process's run: named after it, removed with it
         vllm_shm.install(lifetime.shm_prefix() + (f"-{pool}" if pool else ""))
 
-        self.cfg, self.spec, self.tp, self.lora = cfg, spec, tp, lora
-        self.dtype = DTYPES[dtype]
-        self.world = dist.get_world_size()
-        self.comm = comm
+        self.cfg, self.spec, self.tp, self.lora, self.comm = cfg, spec, tp, lora, comm
+        self.dtype, self.world = DTYPES[dtype], dist.get_world_size()
         self.weight_version: int | None = None
         self.should_stop = None
         """A callable polled every ``STOP_POLL_STEPS`` engine steps of ``generate``: True cuts the generation short
@@ -192,25 +195,29 @@ class VLLMEngine:
         self.base_loaded = False
         """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
         self.record_routes = record_routes
-        self.routes: RouteRecorder | None = None
-        """The CPU build's recorder of routed experts (``record_routes``; CUDA: vLLM reports them itself)."""
-        if record_routes and not spec.is_moe:
-            raise ValueError(f"routed experts cannot be recorded: {spec.family} has no routed experts")
         self.llm = self._start(LLM, engine_dir, dtype, seed, collective_timeout_s)
-        self.moe_layers = [i for i in range(spec.num_layers) if spec.routed(i)]
-        """The hidden layers with routed experts (the columns of vLLM's routed-expert output that a sample keeps)."""
-        if record_routes and not torch.cuda.is_available():
-            self.routes = RouteRecorder(spec.num_experts)
-            self.moe_layers = bind_route_capture(self.llm, self.routes)
+        self.routes, self.moe_layers = self._route_source()
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
-        self.adapters: AdapterSlots | None = None
-        if lora is not None:  # one directory per rank, named after the run: removed with it, also after a kill
-            directory = os.path.join(lifetime.SHM_DIR, f"{lifetime.shm_prefix()}-lora-r{dist.get_rank()}")
-            self.adapters = AdapterSlots(self.llm, spec, lora, self.dtype, directory)
+        self.adapters = None if lora is None else self._adapter_slots()
         self.plans = SyncPlans(
             spec, src_layout, tp=tp, world=self.world, offset=offset, lora=lora, adapter_src=adapter_layout
         )
+
+    def _adapter_slots(self) -> AdapterSlots:
+        """The engine's LoRA slots: one directory per rank, named after the run (removed with it, also after a
+        kill)."""
+        directory = os.path.join(lifetime.SHM_DIR, f"{lifetime.shm_prefix()}-lora-r{dist.get_rank()}")
+        return AdapterSlots(self.llm, self.spec, self.lora, self.dtype, directory)
+
+    def _route_source(self) -> tuple[RouteRecorder | None, list[int]]:
+        """The CPU build's recorder of routed experts (``record_routes``; None on CUDA, where vLLM reports them, or
+        when not recording), and the hidden layers with routed experts (the columns of vLLM's output a sample
+        keeps)."""
+        if self.record_routes and not torch.cuda.is_available():
+            recorder = RouteRecorder(self.spec.num_experts)
+            return recorder, bind_route_capture(self.llm, recorder)
+        return None, [i for i in range(self.spec.num_layers) if self.spec.routed(i)]
 
     def _start(self, llm_class, engine_dir: str, dtype: str, seed: int, collective_timeout_s: int):
         """Collective over the engine's ranks: vLLM's ``LLM`` on this process group (the external launcher), with
@@ -403,17 +410,7 @@ class VLLMEngine:
                 self.routes.forget(request_ids)
 
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
-        """One prompt's finished ``RequestOutput`` as its samples, every token of this weight version."""
-        samples = []
-        for j, c in enumerate(out.outputs):
-            tokens, logprobs, reason = _completion(c)
-            versions = [self.weight_version] * len(tokens)
-            sample = Sample(index, j, list(prompt), tokens, logprobs, reason, versions)
-            if self.record_routes:  # a request of n > 1 samples is split into requests 'j_<id>' inside the engine
-                request_id = out.request_id if len(out.outputs) == 1 else f"{c.index}_{out.request_id}"
-                sample.routed_experts = self._routes(request_id, c, len(prompt) + len(tokens) - 1)
-            samples.append(sample)
-        return samples
+        return finished_samples(out, index, prompt, self.weight_version, self._routes if self.record_routes else None)
 
     def _routes(self, request_id: str, completion, positions: int):
         """A finished request's routed experts, ``[positions, MoE layers, k]``: vLLM's (CUDA) or the recorder's."""
@@ -458,6 +455,21 @@ class VLLMEngine:
         self._wake("weights")
         self._wake("kv_cache")
         _reset_prefix_cache(self.llm)
+
+
+def finished_samples(out, index: int, prompt: list[int], version: int, routes=None) -> list[Sample]:
+    """One prompt's finished ``RequestOutput`` as its samples, every token of weight ``version``. ``routes(request id,
+    completion, positions)``: each sample's routed experts (a request of n > 1 samples is split into requests
+    'j_<id>' inside the engine)."""
+    samples = []
+    for j, c in enumerate(out.outputs):
+        tokens, logprobs, reason = _completion(c)
+        sample = Sample(index, j, list(prompt), tokens, logprobs, reason, [version] * len(tokens))
+        if routes is not None:
+            request_id = out.request_id if len(out.outputs) == 1 else f"{c.index}_{out.request_id}"
+            sample.routed_experts = routes(request_id, c, len(prompt) + len(tokens) - 1)
+        samples.append(sample)
+    return samples
 
 
 def _completion(c) -> tuple[list[int], list[float], str]:
