@@ -12,7 +12,7 @@ Per-token fields (advantages, old log-probs, ...) are response-aligned 1-D tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class Sequence:
     prompt_len: int
     mask: tuple[int, ...] | None = None
     """Per response token, 1 if it is in the loss (the model's), 0 if not (an episode's observation); None: all."""
+    routes: torch.Tensor | None = field(default=None, compare=False)
+    """The engine's experts per input position (``Sample.routed_experts``: [len(tokens) - 1, MoE layers, k]), for
+    rollout routing replay; None: not recorded."""
 
     @property
     def response_len(self) -> int:
@@ -187,7 +190,8 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
     ``padding_mask`` [b, S] (True past a sequence's end: routed-expert layers leave those out of their
     load-balancing loss), plus each response-aligned field scattered to [b, S] (0 outside the response), and
     ``scored_from``: the first position that scores a response token (the shortest prompt's length - 1; nothing
-    before it needs logits)."""
+    before it needs logits). Sequences with ``routes``: ``routes`` [b, S, MoE layers, k], padding positions routed to
+    experts 0..k-1."""
     fields = fields or {}
     width = max(len(s.tokens) for s in seqs) - 1
     b = len(seqs)
@@ -206,8 +210,24 @@ def collate(seqs: list[Sequence], fields: dict[str, list[torch.Tensor]] | None =
     positions = torch.arange(width).expand(b, width).contiguous()
     padding = positions >= torch.tensor([len(s.tokens) - 1 for s in seqs]).unsqueeze(1)
     first = min(max(min(s.prompt_len for s in seqs) - 1, 0), width - 1)  # one position even if no response
+    if any(s.routes is not None for s in seqs):
+        out["routes"] = _collated_routes(seqs, width)
     return {"tokens": tokens, "targets": targets, "position_ids": positions, "loss_mask": mask,
             "padding_mask": padding, **out, "scored_from": first}  # fmt: skip
+
+
+def _collated_routes(seqs: list[Sequence], width: int) -> torch.Tensor:
+    """The sequences' routes as [b, width, MoE layers, k]: row ``i`` for input position ``i``, padding routed to
+    experts 0..k-1 (any valid experts: nothing reads a padding position's output)."""
+    shape = next(s.routes.shape for s in seqs if s.routes is not None)[1:]
+    if any(s.routes is None for s in seqs):
+        raise ValueError("a micro-batch mixes sequences with and without the engine's routes")
+    out = torch.arange(shape[1], dtype=seqs[0].routes.dtype).expand(len(seqs), width, *shape).clone()
+    for i, s in enumerate(seqs):
+        if s.routes.shape != (len(s.tokens) - 1, *shape):
+            raise ValueError(f"routes of {tuple(s.routes.shape)} for a sequence of {len(s.tokens)} tokens")
+        out[i, : len(s.tokens) - 1] = s.routes
+    return out
 
 
 def response_values(values_BS: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

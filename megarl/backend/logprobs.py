@@ -105,10 +105,10 @@ def logprobs_from_logits(
     return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab, cutoff_BS=cutoff)[0]
 
 
-def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch.Tensor]:
+def forward_per_token(model, micro_batches: list[dict], per_token, replay=None) -> list[torch.Tensor]:
     """Collective over the model-parallel group: ``per_token(micro_batch, output) -> [b, S]`` for every micro-batch,
     forward only, returned on every TP and PP rank of this data-parallel replica (host tensors). Positions before
-    the micro-batch's ``scored_from`` (``run_schedule``) are 0."""
+    the micro-batch's ``scored_from`` (``run_schedule``) are 0. ``replay``: as ``run_schedule``'s."""
     from megatron.core import parallel_state as ps
 
     def loss_fn(mb, output):
@@ -116,7 +116,7 @@ def forward_per_token(model, micro_batches: list[dict], per_token) -> list[torch
         return values.sum() * 0, {"values": values}
 
     with torch.no_grad():
-        reported = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+        reported = run_schedule(model, micro_batches, loss_fn, forward_only=True, replay=replay)
     holder = [[r["values"].cpu() for r in reported] if ps.is_pipeline_last_stage() else None]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(

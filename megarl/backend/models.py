@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.backend.init_weights import load_initial_weights
-from megarl.backend.moe import LoadBalancing
+from megarl.backend.moe import LoadBalancing, RoutingReplay
 from megarl.backend.setup import make_scheduler, wrap_for_training
 from megarl.config.recipe import needs_critic, needs_reference, needs_reward_model, reward_model_spec
 from megarl.config.schema import MegarlConfig
@@ -39,6 +39,8 @@ class RLModels:
     """A frozen reward model with a scalar score head (``reward.model``)."""
     actor_balancing: LoadBalancing | None = None
     """A routed-expert actor's load-balancing loss (``actor.moe_aux_loss_coef``; logged at any coefficient)."""
+    actor_replay: RoutingReplay | None = None
+    """The engine's routes in the actor's routers (``actor.moe_routing_replay``: measured, or replayed)."""
 
 
 ALL_ROLES = ("actor", "critic", "reference", "reward_model")
@@ -58,7 +60,9 @@ def build_rl_models(
     ``layout``. ``load_weights=False`` (resuming: a checkpoint fills actor and critic next) loads only the reference,
     which is always the initial weights."""
 
-    def chunk(value_head: bool = False, load: bool = True, trained: bool = True):
+    replay = cfg.actor.moe_routing_replay
+
+    def chunk(value_head: bool = False, load: bool = True, trained: bool = True, actor: bool = False):
         model = build_model_chunk(
             spec,
             layout,
@@ -69,20 +73,15 @@ def build_rl_models(
             recompute=cfg.model.recompute and trained,
             attention=cfg.model.attention,
             compile_elementwise=cfg.model.compile_elementwise,
+            routing_replay=actor and replay == "rollout",  # the reference and the critic route themselves
         )
         if load:
             load_initial_weights(model, source, spec, layout, rank, value_head=value_head)
         return model
 
     models = RLModels(actor=None, actor_optim=None, actor_sched=None)
-    if "actor" in roles:
-        actor_chunk = chunk(load=load_weights or cfg.actor.lora is not None)  # LoRA: the base is never in a checkpoint
-        if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
-            add_adapters(actor_chunk, cfg, spec)
-        if spec.is_moe:
-            models.actor_balancing = LoadBalancing(actor_chunk, cfg.actor.moe_aux_loss_coef)
-        models.actor, models.actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
-        models.actor_sched = make_scheduler(models.actor_optim, cfg.actor.optim)
+    if "actor" in roles:  # LoRA: the base is never in a checkpoint, so it is always loaded
+        add_actor(models, chunk(load=load_weights or cfg.actor.lora is not None, actor=True), cfg, spec)
     if needs_critic(cfg) and "critic" in roles:
         models.critic, models.critic_optim = wrap_for_training(
             chunk(value_head=True, load=load_weights), cfg.critic.optim
@@ -100,6 +99,19 @@ def build_rl_models(
         load_initial_weights(rm, rm_source, rm_spec, layout, rank)
         models.reward_model = rm.eval().requires_grad_(False)
     return models
+
+
+def add_actor(models: RLModels, actor_chunk, cfg: MegarlConfig, spec: ModelSpec) -> None:
+    """The actor into ``models``: its adapters, its routers' hooks, DDP, optimizer and scheduler."""
+    if cfg.actor.lora is not None:  # before DDP: the frozen base gets no gradient buffer or optimizer state
+        add_adapters(actor_chunk, cfg, spec)
+    if spec.is_moe:
+        models.actor_balancing = LoadBalancing(actor_chunk, cfg.actor.moe_aux_loss_coef)
+    if cfg.actor.moe_routing_replay != "off":
+        moe_layers = [i for i in range(spec.num_layers) if spec.routed(i)]
+        models.actor_replay = RoutingReplay(actor_chunk, moe_layers, replay=cfg.actor.moe_routing_replay == "rollout")
+    models.actor, models.actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
+    models.actor_sched = make_scheduler(models.actor_optim, cfg.actor.optim)
 
 
 def add_adapters(chunk, cfg: MegarlConfig, spec: ModelSpec) -> int:

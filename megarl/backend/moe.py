@@ -16,6 +16,9 @@ each layer's mean over micro-batches.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -83,3 +86,89 @@ class LoadBalancing:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return float(total[0] / total[1].clamp(min=1))
+
+
+class RoutingReplay:
+    """Rollout routing replay ("R3", ``actor.moe_routing_replay``): the experts the engine routed each token to
+    (``Sample.routed_experts``, a micro-batch's ``routes``), against the routers of an actor chunk.
+
+    ``replay=True`` (``rollout``; the chunk built with Megatron's ``moe_enable_routing_replay``, which gives each
+    router a ``RouterReplay``): every forward routes each token to the engine's experts, the weights gathered from
+    the router's own scores at them (``norm_topk_prob`` renormalises over those). A forward recomputed in the
+    backward (``model.recompute``) replays its own micro-batch: each forward queues its routes, and once it returned
+    the routers take them back in order (Megatron's ``REPLAY_BACKWARD``; 1F1B runs backwards in forward order).
+    ``replay=False`` (``measure``): the routers route themselves.
+
+    Either way every forward (not a recomputation) counts the (real position, routed layer) pairs where the
+    router's own top-k set, from its scores, equals the engine's: ``take`` gives their share
+    (``moe/routing_agreement``). Megatron's tokens are sequence-major ([S, b] flattened): position ``s`` of
+    sequence ``j`` is token ``s * b + j``."""
+
+    def __init__(self, chunk: torch.nn.Module, moe_layers: list[int], replay: bool):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.replay = replay
+        self.routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.columns = [moe_layers.index(r.layer_number - 1) for r in self.routers]
+        """Each local router's column in the routes (its index among the model's routed layers)."""
+        if replay and any(r.router_replay is None for r in self.routers):
+            raise ValueError("routing replay needs the actor built with moe_enable_routing_replay")
+        self.targets: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.valid: torch.Tensor | None = None
+        """The current forward's real positions (sequence-major); None outside a forward."""
+        self.counts: list[torch.Tensor] = []
+        """Per counted forward of a router: (pairs that agree, real pairs), on the model's device (no sync)."""
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(functools.partial(self._compared, i))
+
+    @contextlib.contextmanager
+    def micro_batch(self, mb: dict):
+        """Around one micro-batch's forward (``megarl.backend.step``): its routes into the routers."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routes, b, s = mb.get("routes"), *mb["tokens"].shape
+        for i, (router, column) in enumerate(zip(self.routers, self.columns)):
+            if routes is None:  # a lockstep filler (all padding): any experts
+                target = torch.arange(router.topk, device=mb["tokens"].device).expand(s * b, router.topk)
+            else:
+                target = routes[:, :, column].transpose(0, 1).reshape(s * b, -1).long()
+            self.targets[i] = target
+            if self.replay:
+                router.router_replay.set_target_indices(target)
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self.valid = None if routes is None else ~mb["padding_mask"].transpose(0, 1).reshape(-1)
+        try:
+            yield
+        finally:
+            self.valid = None
+            if self.replay:
+                for router in self.routers:
+                    router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def end_schedule(self) -> None:
+        """After a schedule: the routers route themselves again, nothing queued."""
+        for router in self.routers:
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+    def _compared(self, i: int, router, inputs, output) -> None:
+        if self.valid is None:  # a recomputation, a filler, or a forward outside ``micro_batch``
+            return
+        with torch.no_grad():
+            logits = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
+            own = logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values
+            same = (own == self.targets[i].sort(dim=-1).values).all(dim=-1) & self.valid
+        self.counts.append(torch.stack([same.sum(), self.valid.sum()]))
+
+    def take(self) -> float:
+        """Collective over the model's pipeline stages and data-parallel ranks: the share of (real position, routed
+        layer) pairs counted since the last call whose own routing equals the engine's; then forgets them."""
+        from megatron.core import parallel_state as ps
+
+        counts, self.counts = self.counts, []
+        total = torch.stack(counts).sum(0).double().cpu() if counts else torch.zeros(2, dtype=torch.float64)
+        for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")

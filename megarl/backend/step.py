@@ -10,6 +10,7 @@ gathering logits; a critic returns values [batch, seq, 1].
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from functools import partial
@@ -35,7 +36,7 @@ MEAN, SUM = "mean", "sum"
 
 
 def forward_backward(
-    model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False, reduce: str = MEAN
+    model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False, reduce: str = MEAN, replay=None
 ) -> dict:
     """Run every micro-batch forward (and backward) through Megatron's schedule.
 
@@ -45,12 +46,15 @@ def forward_backward(
     """
     from megatron.core import parallel_state as ps
 
-    return _reduce_metrics(run_schedule(model, micro_batches, loss_fn, forward_only=forward_only), ps, reduce)
+    reported = run_schedule(model, micro_batches, loss_fn, forward_only=forward_only, replay=replay)
+    return _reduce_metrics(reported, ps, reduce)
 
 
-def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False) -> list[dict]:
+def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool = False, replay=None
+                 ) -> list[dict]:  # fmt: skip
     """Megatron's schedule over the micro-batches; returns each micro-batch's metrics dict on the last stage
-    (an empty list on other stages)."""
+    (an empty list on other stages). ``replay`` (``megarl.backend.moe.RoutingReplay``): each micro-batch's
+    ``routes`` into the routers around its forward."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -63,26 +67,32 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: LossFn, *, forward_o
         wanted = mb.get("scored_from", 0) if "labels" not in mb else 0  # Megatron's own loss scores every position
         # the model's forward and the loss as on a GPU: without the CPU shim's mode, a Python call per torch call
         # (compat.cpu); Megatron's schedule calls the loss inside the mode
-        with logits_from(model_chunk, wanted) as first, outside_megatron_mode():
+        with logits_from(model_chunk, wanted) as first, outside_megatron_mode(), routes_of(mb):
             output = model_chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"), **routing(mb))
         return output, outside_megatron_mode()(partial(loss_fn, positions_from(mb, first)))
 
     def routing(mb: dict) -> dict:  # routed-expert layers leave padding out of their load balancing (backend.moe)
         return {"padding_mask": mb["padding_mask"]} if moe and "padding_mask" in mb else {}
 
+    def routes_of(mb: dict):
+        return replay.micro_batch(mb) if replay is not None else contextlib.nullcontext()
+
     moe = getattr(get_model_config(model[0] if isinstance(model, list) else model), "num_moe_experts", None)
     batch_size, seq_length = micro_batches[0]["tokens"].shape
-    with megatron_mode():
-        reported = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=batch_size,
-            forward_only=forward_only,
-        )
-    return reported
+    try:
+        with megatron_mode():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=model,
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=batch_size,
+                forward_only=forward_only,
+            )
+    finally:
+        if replay is not None:
+            replay.end_schedule()
 
 
 def positions_from(micro_batch: dict, first: int) -> dict:
@@ -154,14 +164,15 @@ def _non_finite(model, metrics: dict) -> str | None:
     return " and ".join(parts)
 
 
-def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn, *, reduce: str = MEAN) -> dict:
+def train_step(model, optimizer, micro_batches: list[dict], loss_fn: LossFn, *, reduce: str = MEAN, replay=None
+               ) -> dict:  # fmt: skip
     """Zero grads, forward/backward all micro-batches, take one optimizer step. Returns metrics incl. grad_norm and
     lr (metrics reduced as in ``forward_backward``). Raises ``NonFiniteUpdate`` instead of stepping when a metric
     (the loss) or a gradient is NaN/inf anywhere."""
     with megatron_mode():
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    metrics = forward_backward(model, micro_batches, loss_fn, reduce=reduce)
+    metrics = forward_backward(model, micro_batches, loss_fn, reduce=reduce, replay=replay)
     reason = _non_finite(model, metrics)
     if reason is not None:
         with megatron_mode():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megarl.backend.batch import Batching, PackStats, Sequence, micro_batches, plan, response_values
 from megarl.backend.logprobs import forward_per_token
 from megarl.backend.losses import GlobalNorm
-from megarl.backend.moe import LoadBalancing
+from megarl.backend.moe import LoadBalancing, RoutingReplay
 from megarl.backend.step import SUM, NonFiniteUpdate, train_step
 
 
@@ -57,9 +57,11 @@ def _count(stats: PackStats | None, seqs: list[Sequence], per_rank: list[list[li
 
 
 def forward_fields(model, seqs: list[Sequence], per_token: Callable, batching: Batching,
-                   stats: PackStats | None = None) -> list[torch.Tensor]:  # fmt: skip
+                   stats: PackStats | None = None, replay: RoutingReplay | None = None
+                   ) -> list[torch.Tensor]:  # fmt: skip
     """Collective over the world: ``per_token`` (micro-batch, model output) -> [b, S] for every sequence, read back
-    response-aligned; each DP rank computes its share and the results are gathered over DP."""
+    response-aligned; each DP rank computes its share and the results are gathered over DP. ``replay``: the
+    sequences' routes replayed (or measured) in the model's routers."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp = _dp_coords()
@@ -70,7 +72,8 @@ def forward_fields(model, seqs: list[Sequence], per_token: Callable, batching: B
         groups += per_rank[dp_rank]
     computed: dict[int, torch.Tensor] = {}
     if groups:
-        for values_BS, group in zip(forward_per_token(model, micro_batches(seqs, groups), per_token), groups):
+        values = forward_per_token(model, micro_batches(seqs, groups), per_token, replay)
+        for values_BS, group in zip(values, groups):
             for i, v in zip(group, response_values(values_BS, [seqs[i] for i in group])):
                 computed[i] = v
     if dp > 1:
@@ -94,6 +97,7 @@ def ppo_updates(
     trained: list[bool] | None = None,
     stats: PackStats | None = None,
     balancing: LoadBalancing | None = None,
+    replay: RoutingReplay | None = None,
 ) -> dict[str, float]:
     """Collective: ``epochs`` passes of one optimizer step per mini-batch (``scheduler`` stepped before each).
     ``trained`` (default: all) marks the sequences in the loss: the others leave ``loss_mask`` and the global token
@@ -106,7 +110,9 @@ def ppo_updates(
     rank, so every DP and PP rank skips the same mini-batches without a collective. The loss's denominators are the
     mini-batch's (``GlobalNorm``), so the update does not depend on how its sequences are shared out and packed.
     ``balancing`` (a routed-expert model's): its term weighed to the mean over each mini-batch's micro-batches, and
-    ``moe/aux_loss``, the unscaled loss's mean over this update's micro-batches and routed layers."""
+    ``moe/aux_loss``, the unscaled loss's mean over this update's micro-batches and routed layers. ``replay``: the
+    sequences' routes in the routers (``forward_fields``), and ``moe/routing_agreement`` over every forward since
+    its last reading (the old log-probs' and this update's)."""
     dp_rank, dp = _dp_coords()
     trained = trained if trained is not None else [True] * len(seqs)
     history: list[dict] = []
@@ -131,15 +137,22 @@ def ppo_updates(
             if scheduler is not None:
                 scheduler.step(1)
             try:
-                history.append(train_step(model, optimizer, batches, make_loss(norm), reduce=SUM))
+                history.append(train_step(model, optimizer, batches, make_loss(norm), reduce=SUM, replay=replay))
             except NonFiniteUpdate:
                 if scheduler is not None:
                     scheduler.step(-1)
                 raise
-    averaged = _averaged(history)
+    return {**_averaged(history), **_routed_metrics(balancing, replay), "empty_minibatches": float(empty)}
+
+
+def _routed_metrics(balancing: LoadBalancing | None, replay: RoutingReplay | None) -> dict[str, float]:
+    """Collective: a routed-expert model's ``moe/`` metrics since their last reading."""
+    metrics = {}
     if balancing is not None:
-        averaged["moe/aux_loss"] = balancing.take()
-    return {**averaged, "empty_minibatches": float(empty)}
+        metrics["moe/aux_loss"] = balancing.take()
+    if replay is not None:
+        metrics["moe/routing_agreement"] = replay.take()
+    return metrics
 
 
 def _averaged(history: list[dict]) -> dict[str, float]:

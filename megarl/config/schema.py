@@ -18,6 +18,8 @@ KL_LOSSES = ("k2", "k3", "k3_is")
 k2 -> grad KL(pi || ref) (on-policy samples); k3 -> grad KL(ref || pi), the *reverse* KL; k3_is -> grad KL(pi || ref)
 also on samples of the pre-update policy pi_old (later mini-batches and epochs). k1 is not one: E_pi[grad log pi] = 0
 (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
+ROUTING_REPLAY = ("off", "measure", "rollout")
+"""``actor.moe_routing_replay``'s modes."""
 K1_LOSS_REFUSED = (
     "k1 as a KL loss has expected gradient 0 (E_pi[grad log pi] = 0): it regularises nothing and only adds noise; "
     "use k3_is (or k2) for KL(pi || ref) as a loss, or k1 in the reward (algorithm.kl_in_reward)"
@@ -266,6 +268,12 @@ class ActorConfig:
     """Routed-expert models: the coefficient of Megatron's switch load-balancing loss in the update (0: not
     trained on; ``moe/aux_loss`` is logged at any coefficient). Each mini-batch's term is the mean over its
     micro-batches and routed layers, whatever the DP layout."""
+    moe_routing_replay: str = "off"
+    """Routed-expert models, rollout routing replay ("R3", docs/training.md): ``off``; ``measure``: the engine
+    records the experts it routed each token to and ``moe/routing_agreement`` reports the share of (position,
+    routed layer) pairs the actor routes the same way; ``rollout``: every actor forward whose log-probs enter the
+    update (old log-probs and the update) routes each token to the engine's experts, and the agreement is still
+    measured from the router's own scores. The reference and the critic route themselves."""
 
     @property
     def agg_mode(self) -> str:
@@ -298,6 +306,8 @@ class ActorConfig:
         _require(self.loss_agg_norm_len >= 0, "loss_agg_norm_len", "must be >= 0")
         _require(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
         _require(self.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", "must be >= 0")
+        replay = self.moe_routing_replay
+        _require(replay in ROUTING_REPLAY, "moe_routing_replay", f"must be one of {ROUTING_REPLAY}, got {replay!r}")
         _require(self.kl_loss_type != "k1", "kl_loss_type", K1_LOSS_REFUSED)
         kl = self.kl_loss_type
         _require(kl in KL_LOSSES, "kl_loss_type", f"must be one of {KL_LOSSES}, got {kl!r}")

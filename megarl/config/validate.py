@@ -53,6 +53,7 @@ def validate(cfg: MegarlConfig, world_size: int | None = None, spec: ModelSpec |
     errors += _pool_layout_errors(cfg, spec, pools)
     errors += _async_errors(cfg, pools)
     errors += _env_errors(cfg)
+    errors += _routing_replay_errors(cfg, spec)
     if spec.score_head:
         errors.append(f"model.path: {cfg.model.path} is a reward model (*ForSequenceClassification); the actor must "
                       "be a causal LM (set it as reward.model.path)")  # fmt: skip
@@ -376,6 +377,26 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
         errors.append("async_training.mode=bounded streams every prompt group into a batch in data order; "
                       "algorithm.dynamic_sampling (which drops groups and generates more) needs mode=sync or "
                       "one_step_off")  # fmt: skip
+    return errors
+
+
+def _routing_replay_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
+    """``actor.moe_routing_replay``: a routed-expert model whose vLLM engine records its routes, in the modes whose
+    samples carry them (each generation one request per sample: not yet an episode's turns or the bounded stream)."""
+    mode = cfg.actor.moe_routing_replay
+    option = f"actor.moe_routing_replay={mode}"
+    if mode == "off":
+        return []
+    if not spec.is_moe:
+        return [f"{option}: {spec.family} has no routed experts; use off"]
+    errors = []
+    if cfg.rollout.backend != "vllm":
+        errors.append(f"{option} needs rollout.backend=vllm (the HF engine does not report the experts it routed to)")
+    if cfg.async_training.bounded:
+        errors.append(f"{option}: the bounded stream's requests do not carry their routes yet; use "
+                      "async_training.mode=sync or one_step_off")  # fmt: skip
+    if cfg.env.enabled:
+        errors.append(f"{option}: an episode's turns do not carry their routes yet; use it without env.class")
     return errors
 
 

@@ -55,6 +55,7 @@ def transformer_config(
     recompute: bool = False,
     cpu_init: bool = False,
     compile_elementwise: bool = False,
+    routing_replay: bool = False,
 ):
     """Megatron TransformerConfig for ``spec`` at ``layout``: GQA, SwiGLU, RMSNorm, no dropout, fusions off.
 
@@ -62,6 +63,7 @@ def transformer_config(
     activation recompute of every layer in the backward pass. ``cpu_init``: Megatron creates the weights on the CPU
     (else on ``torch.cuda.current_device()``). ``compile_elementwise``: Megatron's RoPE fusion on, which runs
     megarl's compiled RoPE (``megarl.compat.megatron_speed.compiled_rope_as_megatrons_fusion``).
+    ``routing_replay``: each router gets Megatron's ``RouterReplay`` (``megarl.backend.moe.RoutingReplay`` drives it).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -96,6 +98,7 @@ def transformer_config(
         transformer_impl=transformer_impl,
         perform_initialization=init_weights,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
+        **({"moe_enable_routing_replay": True} if routing_replay else {}),
     )
 
 
@@ -211,12 +214,14 @@ def build_model_chunk(
     device: torch.device | str | None = None,
     attention: str = "sdpa",
     compile_elementwise: bool = False,
+    routing_replay: bool = False,
 ):
     """This rank's GPTModel chunk (its pipeline stage and TP shard), every tensor on ``device`` (default: the
     rank's, ``rank_device()``; conversion passes ``"cpu"``) and every parameter in ``dtype``. ``value_head=True``
     builds a critic; a ``spec.score_head`` (a reward model) gets the same scalar head without bias. ``attention``:
     the local spec's core attention (``layer_spec``). ``compile_elementwise``: the SwiGLU, the CPU RMSNorm
-    and the RoPE run torch.compile's kernels (``megarl.compat.compiled``; CPU and the local spec only)."""
+    and the RoPE run torch.compile's kernels (``megarl.compat.compiled``; CPU and the local spec only).
+    ``routing_replay``: the routers can replay given experts (``transformer_config``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -229,7 +234,7 @@ def build_model_chunk(
         check_compile_elementwise(device.type, transformer_impl)
     config = transformer_config(
         spec, layout, dtype=dtype, transformer_impl=transformer_impl, init_weights=init_weights, recompute=recompute,
-        cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise,
+        cpu_init=device.type == "cpu", compile_elementwise=compile_elementwise, routing_replay=routing_replay,
     )  # fmt: skip
     rope_in_four_ops()
     router_without_transformer_engine()

@@ -75,14 +75,15 @@ class Role:
         return self._on_host(guarded)
 
 
-def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, stats: PackStats, *, truncated: bool
-              ) -> list[torch.Tensor]:  # fmt: skip
-    """Per response token, log p at the rollout's temperature; ``truncated``: over the sampler's top-k / top-p."""
+def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, stats: PackStats, *, truncated: bool,
+              replay=None) -> list[torch.Tensor]:  # fmt: skip
+    """Per response token, log p at the rollout's temperature; ``truncated``: over the sampler's top-k / top-p;
+    ``replay``: the sequences' routes in the model's routers."""
     s = cfg.rollout.sampling
     top_k, top_p = (s.top_k, s.top_p) if truncated else (0, 1.0)
     per_token = lambda mb, logits: logprobs_from_logits(logits, mb["targets"], s.temperature, spec.vocab_size,
                                                         top_k, top_p)  # fmt: skip
-    return forward_fields(model, seqs, per_token, batching, stats)
+    return forward_fields(model, seqs, per_token, batching, stats, replay)
 
 
 def batching_of(cfg, role) -> Batching:
@@ -111,8 +112,9 @@ class Actor(_PolicyRole):
         """Per response token, log pi(token) under the current weights: the sampler's policy (the rollout's
         temperature, top-k and top-p)."""
         return self._on_host(
-            lambda stats: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, stats, truncated=True)
-        )
+            lambda stats: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, stats, truncated=True,
+                                    replay=self.models.actor_replay)
+        )  # fmt: skip
 
     def update(self, seqs: list[Sequence], fields: dict, *, trained: list[bool] | None = None) -> Update:
         """``actor.ppo_epochs`` passes of one optimizer step per mini-batch on the policy loss; ``fields`` hold the
@@ -135,6 +137,7 @@ class Actor(_PolicyRole):
                 trained=trained,
                 stats=stats,
                 balancing=self.models.actor_balancing,
+                replay=self.models.actor_replay,
             )
         )
 

@@ -288,7 +288,7 @@ def learn(
 def sequence_of(sample) -> Sequence:
     """The training sequence of a sample: its exact token ids; an episode's observation tokens out of the loss."""
     mask = tuple(sample.mask) if sample.mask is not None else None
-    return Sequence(sample.prompt_ids + sample.token_ids, len(sample.prompt_ids), mask)
+    return Sequence(sample.prompt_ids + sample.token_ids, len(sample.prompt_ids), mask, sample.routed_experts)
 
 
 class ModelTokens:

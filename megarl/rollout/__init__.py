@@ -70,4 +70,5 @@ def build_engine(
             cfg.rollout, engine_dir, spec, src_layout, tp=tp, dtype=cfg.model.dtype, seed=seed,
             collective_timeout_s=cfg.trainer.collective_timeout_s, lora=lora, adapter_layout=adapter_src,
             pool=place.pool.name if place.pooled else None, offset=rollout.start, comm=comm,
+            record_routes=cfg.actor.moe_routing_replay != "off",
         )  # fmt: skip
