@@ -12,6 +12,10 @@ rank), ``sigterm_save`` (as the checkpoint of that step starts),
 ``sigusr1`` (SIGUSR1 during start-up; its step is 0). Kills and signals fire on one rank: global rank 0 unless the
 point names another (a launcher takes the other ranks down after a kill, as a node failure would; a signal reaches
 the others through the store).
+
+``reroute@<percent>`` is no step: a vLLM engine recording its routes (``actor.moe_routing_replay``) has its routers
+take an expert outside their top-k for about that percent of (token, routed layer) pairs, and computes with it
+(``megarl.compat.vllm_routes.reroute``; rollout routing replay's test).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 
 ENV = "MEGARL_FAULT"
 POINTS = ("generate", "save", "nan_loss", "sigterm", "sigterm_reward", "sigterm_update", "sigterm_validate",
-          "sigterm_save", "sigterm_ahead", "sigusr1")  # fmt: skip
+          "sigterm_save", "sigterm_ahead", "sigusr1", "reroute")  # fmt: skip
 
 
 def planned() -> dict[str, int]:

@@ -101,8 +101,9 @@ class RoutingReplay:
 
     Either way every forward (not a recomputation) counts the (real position, routed layer) pairs where the
     router's own top-k set, from its scores, equals the engine's: ``take`` gives their share
-    (``moe/routing_agreement``). Megatron's tokens are sequence-major ([S, b] flattened): position ``s`` of
-    sequence ``j`` is token ``s * b + j``."""
+    (``moe/routing_agreement``), and replaying, the share routed to exactly the engine's experts
+    (``moe/routing_replayed``: 1 unless the replay missed). Megatron's tokens are sequence-major ([S, b]
+    flattened): position ``s`` of sequence ``j`` is token ``s * b + j``."""
 
     def __init__(self, chunk: torch.nn.Module, moe_layers: list[int], replay: bool):
         from megatron.core.transformer.moe.router import TopKRouter
@@ -117,7 +118,8 @@ class RoutingReplay:
         self.valid: torch.Tensor | None = None
         """The current forward's real positions (sequence-major); None outside a forward."""
         self.counts: list[torch.Tensor] = []
-        """Per counted forward of a router: (pairs that agree, real pairs), on the model's device (no sync)."""
+        """Per counted forward of a router: (pairs that agree, pairs routed to the engine's experts, real pairs), on
+        the model's device (no sync)."""
         for i, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._compared, i))
 
@@ -158,17 +160,21 @@ class RoutingReplay:
         with torch.no_grad():
             logits = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
             own = logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values
-            same = (own == self.targets[i].sort(dim=-1).values).all(dim=-1) & self.valid
-        self.counts.append(torch.stack([same.sum(), self.valid.sum()]))
+            engine = self.targets[i].sort(dim=-1).values
+            same = (own == engine).all(dim=-1) & self.valid
+            used = output[1].nonzero()[:, 1].view(-1, router.topk)  # routing_map [tokens, experts]: the experts used
+            replayed = (used == engine).all(dim=-1) & self.valid
+        self.counts.append(torch.stack([same.sum(), replayed.sum(), self.valid.sum()]))
 
-    def take(self) -> float:
-        """Collective over the model's pipeline stages and data-parallel ranks: the share of (real position, routed
-        layer) pairs counted since the last call whose own routing equals the engine's; then forgets them."""
+    def take(self) -> dict[str, float]:
+        """Collective over the model's pipeline stages and data-parallel ranks: the shares of the (real position,
+        routed layer) pairs counted since the last call (the ``moe/`` metrics above); then forgets them."""
         from megatron.core import parallel_state as ps
 
         counts, self.counts = self.counts, []
-        total = torch.stack(counts).sum(0).double().cpu() if counts else torch.zeros(2, dtype=torch.float64)
+        total = torch.stack(counts).sum(0).double().cpu() if counts else torch.zeros(3, dtype=torch.float64)
         for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
-        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        share = (total[:2] / total[2]).tolist() if total[2] > 0 else [float("nan")] * 2
+        return {"moe/routing_agreement": share[0], **({"moe/routing_replayed": share[1]} if self.replay else {})}

@@ -151,7 +151,7 @@ def _routed_metrics(balancing: LoadBalancing | None, replay: RoutingReplay | Non
     if balancing is not None:
         metrics["moe/aux_loss"] = balancing.take()
     if replay is not None:
-        metrics["moe/routing_agreement"] = replay.take()
+        metrics.update(replay.take())
     return metrics
 
 

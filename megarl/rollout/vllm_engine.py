@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl import lifetime
+from megarl import faults, lifetime
 from megarl.compat import quiet, vllm_shm
-from megarl.compat.vllm_routes import bind_route_capture
+from megarl.compat.vllm_routes import bind_route_capture, reroute
 from megarl.config.device_defaults import enforce_eager, kv_cache_bytes
 from megarl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from megarl.config.validate import VLLM_LORA_RANKS
@@ -214,6 +214,11 @@ class VLLMEngine:
         """The CPU build's recorder of routed experts (``record_routes``; None on CUDA, where vLLM reports them, or
         when not recording), and the hidden layers with routed experts (the columns of vLLM's output a sample
         keeps)."""
+        self.rerouted = None
+        """``MEGARL_FAULT=reroute@P`` (a test): [pairs the routers took outside their top-k, pairs routed] since the
+        last generation's end."""
+        if self.record_routes and (percent := faults.planned().get("reroute")) is not None:
+            self.rerouted = reroute(self.llm, percent)
         if self.record_routes and not torch.cuda.is_available():
             recorder = RouteRecorder(self.spec.num_experts)
             return recorder, bind_route_capture(self.llm, recorder)
@@ -356,6 +361,10 @@ class VLLMEngine:
                     if on_group is not None:
                         on_group(groups[k])
         seconds = time.perf_counter() - start
+        if self.rerouted is not None and dist.get_rank() % self.tp == 0:
+            (rerouted, routed), self.rerouted[:] = self.rerouted, [0, 0]
+            print(f"[megarl] fault injection: rank {dist.get_rank()} rerouted {rerouted} of {routed} pairs in this "
+                  "generation", flush=True)  # fmt: skip
         samples = [s for g in groups for s in g]
         return samples, RolloutStats(seconds, sum(len(s.token_ids) for s in samples))
 
