@@ -1,5 +1,6 @@
 """Config loading (YAML + dotted overrides) and validation: every error names the key and the fix."""
 
+import os
 import re
 
 import pytest
@@ -323,3 +324,15 @@ def test_plan_resolves_auto_for_gpus_on_any_machine(tiny_llama_dir, capsys):
     spec = spec_from_hf_config(read_hf_config(cfg.model.path))
     (m,) = rank_memory(cfg, spec, ParallelLayout(), gpus_per_node=1, gpu_bytes=80 * 10**9)
     assert m.consumers["KV cache (configured)"] == 40 * 10**9 - m.consumers["vLLM weights"] > 0  # vLLM's share
+
+
+def test_a_mode_named_off_stays_a_word_in_a_recipe_and_an_override(tmp_path, tiny_llama_dir):
+    """YAML 1.1 reads off/on/yes/no as booleans, which made `algorithm.rollout_is=off` 'False' (refused); recipes and
+    overrides keep them as words (YAML 1.2), and a bool field still takes them."""
+    recipe = tmp_path / "words.yaml"
+    recipe.write_text(f"base: {os.path.abspath('configs/tiny_grpo.yaml')}\nmodel:\n  path: {tiny_llama_dir}\n"
+                      "algorithm:\n  rollout_is: off\ntrainer:\n  save_samples: yes\n")  # fmt: skip
+    cfg = load_config(str(recipe), ["actor.moe_routing_replay=off"])
+    assert (cfg.algorithm.rollout_is, cfg.actor.moe_routing_replay, cfg.trainer.save_samples) == ("off", "off", True)
+    cfg = load_config(str(recipe), ["algorithm.rollout_is=off", "trainer.save_samples=off"])
+    assert (cfg.algorithm.rollout_is, cfg.trainer.save_samples) == ("off", False)

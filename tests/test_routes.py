@@ -90,3 +90,35 @@ def test_cuda_output_and_the_cpu_recorder_give_the_same_sample_routes():
     for a, b, j in zip(cuda, cpu, moe):
         assert a.routed_experts.dtype == torch.uint8 and torch.equal(a.routed_experts, b.routed_experts)
         assert torch.equal(a.routed_experts, moe[j].to(torch.uint8)) and a.weight_versions == [5] * len(a.token_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_hf_model
+
+    return make_tiny_hf_model(str(tmp_path_factory.mktemp("routes") / "moe"), "qwen3_moe")
+
+
+def test_routing_replay_is_refused_in_one_line_where_samples_cannot_carry_routes(tiny_llama_dir, tiny_moe_dir):
+    from megarl.config import ConfigError, load_config, validate
+
+    def refusal(recipe, *overrides, world=2):
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(recipe, list(overrides)), world_size=world)
+        return str(e.value)
+
+    moe = [f"model.path={tiny_moe_dir}", "actor.moe_routing_replay=rollout"]
+    assert refusal("configs/tiny_grpo.yaml", f"model.path={tiny_llama_dir}", "actor.moe_routing_replay=measure") == (
+        "actor.moe_routing_replay=measure: llama has no routed experts; use off")
+    assert "must be one of ('off', 'measure', 'rollout'), got 'always'" in refusal(
+        "configs/tiny_grpo_qwen3_moe.yaml", f"model.path={tiny_moe_dir}", "actor.moe_routing_replay=always")
+    assert refusal("configs/tiny_grpo_qwen3_moe.yaml", *moe, "rollout.backend=hf") == (
+        "actor.moe_routing_replay=rollout needs rollout.backend=vllm (the HF engine does not report the experts it "
+        "routed to)")
+    bounded = refusal("configs/tiny_grpo_bounded.yaml", *moe, "actor.parallel.tp=1", world=4)
+    assert "actor.moe_routing_replay=rollout: the bounded stream's requests do not carry their routes yet" in bounded
+    assert "an episode's turns do not carry their routes yet" in refusal(
+        "configs/tiny_grpo_qwen3_moe.yaml", *moe, "env.class=tests/envs.py:AlwaysCalls", "env.max_total_tokens=64")
+    for mode in ("off", "measure", "rollout"):
+        validate(load_config("configs/tiny_grpo_qwen3_moe.yaml", [f"model.path={tiny_moe_dir}",
+                                                                 f"actor.moe_routing_replay={mode}"]), world_size=2)

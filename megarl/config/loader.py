@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 
 import yaml
@@ -47,6 +48,8 @@ def _merge_raw(yaml_path, overrides) -> dict:
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. actor.parallel.tp=2)")
         key, _, value = item.partition("=")
         key = KEYWORD_KEYS.get(key.strip(), key.strip())
+        if value.strip().lower() in YAML11_BOOL_WORDS:  # a word, as in a recipe (a bool field still reads it)
+            value = f"'{value.strip()}'"
         layers.append(OmegaConf.from_dotlist([f"{key}={value}"]))
     try:
         merged = OmegaConf.merge(schema, *layers)
@@ -59,6 +62,25 @@ def _merge_raw(yaml_path, overrides) -> dict:
         key = missing[0]
         raise ConfigError(f"{key}: required but not set (set it in the YAML or as {key}.<field>=...)")
     return OmegaConf.to_container(merged, resolve=True)
+
+
+YAML11_BOOL_WORDS = ("yes", "no", "on", "off", "y", "n")
+"""Words YAML 1.1 reads as booleans; a recipe (and an override) keeps them as words, as YAML 1.2 does: the modes
+named ``off`` (``algorithm.rollout_is``, ``actor.moe_routing_replay``) stay themselves, and a bool field still takes
+them (OmegaConf converts ``off``, ``yes``, ... for it). Only ``true`` and ``false`` are booleans."""
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans (``YAML11_BOOL_WORDS`` stay strings)."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 KEYWORD_KEYS = {"env.class": "env.class_"}
@@ -87,7 +109,7 @@ def _yaml_layers(path: str, seen: tuple[str, ...] = ()) -> list[dict]:
         raise ConfigError(f"{path}: 'base' chain loops back to itself")
     with open(path) as f:
         try:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=RecipeLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(_yaml_error(path, e)) from None
     if not isinstance(data, dict):
