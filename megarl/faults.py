@@ -13,8 +13,8 @@ rank), ``sigterm_save`` (as the checkpoint of that step starts),
 point names another (a launcher takes the other ranks down after a kill, as a node failure would; a signal reaches
 the others through the store).
 
-``reroute@<percent>`` is no step: a vLLM engine recording its routes (``actor.moe_routing_replay``) has its routers
-take an expert outside their top-k for about that percent of (token, routed layer) pairs, and computes with it
+``reroute@<percent>`` is no step: a vLLM engine recording its routes (``actor.moe_routing_replay``) has its last
+routed layer take an expert outside its top-k for about that percent of its tokens, and compute with it
 (``megarl.compat.vllm_routes.reroute``; rollout routing replay's test).
 """
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 
-def _megarl(*args, cwd=None, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _megarl(*args, cwd=None, timeout=600, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
         [sys.executable, "-m", "megarl.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
@@ -138,6 +138,50 @@ def test_the_qwen3_quickstarts_train(family, tmp_path):
     assert max(mismatch) <= 1e-4, mismatch
     if family == "qwen3_moe":
         assert all(0.5 < r["moe/aux_loss"] < 4 for r in rows), [r["moe/aux_loss"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def rerouted(tmp_path_factory):
+    """The Qwen3-MoE quickstart (EP=2, an engine per rank), 3 steps with the engine's last routed layer (of 2) off
+    its top-k for ~20% of its tokens, ~10% of (token, layer) pairs (``MEGARL_FAULT=reroute@20``), under ``measure``
+    and ``rollout``: each run's metric rows, and per step the share of pairs the engines rerouted (their counts per
+    generation, summed)."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    tmp = tmp_path_factory.mktemp("reroute")
+    model, runs = make_tiny_hf_model(str(tmp / "model"), "qwen3_moe"), {}
+    for mode in ("measure", "rollout"):
+        out = _megarl(
+            "train", "configs/tiny_grpo_qwen3_moe.yaml", f"model.path={model}", "trainer.total_steps=3",
+            f"trainer.output_dir={tmp / mode}", "trainer.val_every=0", "logging.wandb.mode=disabled",
+            "data.train_batch_size=4", "actor.global_batch_size=32", f"actor.moe_routing_replay={mode}",
+            env={"MEGARL_FAULT": "reroute@20"},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        counts: dict[str, list[tuple[int, int]]] = {}
+        for rank, moved, pairs in re.findall(r"rank (\d+) rerouted (\d+) of (\d+) pairs", out.stdout):
+            counts.setdefault(rank, []).append((int(moved), int(pairs)))
+        shares = [sum(c[0] for c in step) / sum(c[1] for c in step) for step in zip(*counts.values())]
+        runs[mode] = ([json.loads(line) for line in open(tmp / mode / "metrics.jsonl")], shares, out.stdout)
+    return runs
+
+
+def test_routing_replay_measures_a_crafted_disagreement_and_replays_it_away(rerouted):
+    """Rollout routing replay against an engine whose last routed layer leaves its top-k for ~10% of (position,
+    layer) pairs (and computes with those experts; no later router sees the difference). ``measure``:
+    ``moe/routing_agreement`` is 1 minus the rerouted share (within 0.005), and the engine's log-probs are far from
+    the actor's. ``rollout``: every real pair is routed to the engine's experts (``moe/routing_replayed`` 1) and
+    the log-probs agree to 1e-4 (fp32), >= 100x closer."""
+    (measure, shares, out), (rollout, rollout_shares, _) = rerouted["measure"], rerouted["rollout"]
+    assert "EP=2" in out and [r["step"] for r in measure] == [1, 2, 3] and len(shares) == 3, out[-3000:]
+    assert all(0.05 < s < 0.15 for s in shares + rollout_shares), (shares, rollout_shares)
+    for rows, step_shares in ((measure, shares), (rollout, rollout_shares)):
+        for r, share in zip(rows, step_shares):
+            assert abs(r["moe/routing_agreement"] - (1 - share)) <= 0.005, (r["moe/routing_agreement"], share)
+    assert all(r["moe/routing_replayed"] == 1.0 for r in rollout) and "moe/routing_replayed" not in measure[0]
+    replayed = max(r["rollout/logprob_mismatch_max"] for r in rollout)
+    assert replayed <= 1e-4 and min(r["rollout/logprob_mismatch_max"] for r in measure) >= 100 * replayed, (
+        [r["rollout/logprob_mismatch_max"] for r in measure], replayed)
 
 
 @pytest.mark.slow

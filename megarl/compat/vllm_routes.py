@@ -48,39 +48,37 @@ def bind_route_capture(llm, recorder) -> list[int]:
 
 
 def reroute(llm, percent: int) -> list[int]:
-    """A test's disagreement (``MEGARL_FAULT=reroute@P``): every MoE router of this rank's worker replaces the last
-    of its top-k experts by the one ranked k + 1 for the tokens whose first router logit, in thousandths, is below
-    ``percent`` modulo 100 (a fixed ~``percent``% of (token, layer) pairs, the same on every rank of the engine), the
-    routing weights those experts' (renormalised over them when the router renormalises). Returns the counts it
-    keeps, [rerouted pairs, routed pairs]."""
+    """A test's disagreement (``MEGARL_FAULT=reroute@P``): the last MoE layer's router (of this rank's worker)
+    replaces the last of its top-k experts by the one ranked k + 1 for the tokens whose first router logit, in
+    thousandths, is below ``percent`` modulo 100 (a fixed ~``percent``% of its tokens, the same on every rank of the
+    engine), the routing weights those experts' (renormalised over them when the router renormalises). The last
+    layer only: no router after it reads what the changed experts compute, so every other (position, layer) pair
+    is routed as without the fault. Returns the counts it keeps, [rerouted pairs, routed pairs of every layer]."""
     counts = [0, 0]
 
     def bind(worker) -> None:
         import torch
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
-        for module in worker.model_runner.get_model().modules():
-            if not isinstance(module, MoERunner):
-                continue
-            router, compute = module.router, module.router._compute_routing
-            k, renormalize = router.top_k, getattr(router, "renormalize", True)
+        runners = [m for m in worker.model_runner.get_model().modules() if isinstance(m, MoERunner)]
+        router = max(runners, key=lambda m: m.layer_id).router
+        compute, k, renormalize = router._compute_routing, router.top_k, getattr(router, "renormalize", True)
 
-            def rerouted(hidden_states, router_logits, indices_type, *, _compute=compute, k=k, renorm=renormalize,
-                         **kwargs):  # fmt: skip
-                weights, ids = _compute(hidden_states, router_logits, indices_type, **kwargs)
-                logits = router_logits.float()
-                pick = (logits[:, 0] * 1000).floor().long() % 100 < percent
-                ranked = logits.topk(k + 1, dim=-1).indices
-                chosen = torch.cat([ranked[:, : k - 1], ranked[:, k:]], dim=-1)
-                scores = logits.gather(1, chosen)
-                new = torch.softmax(scores, -1) if renorm else (scores - logits.logsumexp(-1, keepdim=True)).exp()
-                counts[0] += int(pick.sum())
-                counts[1] += pick.numel()
-                pick = pick.unsqueeze(1)
-                return torch.where(pick, new, weights.float()).to(weights.dtype), torch.where(pick, chosen, ids).to(
-                    ids.dtype)
+        def rerouted(hidden_states, router_logits, indices_type, **kwargs):
+            weights, ids = compute(hidden_states, router_logits, indices_type, **kwargs)
+            logits = router_logits.float()
+            pick = (logits[:, 0] * 1000).floor().long() % 100 < percent
+            ranked = logits.topk(k + 1, dim=-1).indices
+            chosen = torch.cat([ranked[:, : k - 1], ranked[:, k:]], dim=-1)
+            scores = logits.gather(1, chosen)
+            new = torch.softmax(scores, -1) if renormalize else (scores - logits.logsumexp(-1, keepdim=True)).exp()
+            counts[0] += int(pick.sum())
+            counts[1] += pick.numel() * len(runners)
+            pick = pick.unsqueeze(1)
+            return (torch.where(pick, new, weights.float()).to(weights.dtype),
+                    torch.where(pick, chosen, ids).to(ids.dtype))  # fmt: skip
 
-            router._compute_routing = rerouted
+        router._compute_routing = rerouted
 
     llm.collective_rpc(bind)
     return counts
