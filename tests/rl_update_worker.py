@@ -83,12 +83,15 @@ def episode_mask(n: int) -> list[int]:
     return [1] * first + [0] * observation + [1] * (n - first - observation - trailing) + [0] * trailing
 
 
-def fixed_batch(vocab: int, shape=SPREAD, episodes: bool = False, alter: str | None = None) -> Collected:
+def fixed_batch(vocab: int, shape=SPREAD, episodes: bool = False, alter: str | None = None, routes=None
+                ) -> Collected:  # fmt: skip
     """4 prompts x 2 samples of the prompt and response lengths ``shape``, with engine-like log-probs and rewards.
     ``episodes``: the responses are multi-turn (``episode_mask``; observation tokens have log-prob 0 and a reward
     per turn). ``alter``: 'obs' or 'model' changes the trailing observation's tokens (targets the loss masks out) or
-    the last model token."""
+    the last model token. ``routes`` (MoE layers, k, experts): each sample carries engine routes, k distinct random
+    experts per position and layer (not what the model's routers would pick)."""
     rng = random.Random(5)
+    gen = torch.Generator().manual_seed(6)
     out = Collected()
     for p, (prompt_len, response_lens) in enumerate(shape):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
@@ -96,6 +99,10 @@ def fixed_batch(vocab: int, shape=SPREAD, episodes: bool = False, alter: str | N
             response = [rng.randrange(3, vocab) for _ in range(n)]
             logprobs = [-rng.uniform(4.0, 7.0) for _ in response]
             sample = Sample(p, j, prompt, response, logprobs, "stop", [0] * len(response))
+            if routes is not None:
+                layers, k, experts = routes
+                rows = [torch.randperm(experts, generator=gen)[:k] for _ in range((prompt_len + n - 1) * layers)]
+                sample.routed_experts = torch.stack(rows).view(prompt_len + n - 1, layers, k).to(torch.uint8)
             if episodes:
                 mask = episode_mask(n)
                 sample.mask, sample.logprobs = mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask)]
@@ -124,8 +131,9 @@ def lora_logits(chunk, vocab: int) -> dict:
 def run_case(
     hf_dir: str, layout: ParallelLayout, algo: str, split: str, reference: bool = False, extra: tuple = (),
     shape=SPREAD, lockstep: bool = False, episodes: bool = False, alter: str | None = None, hf: str | None = None,
+    routes: bool = False,
 ) -> dict:
-    """``hf``: another model than ``hf_dir`` (a Qwen3-MoE)."""
+    """``hf``: another model than ``hf_dir`` (a Qwen3-MoE); ``routes``: its samples carry engine routes."""
     hf_dir = hf or hf_dir
     overrides = [
         f"model.path={hf_dir}",
@@ -157,7 +165,9 @@ def run_case(
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
-    batch = fixed_batch(spec.vocab_size, shape, episodes, alter)
+    moe_layers = sum(spec.routed(i) for i in range(spec.num_layers))
+    batch = fixed_batch(spec.vocab_size, shape, episodes, alter, (moe_layers, spec.moe_top_k, spec.num_experts)
+                        if routes else None)  # fmt: skip
     passes, micro_batches = [], update.micro_batches
 
     def counted(seqs, groups, fields=None):  # each pass's micro-batches on this rank, as their sequences' positions
@@ -173,7 +183,7 @@ def run_case(
     if reference:  # every DP replica reported the whole batch's sums: the real DP group summed them dp times
         for metrics in (learned.actor, learned.critic):
             for k in metrics:
-                if k not in ("grad_norm", "lr", "moe/aux_loss") and not k.startswith("max/"):  # aux: a mean
+                if k not in ("grad_norm", "lr") and not k.startswith(("max/", "moe/")):  # moe/: means, shares
                     metrics[k] /= layout.dp
     lengths = [len(s.token_ids) for s in batch.samples]
     out = {

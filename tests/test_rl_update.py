@@ -115,6 +115,15 @@ WORLD2 += [("ep2_moe_grpo", dict(layout=L(dp=2, ep=2), algo="grpo", split="mbs1"
                                      extra=MOE))]  # fmt: skip
 WORLD4 += [("ref_moe_grpo4", dict(layout=L(dp=4), algo="grpo", split="mbs1", reference=True, hf="moe", extra=MOE)),
            ("ep2pp2_moe_grpo", dict(layout=L(pp=2, dp=2, ep=2), algo="grpo", split="mbs1", hf="moe", extra=MOE))]
+# rollout routing replay: the samples' (random) engine routes in every actor forward, at EP=2 and at PP=2 with
+# activation recompute (1F1B: each recomputed forward replays its own micro-batch)
+REPLAY = (*MOE, "actor.moe_routing_replay=rollout")
+WORLD2 += [("ref_moe_replay", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe", extra=REPLAY,
+                                   routes=True)),
+           ("ep2_moe_replay", dict(layout=L(dp=2, ep=2), algo="grpo", split="mbs1", hf="moe", extra=REPLAY,
+                                   routes=True)),
+           ("pp2_moe_replay_recompute", dict(layout=L(pp=2), algo="grpo", split="mbs1", hf="moe", routes=True,
+                                             extra=(*REPLAY, "model.recompute=true")))]  # fmt: skip
 WORLD2 += [("ref_moe_grpo_bf16", dict(layout=L(dp=2), algo="grpo", split="mbs1", reference=True, hf="moe",
                                       extra=(*MOE, *BF16))),
            ("pp2_moe_grpo_bf16", dict(layout=L(pp=2), algo="grpo", split="mbs1", hf="moe", extra=(*MOE, *BF16)))]
@@ -388,6 +397,20 @@ def test_ep_ranks_with_1_and_7_micro_batches_run_in_lockstep_and_match_single_ra
     (update_0,), (update_1,) = case["passes_per_rank"]
     assert [len(update_0), len(update_1)] == [7, 7] and update_0[1:] == [[]] * 6 and [] not in update_1
     _assert_same_update(case, world2["ref_moe_lopsided"])
+
+
+@pytest.mark.parametrize("case", ["ep2_moe_replay", "pp2_moe_replay_recompute"])
+def test_moe_update_replaying_the_engine_routes_matches_single_rank(world2, case):
+    """``actor.moe_routing_replay=rollout`` with engine routes that are not the routers' own (random experts): every
+    real (position, layer) pair is routed to them (old log-probs and update), the update differs from one routing
+    itself, and it equals one rank's at EP=2 and at PP=2 with activation recompute."""
+    ref = world2["ref_moe_replay"]
+    assert ref["actor"]["moe/routing_replayed"] == 1.0 and ref["actor"]["moe/routing_agreement"] < 0.2, ref["actor"]
+    router = "decoder.layers.0.mlp.router.weight"
+    own = world2["ref_moe_grpo"]["weights"][router] - ref["initial"][router]
+    assert (ref["weights"][router] - ref["initial"][router] - own).abs().max() > 0.1 * own.abs().max()
+    _assert_same_update(world2[case], ref)
+    assert world2[case]["actor"]["moe/routing_replayed"] == 1.0
 
 
 def test_moe_update_in_bf16_matches_single_rank_bf16(world2):
