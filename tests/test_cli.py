@@ -185,17 +185,22 @@ def test_routing_replay_measures_a_crafted_disagreement_and_replays_it_away(rero
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_the_qwen3_quickstarts_learn(family, tmp_path):
-    """The recipes as shipped (200 steps) on their tiny models: last-10 mean reward >= first-10 + 0.3."""
+@pytest.mark.parametrize("family, replay", [("qwen3", "off"), ("qwen3_moe", "off"), ("qwen3_moe", "measure"),
+                                            ("qwen3_moe", "rollout")])  # fmt: skip
+def test_the_qwen3_quickstarts_learn(family, replay, tmp_path):
+    """The recipes as shipped (200 steps) on their tiny models, the MoE's also with rollout routing replay measured
+    and on: last-10 mean reward >= first-10 + 0.3."""
     from megarl.models.tiny import make_tiny_hf_model
 
     model, out_dir = make_tiny_hf_model(str(tmp_path / "model"), family), tmp_path / "run"
     out = _megarl("train", f"configs/tiny_grpo_{family}.yaml", f"model.path={model}", f"trainer.output_dir={out_dir}",
-                  "logging.wandb.mode=disabled", timeout=1800)  # fmt: skip
+                  "logging.wandb.mode=disabled", f"actor.moe_routing_replay={replay}", timeout=1800)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [r for r in (json.loads(line) for line in open(out_dir / "metrics.jsonl")) if r["step"] > 0]
     first, last = (sum(r["reward/mean"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
-    print(f"{family}: reward first 10 {first:.3f} -> last 10 {last:.3f}; "
-          f"s/step {sum(r['timing/step'] for r in rows) / len(rows):.2f}")  # fmt: skip
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    routing = f"; agreement {mean('moe/routing_agreement'):.5f}" if replay != "off" else ""
+    print(f"{family} replay={replay}: reward first 10 {first:.3f} -> last 10 {last:.3f}; s/step "
+          f"{mean('timing/step'):.2f}; mismatch mean {mean('rollout/logprob_mismatch_mean'):.2e} max "
+          f"{max(r['rollout/logprob_mismatch_max'] for r in rows):.2e}{routing}")  # fmt: skip
     assert len(rows) == 200 and last >= first + 0.3
