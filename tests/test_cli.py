@@ -184,6 +184,27 @@ def test_routing_replay_measures_a_crafted_disagreement_and_replays_it_away(rero
         [r["rollout/logprob_mismatch_max"] for r in measure], replayed)
 
 
+def test_one_step_off_replays_the_routes_of_the_version_that_generated_its_batch(tmp_path):
+    """One-step-off (a rollout pool generating step k + 1's batch with version k - 1 while the actor, EP=2 on its own
+    ranks, trains step k) with routing replay: every step routes every real pair to its batch's engine routes; the
+    first batch's were computed with the weights it trains (the actor's own routing agrees), the later ones' with the
+    weights of an update earlier, which the updated routers no longer pick everywhere."""
+    from megarl.models.tiny import make_tiny_hf_model
+
+    model, out_dir = make_tiny_hf_model(str(tmp_path / "model"), "qwen3_moe"), tmp_path / "run"
+    out = _megarl(
+        "train", "configs/tiny_grpo_async.yaml", f"model.path={model}", "actor.parallel.tp=1", "actor.parallel.dp=2",
+        "actor.parallel.ep=2", "trainer.total_steps=3", f"trainer.output_dir={out_dir}", "trainer.val_every=0",
+        "logging.wandb.mode=disabled", "data.train_batch_size=4", "actor.global_batch_size=32",
+        "actor.moe_routing_replay=rollout",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["moe/routing_replayed"] == 1.0 for r in rows), rows
+    agreement = [r["moe/routing_agreement"] for r in rows]
+    assert agreement[0] >= 0.999 and max(agreement[1:]) < 0.99, agreement
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, replay", [("qwen3", "off"), ("qwen3_moe", "off"), ("qwen3_moe", "measure"),
                                             ("qwen3_moe", "rollout")])  # fmt: skip

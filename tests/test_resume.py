@@ -81,9 +81,11 @@ LAYOUTS.update({
     "bf16_async": ("configs/tiny_grpo_async.yaml", [*BF16, "trainer.save_samples=true"]),
     "bf16_bounded": ("configs/tiny_grpo_bounded.yaml", [*BF16, "trainer.save_samples=true",  # single-turn
                                                         "rollout.sampling.max_new_tokens=48"]),
-    # a tiny Qwen3-MoE ({moe}) with its experts split over EP=2, the distributed optimizer on
+    # a tiny Qwen3-MoE ({moe}) with its experts split over EP=2, the distributed optimizer on, the engine's routes
+    # replayed in the actor (rollout routing replay)
     "grpo_moe_ep2": ("configs/tiny_grpo_qwen3_moe.yaml", ["model.path={moe}", TWO_MINIBATCHES,
-                                                          "actor.optim.use_distributed_optimizer=true"]),
+                                                          "actor.optim.use_distributed_optimizer=true",
+                                                          "actor.moe_routing_replay=rollout"]),  # fmt: skip
 })  # fmt: skip
 SHORT = ("grpo_lora_tp2", "grpo_pools", "bf16_ppo_lora_rm", "bf16_lora_slots", "bf16_ppo_pools", "grpo_moe_ep2")
 """Chains of one kill and one resume (the others are stopped five ways)."""
