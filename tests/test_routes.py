@@ -99,6 +99,25 @@ def tiny_moe_dir(tmp_path_factory):
     return make_tiny_hf_model(str(tmp_path_factory.mktemp("routes") / "moe"), "qwen3_moe")
 
 
+def test_cuda_routes_of_a_streamed_request_continued_after_a_resume_keep_their_earlier_rows():
+    """CUDA (vLLM reports a request's rows when it finishes): a request resumed from a checkpoint as prompt + tokens
+    so far is reported again from position 0; the rows saved before the checkpoint stand, the new ones follow."""
+    from megarl.rollout.routes import EngineRoutes
+
+    routes, first, again = EngineRoutes(None, [0, 2], EXPERTS), _truth(1, 12), _truth(2, 16)
+
+    class Done:
+        routed_experts = np.concatenate([again[:, :1].numpy(), again[:, :1].numpy(), again[:, 1:].numpy()], 1)
+
+    routes.resume("3.1", first[:9].to(torch.uint8))
+    assert torch.equal(routes.so_far("3.1"), first[:9].to(torch.uint8))
+    routes.finished("3.1", Done())
+    got = routes.take("3.1", 15)
+    assert torch.equal(got[:9], first[:9].to(torch.uint8)) and torch.equal(got[9:], again[9:15].to(torch.uint8))
+    routes.forget(["3.1"])
+    assert routes.so_far("3.1") is None and not routes.reported
+
+
 def test_routing_replay_is_refused_in_one_line_where_samples_cannot_carry_routes(tiny_llama_dir, tiny_moe_dir):
     from megarl.config import ConfigError, load_config, validate
 
@@ -115,10 +134,10 @@ def test_routing_replay_is_refused_in_one_line_where_samples_cannot_carry_routes
     assert refusal("configs/tiny_grpo_qwen3_moe.yaml", *moe, "rollout.backend=hf") == (
         "actor.moe_routing_replay=rollout needs rollout.backend=vllm (the HF engine does not report the experts it "
         "routed to)")
-    bounded = refusal("configs/tiny_grpo_bounded.yaml", *moe, "actor.parallel.tp=1", world=4)
-    assert "actor.moe_routing_replay=rollout: the bounded stream's requests do not carry their routes yet" in bounded
     assert "an episode's turns do not carry their routes yet" in refusal(
         "configs/tiny_grpo_qwen3_moe.yaml", *moe, "env.class=tests/envs.py:AlwaysCalls", "env.max_total_tokens=64")
     for mode in ("off", "measure", "rollout"):
         validate(load_config("configs/tiny_grpo_qwen3_moe.yaml", [f"model.path={tiny_moe_dir}",
                                                                  f"actor.moe_routing_replay={mode}"]), world_size=2)
+    validate(load_config("configs/tiny_grpo_bounded.yaml", [*moe, "actor.parallel.tp=1", "actor.parallel.dp=2"]),
+             world_size=4)

@@ -188,6 +188,18 @@ def test_engine_routes_every_computed_position_as_the_actor_does(case, request):
         assert r["agree"] >= 0.999 * r["total"] and r["total"] > 300, r
 
 
+@pytest.mark.parametrize("case", ["moe_tp2", "moe_tp1"])
+def test_streamed_routes_survive_a_weight_push_and_a_checkpoint(case, request):
+    """Bounded streaming with partial rollout: requests pre-empted by a push of other weights prefill again and
+    finish; each sample has P + G - 1 rows, and the rows a snapshot (a checkpoint) held just before the push stand,
+    although the new weights route many of those positions otherwise; tokens of both versions."""
+    for r in request.getfixturevalue(case)["streamed_routes"]:
+        assert len(r["samples"]) == 4
+        for s in r["samples"]:
+            assert s["rows"] == s["positions"] and s["kept"] and s["saved"] >= 20, s
+        assert sum(s["moved"] for s in r["samples"]) > 10 and any(len(s["versions"]) == 2 for s in r["samples"]), r
+
+
 def test_vllm_tp1_qwen3_moe_mixed_through_both_transports(moe_tp1, moe_mixed):
     _check_engine(moe_tp1, moe_mixed, tol=MOE_TOL, corrupted="w13_weight")
     _sent_the_minimum(moe_tp1, moe_mixed, EP2, 1)

@@ -36,30 +36,58 @@ def _routes_against_the_actor(engine, chunk, spec, long_prompt: list[int]) -> di
     """Two samples of three prompts (one longer than a KV block): each sample's routes have a row per computed
     position (P + G - 1), and for how many (position, MoE layer) pairs the actor's router, fed the same tokens,
     picks the same set of experts as the engine did."""
+    prompts = [long_prompt, long_prompt[:7], long_prompt[40:75]]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8)
+    samples, _ = engine.generate(prompts, [0, 1, 2], [11, 12, 13], sampling)
+    rows_ok, agree, total = [], 0, 0
+    for s in samples:
+        seq = s.prompt_ids + s.token_ids
+        mine, theirs = _own_routes(chunk, spec, seq), s.routed_experts.long().sort(dim=-1).values
+        rows_ok.append(tuple(theirs.shape) == (len(seq) - 1, mine.shape[1], spec.moe_top_k))
+        agree += int((mine == theirs).all(dim=-1).sum())
+        total += mine.shape[0] * mine.shape[1]
+    return {"rows_ok": rows_ok, "agree": agree, "total": total, "dtype": str(samples[0].routed_experts.dtype),
+            "samples": len(samples)}  # fmt: skip
+
+
+def _own_routes(chunk, spec, seq: list[int]) -> torch.Tensor:
+    """The experts the Megatron actor's routers pick for each input position of ``seq``: [len - 1, layers, k]."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megarl.backend.logprobs import token_logprobs
 
-    prompts = [long_prompt, long_prompt[:7], long_prompt[40:75]]
-    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8)
-    samples, _ = engine.generate(prompts, [0, 1, 2], [11, 12, 13], sampling)
-    routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
     picked = []
-    hooks = [r.register_forward_hook(lambda mod, args, result: picked.append(result[1])) for r in routers]
-    rows_ok, agree, total = [], 0, 0
-    for s in samples:
-        picked.clear()
-        seq = s.prompt_ids + s.token_ids
-        token_logprobs(chunk, torch.tensor([seq]), temperature=1.0, true_vocab=spec.vocab_size)
-        mine = torch.stack([m.nonzero()[:, 1].view(m.shape[0], -1) for m in picked], dim=1)  # [positions, layers, k]
-        theirs = s.routed_experts.long().sort(dim=-1).values
-        rows_ok.append(tuple(theirs.shape) == (len(seq) - 1, len(routers), spec.moe_top_k))
-        agree += int((mine == theirs).all(dim=-1).sum())
-        total += mine.shape[0] * mine.shape[1]
+    hooks = [m.register_forward_hook(lambda mod, args, result: picked.append(result[1]))
+             for m in chunk.modules() if isinstance(m, TopKRouter)]  # fmt: skip
+    token_logprobs(chunk, torch.tensor([seq]), temperature=1.0, true_vocab=spec.vocab_size)
     for h in hooks:
         h.remove()
-    return {"rows_ok": rows_ok, "agree": agree, "total": total, "dtype": str(samples[0].routed_experts.dtype),
-            "samples": len(samples)}  # fmt: skip
+    return torch.stack([m.nonzero()[:, 1].view(m.shape[0], -1) for m in picked], dim=1)
+
+
+def _streamed_routes(engine, chunk, spec, prompt: list[int]) -> dict:
+    """Partial rollout: two prompts' samples streamed; after 3 engine steps a snapshot (what a checkpoint holds),
+    then a push of other weights (``chunk``'s) pre-empts them, and they prefill again under those and finish. Per
+    sample: its rows (P + G - 1?), whether they begin with the snapshot's, and how many of the snapshot's pairs the
+    new weights route otherwise (what a re-prefill would have recorded)."""
+    from megarl.rollout.stream import StreamSession
+
+    session = StreamSession(engine, SamplingConfig(n=2, temperature=1.0, max_new_tokens=10))
+    session.submit(0, prompt[:30], 21)
+    session.submit(1, prompt[50:70], 23)
+    for _ in range(3):
+        session.step()
+    before = {f"{r['serial']}.{r['sample_index']}": r["routes"] for r in session.snapshot()}
+    engine.update_weights(actor_tensors(chunk), 5)
+    samples = [s for group in session.drain() for s in group]
+    checks = []
+    for s in samples:
+        rows, kept = s.routed_experts, before[f"{s.prompt_index}.{s.sample_index}"]
+        seq = s.prompt_ids + s.token_ids
+        moved = (_own_routes(chunk, spec, seq)[: len(kept)] != kept.long().sort(dim=-1).values).any(-1).sum()
+        checks.append({"rows": rows.shape[0], "positions": len(seq) - 1, "kept": torch.equal(rows[: len(kept)], kept),
+                       "saved": len(kept), "moved": int(moved), "versions": sorted(set(s.weight_versions))})
+    return {"samples": checks}
 
 
 def run_vllm_sync(
@@ -146,6 +174,8 @@ def run_vllm_sync(
     out["score_after_recovery"] = engine.score(seq)
     if routes:
         out["routes"] = _everyone(_routes_against_the_actor(engine, chunk, spec, seq[:150]))
+        load_hf_into_chunk(chunk, versions[1], spec, layout, rank, progress=False)  # other weights to push
+        out["streamed_routes"] = _everyone(_streamed_routes(engine, chunk, spec, prompt))
 
     if readable:
         model = vllm_model(engine.llm)

@@ -129,6 +129,9 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routes, b, s = mb.get("routes"), *mb["tokens"].shape
+        if routes is None and self.replay and not mb["padding_mask"].all():
+            raise ValueError("actor.moe_routing_replay=rollout: these samples carry no engine routes (generated with "
+                             "the option off?); nothing to replay")  # fmt: skip
         for i, (router, column) in enumerate(zip(self.routers, self.columns)):
             if routes is None:  # a lockstep filler (all padding): any experts
                 target = torch.arange(router.topk, device=mb["tokens"].device).expand(s * b, router.topk)

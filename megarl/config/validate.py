@@ -382,7 +382,7 @@ def _async_errors(cfg: MegarlConfig, pools: list) -> list[str]:
 
 def _routing_replay_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
     """``actor.moe_routing_replay``: a routed-expert model whose vLLM engine records its routes, in the modes whose
-    samples carry them (each generation one request per sample: not yet an episode's turns or the bounded stream)."""
+    samples carry them (not yet an episode's, whose turns are requests of their own)."""
     mode = cfg.actor.moe_routing_replay
     option = f"actor.moe_routing_replay={mode}"
     if mode == "off":
@@ -392,9 +392,6 @@ def _routing_replay_errors(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
     errors = []
     if cfg.rollout.backend != "vllm":
         errors.append(f"{option} needs rollout.backend=vllm (the HF engine does not report the experts it routed to)")
-    if cfg.async_training.bounded:
-        errors.append(f"{option}: the bounded stream's requests do not carry their routes yet; use "
-                      "async_training.mode=sync or one_step_off")  # fmt: skip
     if cfg.env.enabled:
         errors.append(f"{option}: an episode's turns do not carry their routes yet; use it without env.class")
     return errors

@@ -82,6 +82,62 @@ class RouteRecorder:
             self.rows.pop(request_id, None)
             self.count.pop(request_id, None)
 
+    def so_far(self, request_id: str) -> torch.Tensor | None:
+        """The rows of a request in flight recorded so far (None: none yet)."""
+        pieces = self.rows.get(request_id)
+        return torch.cat(pieces)[: self.count[request_id]] if pieces else None
+
+    def seed(self, request_id: str, rows: torch.Tensor) -> None:
+        """A request continued after a resume (its prompt + tokens so far submitted again) keeps the rows its first
+        computation recorded (``so_far`` before the checkpoint); positions computed again add nothing."""
+        self.rows[request_id], self.count[request_id] = [rows.to(self.dtype)], len(rows)
+
+
+class EngineRoutes:
+    """A recording engine's routes per request, from either source: the CPU ``RouteRecorder``, or what vLLM reported
+    when a request finished (CUDA). A request continued after a resume keeps its earlier rows (``resume``)."""
+
+    def __init__(self, recorder: RouteRecorder | None, moe_layers: list[int], num_experts: int):
+        self.recorder, self.moe_layers, self.num_experts = recorder, moe_layers, num_experts
+        self.reported: dict[str, object] = {}
+        """CUDA: finished streamed requests' ``routed_experts``, until taken."""
+        self.earlier: dict[str, torch.Tensor] = {}
+        """CUDA: resumed requests' rows from before the checkpoint."""
+
+    def finished(self, request_id: str, completion) -> None:
+        """A streamed request finished (its final ``CompletionOutput``)."""
+        if self.recorder is None:
+            self.reported[request_id] = completion.routed_experts
+
+    def take(self, request_id: str, positions: int, completion=None) -> torch.Tensor:
+        """A finished request's routes, ``[positions, MoE layers, k]`` (``completion``: its output, if at hand)."""
+        if self.recorder is not None:
+            return self.recorder.take(request_id, positions)
+        reported = completion.routed_experts if completion is not None else self.reported.pop(request_id)
+        rows = completion_routes(reported, self.moe_layers, self.num_experts)
+        earlier = self.earlier.pop(request_id, None)
+        if earlier is not None:
+            rows = torch.cat([earlier.to(rows.dtype), rows[len(earlier) :]])
+        return rows[:positions]
+
+    def so_far(self, request_id: str) -> torch.Tensor | None:
+        """A request in flight's rows so far, for a checkpoint (CUDA: vLLM reports them only at the end, so only
+        what a resume brought)."""
+        return self.recorder.so_far(request_id) if self.recorder is not None else self.earlier.get(request_id)
+
+    def resume(self, request_id: str, rows: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.seed(request_id, rows)
+        else:
+            self.earlier[request_id] = rows
+
+    def forget(self, request_ids) -> None:
+        if self.recorder is not None:
+            self.recorder.forget(request_ids)
+        for request_id in request_ids:
+            self.reported.pop(request_id, None)
+            self.earlier.pop(request_id, None)
+
 
 def external_id(request_id: str) -> str:
     """The caller's id of a request inside the engine: vLLM 0.32 appends '-' and 8 random hex digits to it

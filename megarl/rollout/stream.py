@@ -24,6 +24,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from megarl.rollout.protocol import Sample, check_requests
 
 
@@ -66,6 +68,9 @@ class Request:
     """How often the request was resubmitted (a resume continues it as prompt + tokens so far)."""
     kind: str = "train"
     """Which of the session's samplings it uses ('train', or 'val': a validation prompt)."""
+    routes: torch.Tensor | None = None
+    """A recording engine's routed experts (``Sample.routed_experts``): once finished, every computed position's;
+    in a snapshot of a request in flight, those recorded so far (a resume keeps them)."""
 
     @property
     def request_id(self) -> str:
@@ -73,7 +78,8 @@ class Request:
 
     def sample(self) -> Sample:
         return Sample(self.serial, self.sample_index, list(self.prompt_ids), list(self.token_ids),
-                      list(self.logprobs), self.finish_reason or "length", list(self.weight_versions))  # fmt: skip
+                      list(self.logprobs), self.finish_reason or "length", list(self.weight_versions),
+                      routed_experts=self.routes)  # fmt: skip
 
 
 class StreamSession:
@@ -139,6 +145,9 @@ class StreamSession:
             request.weight_versions += [version] * len(tokens)
             if finish_reason is not None:
                 request.finish_reason = finish_reason
+                if self.engine.routes is not None:
+                    positions = len(request.prompt_ids) + len(request.token_ids) - 1
+                    request.routes = self.engine.routes.take(request_id, positions)
                 done.append(request)
         return done
 
@@ -161,7 +170,12 @@ class StreamSession:
     def snapshot(self) -> list[dict]:
         """Every request submitted and not handed back (a group's finished samples too), as plain data (a checkpoint
         holds it)."""
-        return [dataclasses.asdict(r) for r in self.requests.values()]
+        saved = [dataclasses.asdict(r) for r in self.requests.values()]
+        if self.engine.routes is not None:
+            for fields in saved:
+                if fields["finish_reason"] is None:
+                    fields["routes"] = self.engine.routes.so_far(f"{fields['serial']}.{fields['sample_index']}")
+        return saved
 
     def restore(self, requests: list[dict], seed_of) -> None:
         """Continue a ``snapshot``'s requests: a finished one waits for its group; an unfinished one is resubmitted as
@@ -175,6 +189,8 @@ class StreamSession:
             r.segment += 1
             r.seed = seed_of(r.serial, r.segment) + r.sample_index
             self.add(r, self.samplings[r.kind].max_new_tokens - len(r.token_ids))
+            if r.routes is not None and self.engine.routes is not None:
+                self.engine.routes.resume(r.request_id, r.routes)
 
     def drain(self) -> list[list[Sample]]:
         """Step until no request is in flight (``partial_rollout: none`` before a weight push); the groups finished."""

@@ -41,7 +41,7 @@ from megarl.reshard.layout import SideLayout
 from megarl.reshard.sync import SyncPlans, SyncReport, run_sync, sends_base
 from megarl.reshard.transport import TRANSPORTS, AdapterSlots
 from megarl.rollout.protocol import EngineUnhealthyError, RolloutStats, Sample, check_requests
-from megarl.rollout.routes import RouteRecorder, completion_routes, external_id
+from megarl.rollout.routes import EngineRoutes, RouteRecorder, external_id
 
 log = logging.getLogger("megarl.rollout")
 
@@ -196,7 +196,7 @@ class VLLMEngine:
         """Adapter slots: the base weights arrived (the first sync); later syncs move the adapters only."""
         self.record_routes = record_routes
         self.llm = self._start(LLM, engine_dir, dtype, seed, collective_timeout_s)
-        self.routes, self.moe_layers = self._route_source()
+        self.routes = self._route_source()
         self.transports = {name: cls(self.llm, spec, tp, self.dtype) for name, cls in TRANSPORTS.items()}
         self.transport = DEFAULT_TRANSPORT if cfg.transport == "auto" else cfg.transport
         self.adapters = None if lora is None else self._adapter_slots()
@@ -210,19 +210,22 @@ class VLLMEngine:
         directory = os.path.join(lifetime.SHM_DIR, f"{lifetime.shm_prefix()}-lora-r{dist.get_rank()}")
         return AdapterSlots(self.llm, self.spec, self.lora, self.dtype, directory)
 
-    def _route_source(self) -> tuple[RouteRecorder | None, list[int]]:
-        """The CPU build's recorder of routed experts (``record_routes``; None on CUDA, where vLLM reports them, or
-        when not recording), and the hidden layers with routed experts (the columns of vLLM's output a sample
-        keeps)."""
+    def _route_source(self) -> EngineRoutes | None:
+        """The routes of every request (``record_routes``; None when not recording): on CUDA what vLLM reports, on
+        the CPU build megarl's recorder; the MoE layers are the hidden layers with routed experts (the columns of
+        vLLM's output a sample keeps)."""
         self.rerouted = None
         """``MEGARL_FAULT=reroute@P`` (a test): [pairs the routers took outside their top-k, pairs routed] since the
         last generation's end."""
-        if self.record_routes and (percent := faults.planned().get("reroute")) is not None:
+        if not self.record_routes:
+            return None
+        if (percent := faults.planned().get("reroute")) is not None:
             self.rerouted = reroute(self.llm, percent)
-        if self.record_routes and not torch.cuda.is_available():
+        if not torch.cuda.is_available():
             recorder = RouteRecorder(self.spec.num_experts)
-            return recorder, bind_route_capture(self.llm, recorder)
-        return None, [i for i in range(self.spec.num_layers) if self.spec.routed(i)]
+            return EngineRoutes(recorder, bind_route_capture(self.llm, recorder), self.spec.num_experts)
+        moe_layers = [i for i in range(self.spec.num_layers) if self.spec.routed(i)]
+        return EngineRoutes(None, moe_layers, self.spec.num_experts)
 
     def _start(self, llm_class, engine_dir: str, dtype: str, seed: int, collective_timeout_s: int):
         """Collective over the engine's ranks: vLLM's ``LLM`` on this process group (the external launcher), with
@@ -407,6 +410,8 @@ class VLLMEngine:
             tokens, logprobs, reason = _completion(o.outputs[0])
             if o.finished:
                 self.streamed.discard(o.request_id)
+                if self.routes is not None:
+                    self.routes.finished(o.request_id, o.outputs[0])
             out.append((o.request_id, tokens, logprobs, reason if o.finished else None))
         return out
 
@@ -422,10 +427,7 @@ class VLLMEngine:
         return finished_samples(out, index, prompt, self.weight_version, self._routes if self.record_routes else None)
 
     def _routes(self, request_id: str, completion, positions: int):
-        """A finished request's routed experts, ``[positions, MoE layers, k]``: vLLM's (CUDA) or the recorder's."""
-        if self.routes is None:
-            return completion_routes(completion.routed_experts, self.moe_layers, self.spec.num_experts)
-        return self.routes.take(request_id, positions)
+        return self.routes.take(request_id, positions, completion)
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
         """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
