@@ -165,9 +165,8 @@ def run_case(
     skip = cfg.actor.global_batch_size == 8
     kl = kl_controller("fixed", 0.0, 0.1, 1000)
     everything = mock.patch.object(update, "_dp_coords", lambda: (0, 1)) if reference else contextlib.nullcontext()
-    moe_layers = sum(spec.routed(i) for i in range(spec.num_layers))
-    batch = fixed_batch(spec.vocab_size, shape, episodes, alter, (moe_layers, spec.moe_top_k, spec.num_experts)
-                        if routes else None)  # fmt: skip
+    batch = fixed_batch(spec.vocab_size, shape, episodes, alter,
+                        (len(spec.routed_layers), spec.moe_top_k, spec.num_experts) if routes else None)  # fmt: skip
     passes, micro_batches = [], update.micro_batches
 
     def counted(seqs, groups, fields=None):  # each pass's micro-batches on this rank, as their sequences' positions

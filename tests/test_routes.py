@@ -84,9 +84,9 @@ def test_cuda_output_and_the_cpu_recorder_give_the_same_sample_routes():
     hidden = {j: np.concatenate([moe[j][:, :1].numpy(), dense[: len(moe[j])], moe[j][:, 1:].numpy()], axis=1)
               for j in moe}  # fmt: skip
     cuda = finished_samples(_Out("7", [completion(j, t, hidden[j]) for j, t in enumerate(tokens)]), 3, prompt, 5,
-                            routes=lambda rid, c, n: completion_routes(c.routed_experts, [0, 2], EXPERTS))  # fmt: skip
+                            routes=lambda rid, n, c: completion_routes(c.routed_experts, [0, 2], EXPERTS))  # fmt: skip
     cpu = finished_samples(_Out("7", [completion(j, t, None) for j, t in enumerate(tokens)]), 3, prompt, 5,
-                           routes=lambda rid, c, n: rec.take(rid, n))  # fmt: skip
+                           routes=lambda rid, n, c: rec.take(rid, n))  # fmt: skip
     for a, b, j in zip(cuda, cpu, moe):
         assert a.routed_experts.dtype == torch.uint8 and torch.equal(a.routed_experts, b.routed_experts)
         assert torch.equal(a.routed_experts, moe[j].to(torch.uint8)) and a.weight_versions == [5] * len(a.token_ids)

@@ -108,8 +108,8 @@ def add_actor(models: RLModels, actor_chunk, cfg: MegarlConfig, spec: ModelSpec)
     if spec.is_moe:
         models.actor_balancing = LoadBalancing(actor_chunk, cfg.actor.moe_aux_loss_coef)
     if cfg.actor.moe_routing_replay != "off":
-        moe_layers = [i for i in range(spec.num_layers) if spec.routed(i)]
-        models.actor_replay = RoutingReplay(actor_chunk, moe_layers, replay=cfg.actor.moe_routing_replay == "rollout")
+        replay = cfg.actor.moe_routing_replay == "rollout"
+        models.actor_replay = RoutingReplay(actor_chunk, spec.routed_layers, replay=replay)
     models.actor, models.actor_optim = wrap_for_training(actor_chunk, cfg.actor.optim)
     models.actor_sched = make_scheduler(models.actor_optim, cfg.actor.optim)
 

@@ -161,11 +161,13 @@ class RoutingReplay:
         if self.valid is None:  # a recomputation, a filler, or a forward outside ``micro_batch``
             return
         with torch.no_grad():
-            logits = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
-            own = logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values
+            used = output[1].nonzero()[:, 1].view(-1, router.topk)  # routing_map [tokens, experts]: the experts used
+            own = used  # measuring, the router routed itself; replaying, its own choice is from its scores
+            if self.replay:
+                logits = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
+                own = logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values
             engine = self.targets[i].sort(dim=-1).values
             same = (own == engine).all(dim=-1) & self.valid
-            used = output[1].nonzero()[:, 1].view(-1, router.topk)  # routing_map [tokens, experts]: the experts used
             replayed = (used == engine).all(dim=-1) & self.valid
         self.counts.append(torch.stack([same.sum(), replayed.sum(), self.valid.sum()]))
 

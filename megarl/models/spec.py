@@ -79,6 +79,11 @@ class ModelSpec:
         """Whether layer ``layer``'s MLP is routed experts (else a dense SwiGLU)."""
         return bool(self.moe_layers) and bool(self.moe_layers[layer])
 
+    @property
+    def routed_layers(self) -> list[int]:
+        """The indices of the layers with routed experts, in order."""
+        return [i for i in range(self.num_layers) if self.routed(i)]
+
     def ep_refusal(self, ep: int) -> str | None:
         """Why this model cannot split its experts over ``ep`` ranks (None: it can)."""
         if ep == 1:

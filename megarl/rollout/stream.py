@@ -170,11 +170,12 @@ class StreamSession:
     def snapshot(self) -> list[dict]:
         """Every request submitted and not handed back (a group's finished samples too), as plain data (a checkpoint
         holds it)."""
-        saved = [dataclasses.asdict(r) for r in self.requests.values()]
-        if self.engine.routes is not None:
-            for fields in saved:
-                if fields["finish_reason"] is None:
-                    fields["routes"] = self.engine.routes.so_far(f"{fields['serial']}.{fields['sample_index']}")
+        saved = []
+        for r in self.requests.values():
+            fields = dataclasses.asdict(r)
+            if self.engine.routes is not None and r.finish_reason is None:  # in flight: the rows recorded so far
+                fields["routes"] = self.engine.routes.so_far(r.request_id)
+            saved.append(fields)
         return saved
 
     def restore(self, requests: list[dict], seed_of) -> None:

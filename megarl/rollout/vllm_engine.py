@@ -224,8 +224,7 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             recorder = RouteRecorder(self.spec.num_experts)
             return EngineRoutes(recorder, bind_route_capture(self.llm, recorder), self.spec.num_experts)
-        moe_layers = [i for i in range(self.spec.num_layers) if self.spec.routed(i)]
-        return EngineRoutes(None, moe_layers, self.spec.num_experts)
+        return EngineRoutes(None, self.spec.routed_layers, self.spec.num_experts)
 
     def _start(self, llm_class, engine_dir: str, dtype: str, seed: int, collective_timeout_s: int):
         """Collective over the engine's ranks: vLLM's ``LLM`` on this process group (the external launcher), with
@@ -355,7 +354,7 @@ class VLLMEngine:
                 left = [e for e in map(external_id, ids) if not groups[position[e]]]
                 self.llm.llm_engine.abort_request(left, internal=False)
                 if self.routes is not None:
-                    self.routes.forget([f"{j}_{e}" for e in left for j in range(sampling.n)] + left)
+                    self.routes.forget([sample_request_id(e, j, sampling.n) for e in left for j in range(sampling.n)])
                 break
             for out in self.llm.llm_engine.step():
                 if out.finished:
@@ -424,10 +423,8 @@ class VLLMEngine:
                 self.routes.forget(request_ids)
 
     def _samples(self, index: int, prompt: list[int], out) -> list[Sample]:
-        return finished_samples(out, index, prompt, self.weight_version, self._routes if self.record_routes else None)
-
-    def _routes(self, request_id: str, completion, positions: int):
-        return self.routes.take(request_id, positions, completion)
+        return finished_samples(out, index, prompt, self.weight_version,
+                                None if self.routes is None else self.routes.take)
 
     def score(self, token_ids: list[int], seed: int = 0) -> list[float]:
         """Log-probability of each token of ``token_ids`` given the ones before it (raw, temperature 1)."""
@@ -468,17 +465,22 @@ class VLLMEngine:
         _reset_prefix_cache(self.llm)
 
 
+def sample_request_id(request_id: str, j: int, n: int) -> str:
+    """The id inside the engine of sample ``j`` of a request of ``n`` samples: vLLM splits a request of n > 1 into
+    requests 'j_<id>' (``ParentRequest.get_child_info``)."""
+    return request_id if n == 1 else f"{j}_{request_id}"
+
+
 def finished_samples(out, index: int, prompt: list[int], version: int, routes=None) -> list[Sample]:
     """One prompt's finished ``RequestOutput`` as its samples, every token of weight ``version``. ``routes(request id,
-    completion, positions)``: each sample's routed experts (a request of n > 1 samples is split into requests
-    'j_<id>' inside the engine)."""
+    positions, completion)`` (``EngineRoutes.take``): each sample's routed experts."""
     samples = []
     for j, c in enumerate(out.outputs):
         tokens, logprobs, reason = _completion(c)
         sample = Sample(index, j, list(prompt), tokens, logprobs, reason, [version] * len(tokens))
         if routes is not None:
-            request_id = out.request_id if len(out.outputs) == 1 else f"{c.index}_{out.request_id}"
-            sample.routed_experts = routes(request_id, c, len(prompt) + len(tokens) - 1)
+            request_id = sample_request_id(out.request_id, c.index, len(out.outputs))
+            sample.routed_experts = routes(request_id, len(prompt) + len(tokens) - 1, c)
         samples.append(sample)
     return samples
 
