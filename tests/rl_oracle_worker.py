@@ -5,7 +5,8 @@ trainer's loss functions, two micro-batches; ``learn`` for rejection) is compare
 logits (transformers, the same weights) and the objective written out from the formulas in plain torch, one
 sequence at a time, with no megarl code. The inputs are built so that every branch is taken: old log-probs put
 tokens in each clip region, the engine's log-probs make some TIS weights truncate, the reference differs from the
-policy, advantages have both signs, responses have unequal lengths.
+policy (in one case 20x above it on every fourth token), advantages have both signs, responses have unequal lengths.
+The truncated-sampling case draws its responses from the HF model under top-k / top-p, with vLLM's own kept set.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ BASE = [
     f"actor.clip_ratio_c={CLIP_C}",
     f"algorithm.rollout_is_cap={IS_CAP}",
 ]
+K3_LOGGED_MAX = 10.0
+"""The trainer logs k3's value clamped at 10 (verl); the objective differentiated is the formula's, unclamped."""
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -56,6 +59,23 @@ def hf_response_logits(hf, seq: list[int], prompt_len: int) -> torch.Tensor:
 
 def token_logp(logits_RV: torch.Tensor, targets: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits_RV, -1)[torch.arange(len(targets)), torch.tensor(targets)]
+
+
+def vllm_kept(logits_RV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[R, V] True where vLLM's sampler (its PyTorch top-k / top-p, the installed vllm) keeps the token."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    rows = logits_RV.shape[0]
+    k = torch.full((rows,), top_k) if top_k else None
+    p = torch.full((rows,), top_p) if top_p < 1 else None
+    return torch.isfinite(apply_top_k_top_p_pytorch(logits_RV.detach().clone(), k, p, allow_cpu_sync=True))
+
+
+def sampler_logp(logits_RV: torch.Tensor, targets: list[int], case: dict) -> torch.Tensor:
+    """log p(target) under the case's sampler: log_softmax over vLLM's kept tokens (all without truncation)."""
+    if case["top_k"] or case["top_p"] < 1:
+        logits_RV = logits_RV.masked_fill(~vllm_kept(logits_RV, case["top_k"], case["top_p"]), float("-inf"))
+    return token_logp(logits_RV, targets)
 
 
 def token_entropy(logits_RV: torch.Tensor) -> torch.Tensor:
@@ -79,12 +99,13 @@ def agg(per_seq: list[torch.Tensor], mode: str) -> torch.Tensor:
     raise ValueError(mode)
 
 
-def kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, kind: str) -> torch.Tensor:
+def kl(logp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, kind: str, k3_max: float | None = None):
     """k2 = (log(pi/ref))^2 / 2; k3 = ref/pi - log(ref/pi) - 1 (Schulman); k3_is = k3 x pi / pi_old (pi_old: the
-    sampling policy, a constant)."""
+    sampling policy, a constant). ``k3_max``: k3 clamped there (what a trainer may log; never differentiated)."""
     if kind == "k2":
         return 0.5 * (logp - ref) ** 2
     k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    k3 = k3 if k3_max is None else k3.clamp(max=k3_max)
     return k3 * torch.exp(logp - old) if kind == "k3_is" else k3
 
 
@@ -119,13 +140,30 @@ def fixed_sequences(vocab: int):
     return out
 
 
-def fixed_inputs(cur: list[torch.Tensor], *, per_sequence_adv: bool) -> dict[str, list[torch.Tensor]]:
+def truncated_sequences(hf, seqs, top_k: int, top_p: float) -> list[tuple[list[int], int]]:
+    """``seqs``' prompts with responses of the same lengths drawn token by token from the HF model under vLLM's
+    top-k / top-p at TEMPERATURE (a fixed generator): every response token is in the sampler's kept set."""
+    gen = torch.Generator().manual_seed(14)
+    out = []
+    with torch.no_grad():
+        for seq, p in seqs:
+            tokens = list(seq[:p])
+            for _ in range(len(seq) - p):
+                z = hf(torch.tensor([tokens])).logits[0, -1:].float() / TEMPERATURE
+                z = z.masked_fill(~vllm_kept(z, top_k, top_p), float("-inf"))
+                tokens.append(int(torch.multinomial(torch.softmax(z, -1), 1, generator=gen)))
+            out.append((tokens, p))
+    return out
+
+
+def fixed_inputs(cur: list[torch.Tensor], *, per_sequence_adv: bool, far_ref: bool = False) -> dict[str, list]:
     """old / rollout / reference log-probs and advantages around the current log-probs ``cur`` (detached).
 
     Token k of the batch (in order) gets old = cur + DELTA[k % 6] and a sign of A that alternates every 6 tokens, so
     ratios 1.82 with A > 0 clip high, 0.55 with A < 0 clip low, 4.48 with A < 0 hit the dual clip; every 5th token's
     engine log-prob is 1 below old (TIS weight e > cap). GSPO (``per_sequence_adv``): one A and one shift per
-    sequence (sequences 0 and 1 outside the clip range, one each way)."""
+    sequence (sequences 0 and 1 outside the clip range, one each way). ``far_ref``: every 4th token's reference is
+    20x its policy probability (log-ratio 3.0, beyond where a clamp of k3 at 10 binds)."""
     gen = torch.Generator().manual_seed(12)
     delta = [-0.6, 0.6, -1.5, 0.05, -0.1, 0.1]
     old, rollout, ref, adv, k = [], [], [], [], 0
@@ -144,16 +182,19 @@ def fixed_inputs(cur: list[torch.Tensor], *, per_sequence_adv: bool) -> dict[str
         ro = o - torch.where(ks % 5 == 0, 1.0, 0.05 * torch.randn(n, generator=gen))
         old.append(o)
         rollout.append(ro)
-        ref.append(c + 0.3 * torch.randn(n, generator=gen))
+        noise = 0.3 * torch.randn(n, generator=gen)
+        ref.append(c + torch.where(ks % 4 == 0, math.log(20), noise) if far_ref else c + noise)
         adv.append(a)
         k += n
     return {"old_logp": old, "rollout_logp": rollout, "ref_logp": ref, "advantages": adv}
 
 
 def _case(policy="ppo", agg="token-mean", kl=None, kl_coef=0.0, ent=0.0, tis=None, level="sequence", cap=IS_CAP,
-          old=True) -> dict:  # fmt: skip
-    """One actor case: ``tis`` the rollout_is mode (None: off), ``old`` False: no old log-prob pass (old = current)."""
-    return dict(policy=policy, agg=agg, kl=kl, kl_coef=kl_coef, ent=ent, tis=tis, level=level, cap=cap, old=old)
+          old=True, far_ref=False, top_k=0, top_p=1.0) -> dict:  # fmt: skip
+    """One actor case: ``tis`` the rollout_is mode (None: off), ``old`` False: no old log-prob pass (old = current);
+    ``far_ref``: ``fixed_inputs``'s; ``top_k`` / ``top_p``: the sampler's truncation (responses drawn under it)."""
+    return dict(policy=policy, agg=agg, kl=kl, kl_coef=kl_coef, ent=ent, tis=tis, level=level, cap=cap, old=old,
+                far_ref=far_ref, top_k=top_k, top_p=top_p)  # fmt: skip
 
 
 ACTOR_CASES = {
@@ -168,6 +209,10 @@ ACTOR_CASES = {
     "async_seq_mask": _case(tis="seq_mask", cap=4.0),
     "async_seq_mask_geometric": _case(tis="seq_mask", level="geometric", cap=1.5),
     "no_old_logprob_pass": _case(tis="token_truncate", old=False),
+    # a reference far above the policy: k3's gradient where a clamp of its value would bind
+    **{f"far_ref_{k}": _case(kl=k, kl_coef=0.5, far_ref=True) for k in ("k3", "k3_is")},
+    # the sampler's top-k / top-p with a KL term, an entropy bonus (on the whole softmax) and TIS
+    "truncated_kl": _case(kl="k3_is", kl_coef=0.3, ent=0.05, tis="token_truncate", top_k=40, top_p=0.8),
 }
 
 
@@ -180,7 +225,7 @@ def actor_overrides(case: dict) -> list[str]:
         out.append(f"actor.loss_agg_mode={case['agg']}")
     if case["kl"]:
         out += [f"actor.kl_loss_coef={case['kl_coef']}", f"actor.kl_loss_type={case['kl']}"]
-    return out
+    return out + [f"rollout.sampling.top_k={case['top_k']}", f"rollout.sampling.top_p={case['top_p']}"]
 
 
 def behaviour_weight(old: torch.Tensor, behaviour: torch.Tensor, case: dict) -> torch.Tensor | None:
@@ -206,11 +251,11 @@ def gspo_token_terms(logp, old, adv, weight) -> torch.Tensor:
 def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
     """The objective from the formulas and its gradient on the HF model's parameters."""
     hf.zero_grad()
-    pg_terms, kl_terms, ent_terms, regions = [], [], [], {"high": 0, "low": 0, "dual": 0}
+    pg_terms, kl_terms, kl_logged, ent_terms, regions = [], [], [], [], {"high": 0, "low": 0, "dual": 0}
     accepted = []
     for i, (seq, p) in enumerate(seqs):
         logits = hf_response_logits(hf, seq, p)
-        logp = token_logp(logits, seq[p:])
+        logp = sampler_logp(logits, seq[p:], case)
         old = inputs["old_logp"][i] if case["old"] else logp.detach()
         adv = inputs["advantages"][i]
         weight = behaviour_weight(old, inputs["rollout_logp"][i], case)
@@ -225,9 +270,11 @@ def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
             loss, r = ppo_token_loss(logp, old, adv)
             pg_terms.append(loss * weight)
             regions = {k: regions[k] + r[k] for k in regions}
-        if case["kl"]:
-            kl_terms.append(kl(logp, inputs["ref_logp"][i], old, case["kl"]))
-        ent_terms.append(token_entropy(logits))
+        if case["kl"]:  # tokens from the behaviour policy: each weighed by min(pi_old / pi_behaviour, cap) with TIS on
+            kl_w = torch.exp(old - inputs["rollout_logp"][i]).clamp(max=case["cap"]) if case["tis"] else 1.0
+            kl_terms.append(kl_w * kl(logp, inputs["ref_logp"][i], old, case["kl"]))
+            kl_logged.append(kl_w * kl(logp, inputs["ref_logp"][i], old, case["kl"], K3_LOGGED_MAX).detach())
+        ent_terms.append(token_entropy(logits))  # of the whole softmax, whatever the sampler truncates
     mode = case["agg"] or "token-mean"
     pg = agg(pg_terms, "seq-mean-token-sum" if case["policy"] == "gspo" else mode)  # GSPO: one term per sequence
     ent = agg(ent_terms, mode)
@@ -236,7 +283,8 @@ def oracle_actor(hf, seqs, inputs, case: dict) -> dict:
     if case["kl"]:
         kl_loss = agg(kl_terms, mode)
         total = total + case["kl_coef"] * kl_loss
-        out["kl_loss"] = kl_loss.item()
+        out["kl_loss"] = agg(kl_logged, mode).item()
+        out["kl_loss_unclamped"] = kl_loss.item()
     total.backward()
     out["grads"] = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
     return out
@@ -290,13 +338,15 @@ def run(hf_dir: str) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     seqs = fixed_sequences(spec.vocab_size)
     msg = [Sequence(s, p) for s, p in seqs]
-    with torch.no_grad():
-        cur = [token_logp(hf_response_logits(hf, s, p), s[p:]) for s, p in seqs]
     saved = [p.detach().clone() for p in models.actor.parameters()]
     out = {"actor": {}}
     for name, case in ACTOR_CASES.items():
+        truncated = case["top_k"] or case["top_p"] < 1
+        case_seqs = truncated_sequences(hf, seqs, case["top_k"], case["top_p"]) if truncated else seqs
+        with torch.no_grad():
+            cur = [sampler_logp(hf_response_logits(hf, s, p), s[p:], case) for s, p in case_seqs]
         cfg = load_config(None, [f"model.path={hf_dir}", *BASE, *actor_overrides(case)])
-        inputs = fixed_inputs(cur, per_sequence_adv=case["policy"] == "gspo")
+        inputs = fixed_inputs(cur, per_sequence_adv=case["policy"] == "gspo", far_ref=case["far_ref"])
         unused = {"ref_logp"} if not case["kl"] else set()
         unused |= {"old_logp"} if not case["old"] else set()
         fields = {k: v for k, v in inputs.items() if k not in unused}
@@ -306,9 +356,10 @@ def run(hf_dir: str) -> dict:
         metrics = ppo_updates(
             models.actor,
             models.actor_optim,
-            msg,
+            [Sequence(s, p) for s, p in case_seqs],
             fields,
-            partial(actor_loss, cfg.actor, cfg.algorithm, temperature=TEMPERATURE, true_vocab=spec.vocab_size),
+            partial(actor_loss, cfg.actor, cfg.algorithm, temperature=TEMPERATURE, true_vocab=spec.vocab_size,
+                    top_k=case["top_k"], top_p=case["top_p"]),  # fmt: skip
             Batching(len(msg), 0, 2),
             epochs=1,
             norm_len=NORM_LEN,
@@ -316,13 +367,16 @@ def run(hf_dir: str) -> dict:
         )
         out["actor"][name] = {
             "megarl": {"metrics": metrics, "grads": megatron_grads_as_hf(models.actor, spec), "accepted": trained},
-            "oracle": oracle_actor(hf, seqs, inputs, case),
+            "oracle": oracle_actor(hf, case_seqs, inputs, case),
         }
         restore(models.actor, saved)
+    with torch.no_grad():
+        cur = [token_logp(hf_response_logits(hf, s, p), s[p:]) for s, p in seqs]
     out["seq_mask"] = seq_mask_case(hf, hf_dir, spec, models, seqs, cur)
     restore(models.actor, saved)
     out["critic"] = critic_case(hf, base, spec, models, seqs, msg)
     out["empty_minibatch"] = empty_minibatch_case(hf_dir, spec, layout, msg, cur)
+    out["reference_truncated"] = reference_truncation_case(hf, hf_dir, spec, layout, seqs)
     out["pinned_dp1"] = {dtype: pinned_step(hf_dir, 1, dtype) for dtype in ("float32", "bfloat16")}
     return out
 
@@ -336,6 +390,29 @@ def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for x in tree for t in _tensors(x)]
     return []
+
+
+def reference_truncation_case(hf, hf_dir, spec, layout, seqs) -> dict:
+    """top_p 0.8, top_k 40 and a KL term, the reference equal to the policy (no update yet): the trainer's actor and
+    reference log-probs (``Roles``) of responses drawn under that sampler, and the oracle's (vLLM's kept set on the
+    HF logits), and the reference's over the whole vocabulary (what it gave before: KL -log ref(kept) > 0)."""
+    from megarl.backend.batch import Sequence
+    from megarl.backend.models import build_rl_models
+    from megarl.config.loader import load_config
+    from megarl.models.source import model_source
+    from megarl.rl.roles import make_roles
+
+    case = _case(kl="k3_is", kl_coef=0.1, top_k=40, top_p=0.8)
+    cfg = load_config(None, [f"model.path={hf_dir}", *BASE, *actor_overrides(case)])
+    models = build_rl_models(cfg, spec, layout, model_source(hf_dir), 0, roles=("actor", "reference"))
+    drawn = truncated_sequences(hf, seqs, case["top_k"], case["top_p"])
+    roles = make_roles(cfg, spec, models)
+    msg = [Sequence(s, p) for s, p in drawn]
+    with torch.no_grad():
+        oracle = [sampler_logp(hf_response_logits(hf, s, p), s[p:], case) for s, p in drawn]
+        whole = [token_logp(hf_response_logits(hf, s, p), s[p:]) for s, p in drawn]
+    return {"actor": roles.actor.logprobs(msg), "reference": roles.reference.logprobs(msg), "oracle": oracle,
+            "whole_vocabulary": whole}  # fmt: skip
 
 
 def empty_minibatch_case(hf_dir, spec, layout, msg, cur) -> dict:

@@ -395,6 +395,76 @@ def test_kl_losses_expected_gradients_on_a_categorical_policy(sampler_shift):
         assert (k2["grad"] - k2["forward"]).norm() > 0.05 * k2["forward"].norm()
 
 
+def _far_reference(dtype=torch.float64):
+    """pi = softmax(theta) over 7 tokens and a reference 20x above it on token 0 (log-ratio r = ref - logp = log 20
+    = 3.0 > 2.611, where the old k3 clamp at 10 binds), the other tokens' mass scaled down to sum to 1."""
+    theta = torch.tensor([-3.0, 0.5, 0.1, -0.4, 0.9, -0.2, 0.3], dtype=dtype).requires_grad_()
+    pi = torch.softmax(theta.detach(), -1)
+    assert pi[0] < 1 / 20
+    ref = pi * (1 - 20 * pi[0]) / (1 - pi[0])
+    ref[0] = 20 * pi[0]
+    return theta, ref.log()
+
+
+def test_k3_is_expected_gradient_holds_where_the_reference_is_far_above_the_policy():
+    """A reference 20x above pi on one token: E_pi[grad k3_is] = grad KL(pi || ref) and E_pi[grad k3] =
+    grad KL(ref || pi), by exact enumeration; the far token's own coefficient on grad log pi is log(pi/ref) = -log 20
+    (a clamped k3 left only the ratio's +10 there: the expected gradient's sign flipped)."""
+    theta, ref = _far_reference()
+    logp = torch.log_softmax(theta, -1)
+    old = logp.detach()
+    for kind, exact in (("k3_is", (logp.exp() * (logp - ref)).sum()), ("k3", (ref.exp() * (ref - logp)).sum())):
+        expected = (old.exp() * kl_loss_terms(logp, ref, old, kind).double()).sum()
+        (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
+        (want,) = torch.autograd.grad(exact, theta, retain_graph=True)
+        assert want.norm() > 0.01
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)  # float32 inside
+    leaf = logp.detach().clone().requires_grad_()
+    (coef,) = torch.autograd.grad(kl_loss_terms(leaf, ref, old, "k3_is")[0], leaf)
+    assert coef[0].item() == pytest.approx(-math.log(20), rel=1e-5)
+
+
+def test_kl_losses_have_finite_gradients_at_extreme_log_ratios():
+    logp = torch.tensor([-100.0, 100.0, -0.5], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, -0.4])
+    for kind in ("k2", "k3", "k3_is"):
+        (grad,) = torch.autograd.grad(kl_loss_terms(logp, ref, logp.detach(), kind).sum(), logp)
+        assert torch.isfinite(grad).all(), (kind, grad)
+        assert grad[0] < 0 and grad[1] > 0, (kind, grad)  # toward the reference on both sides
+
+
+@pytest.mark.parametrize("divergence", [0.003, 0.03])
+def test_k3_is_weighted_by_the_behaviour_policy_gives_the_forward_kl_gradient_off_policy(divergence):
+    """The async modes: tokens drawn from mu (older weights) while pi_old is the proximal policy, pi != pi_old != mu.
+    Weighted by pi_old / mu, E_mu[grad k3_is] = grad KL(pi || ref) exactly; unweighted it is off by a few percent
+    (the review's 7% at a per-token KL(mu || pi_old) of 0.003)."""
+    gen = torch.Generator().manual_seed(5)
+    theta = torch.randn(7, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    old = torch.log_softmax(theta.detach() + 0.3 * torch.randn(7, generator=gen, dtype=torch.float64), -1)
+    direction = torch.randn(7, generator=gen, dtype=torch.float64)
+    def behaviour(s: float) -> torch.Tensor:
+        return torch.log_softmax(old + s * direction, -1)
+
+    low, high = 0.0, 10.0
+    for _ in range(60):  # mu = softmax(old + s d) with KL(mu || pi_old) = divergence: bisection on s
+        mid = (low + high) / 2
+        mu = behaviour(mid)
+        low, high = (mid, high) if (mu.exp() * (mu - old)).sum() < divergence else (low, mid)
+    mu = behaviour(low)
+    assert (mu.exp() * (mu - old)).sum().item() == pytest.approx(divergence, rel=1e-6)
+    (want,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)
+    weighted = (mu.exp() * kl_loss_terms(logp, ref, old, "k3_is", behaviour_logp=mu).double()).sum()
+    (grad,) = torch.autograd.grad(weighted, theta, retain_graph=True)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)  # float32 inside
+    unweighted = (mu.exp() * kl_loss_terms(logp, ref, old, "k3_is").double()).sum()
+    (off,) = torch.autograd.grad(unweighted, theta)
+    assert (off - want).norm() > 0.02 * want.norm()
+    capped = kl_loss_terms(logp, ref, old, "k3_is", behaviour_logp=old - 5.0, cap=2.0)
+    torch.testing.assert_close(capped, 2.0 * kl_loss_terms(logp, ref, old, "k3_is"))  # the rollout IS cap
+
+
 def test_k1_is_refused_as_a_kl_loss_and_its_expected_gradient_is_zero():
     gen = torch.Generator().manual_seed(4)
     theta = torch.randn(7, generator=gen, dtype=torch.float64).requires_grad_()
@@ -928,11 +998,65 @@ def test_truncation_keeps_the_tokens_vllm_keeps(top_k, top_p):
         assert torch.isfinite(mine).sum(-1).min() >= 1 and (~torch.isfinite(mine)).any()
 
 
+def _tied_bf16_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """bf16 logits (as an engine computes them) around 40, where bf16's step is 0.25: many tokens tie, at the cutoff
+    too; cast to fp32 as vLLM's sampler does."""
+    gen = torch.Generator().manual_seed(seed)
+    return (40 + torch.randn(rows, vocab, generator=gen) * 2).bfloat16().float()
+
+
+def _exactly_k(z: torch.Tensor, k: int) -> torch.Tensor:
+    """vLLM's CUDA kernel's top-k: exactly k tokens (the lowest ids among those tied at the k-th score)."""
+    kth = z.topk(k, -1).values[:, -1:]
+    tied = z == kth
+    keep = (z > kth) | (tied & (tied.cumsum(-1) <= k - (z > kth).sum(-1, keepdim=True)))
+    return z.masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (0, 0.95), (20, 1.0), (20, 0.8), (40, 0.6)])
+@pytest.mark.parametrize("device_rule", ["cpu", "cuda"])
+def test_ties_at_the_cutoff_follow_vllms_rule(top_k, top_p, device_rule, monkeypatch):
+    """bf16 logits with ties at the cutoff. vLLM's PyTorch path (the CPU build, run here) and, for the CUDA rule, its
+    kernel's semantics (top-k keeps exactly k, then the PyTorch path's top-p): the kept set has vLLM's size, and
+    log p of every token vLLM keeps is vLLM's log_softmax over its kept set (megarl kept every tie before: its
+    log-probs were lower by up to log(ties / needed))."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from megarl.algos import sampling
+    from megarl.algos.sampling import target_truncation, truncate
+
+    monkeypatch.setattr(sampling, "top_k_keeps_ties", lambda device: device_rule == "cpu")
+    z = _tied_bf16_logits(64, 256, seed=31)
+    k = torch.full((64,), top_k) if top_k else None
+    p = torch.full((64,), top_p) if top_p < 1 else None
+    if device_rule == "cpu":
+        theirs = apply_top_k_top_p_pytorch(z.clone(), k, p, allow_cpu_sync=True)
+    else:
+        exact = _exactly_k(z, top_k) if top_k else z.clone()
+        theirs = exact if p is None else apply_top_k_top_p_pytorch(exact, None, p)
+    kept = sampling.truncation(z, top_k, top_p)
+    n_theirs = torch.isfinite(theirs).sum(-1)
+    assert torch.equal((z > kept.cutoff[:, None]).sum(-1) + kept.at_cutoff, n_theirs)
+    assert torch.equal(torch.isfinite(truncate(z, top_k, top_p)).sum(-1), n_theirs)
+    partial = (z == kept.cutoff[:, None]).sum(-1) > kept.at_cutoff  # rows where some tied tokens are dropped
+    if device_rule == "cuda" or top_p < 1:  # where the rule drops some tied tokens: the case this test is about
+        assert partial.sum() >= 4, int(partial.sum())
+    want = torch.log_softmax(theirs, -1)
+    for target_rank in range(3):  # every row's target among vLLM's kept tokens, some of them tied at its cutoff
+        order = torch.argsort(theirs, dim=-1, descending=True, stable=True)
+        targets = order.gather(-1, (n_theirs - 1 - target_rank).clamp(min=0)[:, None]).squeeze(-1)
+        logits = z.clone().requires_grad_()
+        logp, _ = vocab_parallel_logprobs(logits, targets, truncation_BT=target_truncation(z, targets, top_k, top_p))
+        close(logp, want.gather(-1, targets[:, None]).squeeze(-1))
+        (grad,) = torch.autograd.grad(logp.sum(), logits)
+        assert torch.isfinite(grad).all() and (grad.sum(-1).abs() < 1e-5).all()  # d log p / dz sums to 0
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_under_truncation_are_the_truncated_softmax(temperature):
     """With the sampler's cutoff, log p(target), its entropy and gradient are those of log_softmax over the kept
     scores of logits / T: what vLLM returns as processed_logprobs."""
-    from megarl.algos.sampling import truncate, truncation_cutoff
+    from megarl.algos.sampling import target_truncation, truncate
 
     torch.manual_seed(22)
     true_vocab = 40
@@ -940,9 +1064,9 @@ def test_logprobs_under_truncation_are_the_truncated_softmax(temperature):
     scaled = logits[..., :true_vocab].detach() / temperature
     kept = truncate(scaled, 8, 0.9)
     targets = torch.distributions.Categorical(logits=kept).sample()  # drawn from the truncated distribution
-    cutoff = truncation_cutoff(scaled, 8, 0.9)
+    truncation = target_truncation(scaled, targets, 8, 0.9)
     logp, ent = vocab_parallel_logprobs(logits, targets, true_vocab=true_vocab, temperature=temperature,
-                                        with_entropy=True, cutoff_BT=cutoff)  # fmt: skip
+                                        with_entropy=True, truncation_BT=truncation)  # fmt: skip
     ref_in = logits[..., :true_vocab] / temperature
     ref_in = ref_in.masked_fill(~torch.isfinite(kept), float("-inf"))
     ref = torch.log_softmax(ref_in, -1).gather(-1, targets[..., None]).squeeze(-1)

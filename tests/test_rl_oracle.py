@@ -90,6 +90,34 @@ def test_the_inputs_reach_every_branch(results):
     assert gspo["actor/pg_clipfrac"] > 0  # sequences 0 and 1 are outside GSPO's clip range
 
 
+def test_the_far_reference_and_truncated_cases_reach_their_regions(results):
+    """far_ref: the reference is 20x the policy on every 4th token, where k3's value exceeds the clamp of 10 (the
+    old loss's gradient there had the wrong sign); truncated_kl: some kept sets are truncated (the policy's log-probs
+    above the whole softmax's), the KL and entropy terms are on."""
+    for kind in ("k3", "k3_is"):
+        o = results["actor"][f"far_ref_{kind}"]["oracle"]
+        assert o["kl_loss_unclamped"] > o["kl_loss"] > 1.0  # the clamp binds on the logged value
+    t = results["actor"]["truncated_kl"]["megarl"]["metrics"]
+    assert t["actor/kl_loss"] > 0.01 and t["rollout/is_masked_frac"] > 0
+    r = results["reference_truncated"]
+    rows = list(zip(r["actor"], r["reference"], r["oracle"], r["whole_vocabulary"]))
+    assert any((o - w).max() > 1e-3 for _, _, o, w in rows)  # the sampler truncates these positions
+
+
+def test_the_reference_is_truncated_like_the_policy(results):
+    """pi = ref under top_k 40, top_p 0.8: the reference's log-probs are the policy's, equal to the oracle's (vLLM's
+    kept set on the HF logits), so the KL is 0; over the whole vocabulary (before) it was -log ref(kept) > 0."""
+    from megarl.algos import kl_estimate
+
+    r = results["reference_truncated"]
+    for actor, ref, oracle in zip(r["actor"], r["reference"], r["oracle"]):
+        torch.testing.assert_close(ref, actor, rtol=0, atol=0)
+        torch.testing.assert_close(actor, oracle, rtol=1e-5, atol=1e-5)
+        assert float(kl_estimate(actor, ref, "k3").abs().max()) == 0.0
+    before = torch.cat([kl_estimate(a, w, "k1") for a, w in zip(r["actor"], r["whole_vocabulary"])])
+    assert before.mean() > 0.05, float(before.mean())
+
+
 def test_seq_mask_rejection_leaves_the_loss(results):
     """A rejected sequence is out of the loss and its denominator; the others keep their sequence weight (masked
     importance sampling): the gradient is the weighted token mean over them. GRPO's advantages (rewards 1, 0 | 0.2,

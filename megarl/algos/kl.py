@@ -16,44 +16,72 @@ def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 LOG_RATIO_CLAMP = 20.0
-"""k3's log-ratio is clamped to +-this before ``exp`` (verl): exp(100) overflows float32, and the clamp on the result
-alone hides that in the forward while the backward computes 0 x inf = NaN."""
+"""k3's log-ratio is clamped to +-this before ``exp`` (verl): exp(100) overflows float32."""
+K3_VALUE_CLAMP = 10.0
+"""k3's *value* as an estimate (a metric, the in-reward penalty) is clamped to +-this against outliers (verl). The
+KL loss never differentiates a clamped value: a clamp has no gradient where it binds (``kl_loss_terms``)."""
 
 
 def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     # Schulman's low-variance estimator exp(r) - r - 1, r = ref - logp; clamped because exp(r) explodes on outliers.
     r = (ref_logp - logp).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    return (torch.exp(r) - r - 1).clamp(min=-10, max=10)
+    return (torch.exp(r) - r - 1).clamp(min=-K3_VALUE_CLAMP, max=K3_VALUE_CLAMP)
 
 
 KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Elementwise estimate of KL(pi || ref) from sampled-token log-probs (differentiable in ``logp``)."""
+    """Elementwise estimate of KL(pi || ref) from sampled-token log-probs (k3's value clamped, so without gradient
+    where the clamp binds: a loss uses ``kl_loss_terms``)."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
     return KL_ESTIMATORS[kind](logp.float(), ref_logp.float())
 
 
+def _with_gradient(value: torch.Tensor, logp: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """A term whose value is ``value`` and whose gradient is ``coef`` x grad logp (both held constant)."""
+    return value.detach() + coef.detach() * (logp - logp.detach())
+
+
 def kl_loss_terms(
-    logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor, kind: str
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    kind: str,
+    behaviour_logp: torch.Tensor | None = None,
+    cap: float = float("inf"),
 ) -> torch.Tensor:
     """Per-token KL-to-reference loss, differentiable in ``logp``, for tokens sampled from ``old_logp``'s policy.
 
     ``k2``: (log pi/ref)^2 / 2, whose gradient (log pi/ref) grad log pi has expectation grad KL(pi || ref) on
     samples of pi itself. ``k3``: ref/pi - log(ref/pi) - 1, gradient (1 - ref/pi) grad log pi, expectation
     grad KL(ref || pi). ``k3_is``: (pi / sg[pi_old]) k3, gradient (pi/pi_old) (log pi/ref) grad log pi, expectation
-    over pi_old's samples grad KL(pi || ref); its value estimates KL(pi || ref) without bias."""
+    over pi_old's samples grad KL(pi || ref); its value estimates KL(pi || ref) without bias. Each gradient is the
+    exact one wherever the policy is: k3's value is reported clamped (``K3_VALUE_CLAMP``) but its gradient is written
+    out, never that of a clamp (which is 0 where it binds, leaving k3_is only its ratio's +10 pi/pi_old: a gradient
+    of the wrong sign where pi < ref / 13.6); k3's ref/pi is bounded by exp(``LOG_RATIO_CLAMP``) against overflow.
+
+    ``behaviour_logp``: the log-probs of the policy mu that sampled the tokens, where it is not pi_old (the async
+    modes' older weights, the engine's numerics): every term is then weighted by min(pi_old / mu, ``cap``), the
+    rollout importance weight, so that the expectations above hold over mu's samples."""
     if kind == "k1":
         raise ValueError(K1_LOSS_REFUSED)
     if kind not in KL_LOSSES:
         raise ValueError(f"unknown KL loss {kind!r}; choose one of {list(KL_LOSSES)}")
-    if kind == "k3_is":
-        logp = logp.float()
-        ratio = torch.exp((logp - old_logp.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        return ratio * kl_estimate(logp, ref_logp, "k3")
-    return kl_estimate(logp, ref_logp, kind)
+    logp, ref_logp, old_logp = logp.float(), ref_logp.detach().float(), old_logp.detach().float()
+    log_ratio = logp.detach() - ref_logp
+    if kind == "k2":
+        terms = 0.5 * (logp - ref_logp) ** 2
+    elif kind == "k3":
+        ref_over_pi = torch.exp((-log_ratio).clamp(max=LOG_RATIO_CLAMP))
+        terms = _with_gradient(kl_estimate(logp.detach(), ref_logp, "k3"), logp, 1 - ref_over_pi)
+    else:  # k3_is
+        ratio = torch.exp((logp.detach() - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        terms = _with_gradient(ratio * kl_estimate(logp.detach(), ref_logp, "k3"), logp, ratio * log_ratio)
+    if behaviour_logp is not None:
+        terms = terms * torch.exp(old_logp - behaviour_logp.detach().float()).clamp(max=cap)
+    return terms
 
 
 def kl_value_estimator(loss_kind: str) -> str:

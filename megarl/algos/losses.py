@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from megarl.algos.sampling import mask_below
+from megarl.algos.sampling import Truncation
 from megarl.config.schema import ROLLOUT_IS_LEVELS
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is numerical noise; keeps exp() finite
@@ -225,18 +225,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits, targets, vocab_start, true_vocab, temperature, reduce_sum, reduce_max, with_entropy, cutoff
+        ctx, logits, targets, vocab_start, true_vocab, temperature, reduce_sum, reduce_max, with_entropy, truncation
     ):
         vocab = logits.shape[-1]
         kept = max(0, min(vocab, true_vocab - vocab_start))  # padding ids (>= true_vocab) are a suffix of the slice
         z = logits[..., :kept].float()  # a copy below fp32, a view in fp32: never written
         z = z / temperature if temperature != 1 else z
-        if cutoff is not None:  # the sampler's truncation: the scores below the cutoff have probability 0
-            z = mask_below(z, cutoff)
+        if truncation is not None:  # the sampler's truncation: the scores it drops have probability 0
+            ids = torch.arange(vocab_start, vocab_start + kept, device=z.device)
+            z = truncation.apply(z, ids == targets.unsqueeze(-1))
         if kept:  # this slice's softmax from torch's fused kernel: exp(z - local_max) / the kernel's sum
             local_max = z.amax(-1)
             p = torch.softmax(z, -1)
-            if cutoff is not None:  # a row with none of its scores in this slice: softmax's 0 / 0
+            if truncation is not None:  # a row with none of its scores in this slice: softmax's 0 / 0
                 p.nan_to_num_(0.0)
             fused_sum = p.amax(-1).reciprocal()  # p is exp(0) / the kernel's sum at the max
             # the kernel sums a row in a few vector lanes (on CPU ~100 eps off at 150k tokens): the sum, accurately
@@ -254,7 +255,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         target_z = z.gather(-1, index).squeeze(-1) if kept else torch.zeros_like(m)
         log_s = torch.log(s)
         logp = reduce_sum(torch.where(mine, target_z, 0.0)) - m - log_s
-        z_finite = z if cutoff is None else z.clamp(min=torch.finfo(z.dtype).min)  # 0 x -inf would be nan
+        z_finite = z if truncation is None else z.clamp(min=torch.finfo(z.dtype).min)  # 0 x -inf would be nan
         entropy = log_s + m - reduce_sum(torch.linalg.vecdot(p, z_finite)) if with_entropy else logp.new_empty(0)
         ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(p, index, mine)
@@ -286,7 +287,7 @@ def vocab_parallel_logprobs(
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
     with_entropy: bool = False,
-    cutoff_BT: torch.Tensor | None = None,
+    truncation_BT: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) [B, T] under softmax(logits / T) over the full vocabulary, from this rank's slice
     [vocab_start, vocab_start + V) of the logits without gathering them, differentiable; with ``with_entropy`` also
@@ -294,8 +295,8 @@ def vocab_parallel_logprobs(
     differentiable one). Global ids >= ``true_vocab`` are padding (probability 0). ``all_reduce_max`` and
     ``all_reduce_sum`` reduce [B, T] tensors over the ranks holding the other slices (None: a single shard); they
     are not differentiated. Logits are finite. One fp32 [B, T, V] tensor is kept for backward: the softmax.
-    ``cutoff_BT``: the sampler's truncation (``megarl.algos.sampling``): the softmax is over the scores (logits / T)
-    >= the position's cutoff only; the targets must be among them."""
+    ``truncation_BT``: the sampler's truncation (``megarl.algos.sampling.target_truncation``): the softmax is over the
+    scores (logits / T) it keeps, the targets among them."""
     logp, entropy = _VocabParallelLogProbs.apply(
         logits_BTV,
         targets_BT,
@@ -305,6 +306,6 @@ def vocab_parallel_logprobs(
         all_reduce_sum or _identity,
         all_reduce_max or _identity,
         with_entropy,
-        cutoff_BT,
+        truncation_BT,
     )
     return logp, (entropy if with_entropy else None)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos import vocab_parallel_logprobs
-from megarl.algos.sampling import truncates, truncation_cutoff
+from megarl.algos.sampling import Truncation, target_truncation, truncates
 from megarl.backend.step import run_schedule
 
 
@@ -33,24 +33,24 @@ def tp_all_reduce(op):
 
 
 CUTOFF_POSITIONS = 512
-"""Positions whose whole-vocabulary logits ``tp_truncation_cutoff`` holds at once."""
+"""Positions whose whole-vocabulary logits ``tp_truncation`` holds at once."""
 
 
 @torch.no_grad()
-def tp_truncation_cutoff(
+def tp_truncation(
     logits_BSV: torch.Tensor, targets_BS: torch.Tensor, temperature: float, true_vocab: int, top_k: int, top_p: float
-) -> torch.Tensor | None:
-    """[B, S] the sampler's cutoff on logits / T at every position (None when top_k / top_p truncate nothing),
-    lowered where needed so that the target stays kept (the sampler kept the token it drew). Top-p ranks the whole
-    vocabulary: with TP, ``CUTOFF_POSITIONS`` positions' logits at a time are gathered over the TP group (no
-    gradient), which bounds the transient copies to a few [CUTOFF_POSITIONS, vocabulary] fp32 tensors."""
+) -> Truncation | None:
+    """The sampler's kept set on logits / T at every position (``target_truncation``: vLLM's rule, the target kept;
+    None when top_k / top_p truncate nothing). Top-p ranks the whole vocabulary: with TP, ``CUTOFF_POSITIONS``
+    positions' logits at a time are gathered over the TP group (no gradient), which bounds the transient copies to a
+    few [CUTOFF_POSITIONS, vocabulary] fp32 tensors."""
     if not truncates(top_k, top_p):
         return None
     from megatron.core import parallel_state as ps
 
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     flat_NV, targets_N = logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)
-    cutoffs = []
+    parts_of = []
     for start in range(0, flat_NV.shape[0], CUTOFF_POSITIONS):
         chunk = flat_NV[start : start + CUTOFF_POSITIONS].contiguous()
         parts = [chunk]
@@ -59,9 +59,9 @@ def tp_truncation_cutoff(
             dist.all_gather(parts, chunk, group=group)
         z = torch.cat(parts, -1)[..., :true_vocab].float()
         z = z / temperature if temperature != 1 else z  # the same arithmetic as the log-probs' pass
-        target = targets_N[start : start + CUTOFF_POSITIONS].clamp(0, true_vocab - 1).unsqueeze(-1)
-        cutoffs.append(torch.minimum(truncation_cutoff(z, top_k, top_p), z.gather(-1, target).squeeze(-1)))
-    return torch.cat(cutoffs).reshape(targets_BS.shape)
+        target = targets_N[start : start + CUTOFF_POSITIONS].clamp(0, true_vocab - 1)
+        parts_of.append(target_truncation(z, target, top_k, top_p))
+    return Truncation(*(torch.cat(field).reshape(targets_BS.shape) for field in zip(*parts_of)))
 
 
 def tp_logprobs(
@@ -70,12 +70,12 @@ def tp_logprobs(
     temperature: float,
     true_vocab: int,
     with_entropy: bool = False,
-    cutoff_BS: torch.Tensor | None = None,
+    truncation_BS: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) under softmax(logits / T) over the true vocabulary from this TP rank's vocabulary slice
     (``megarl.algos.vocab_parallel_logprobs``: the slice's softmax, no logits gathered, the padded rows excluded);
     differentiable. ``with_entropy``: also the entropy of the same softmax, for a metric (no gradient).
-    ``cutoff_BS`` (``tp_truncation_cutoff``): the softmax over the sampler's kept tokens only."""
+    ``truncation_BS`` (``tp_truncation``): the softmax over the sampler's kept tokens only."""
     from megatron.core import parallel_state as ps
 
     return vocab_parallel_logprobs(
@@ -87,7 +87,7 @@ def tp_logprobs(
         all_reduce_sum=tp_all_reduce(dist.ReduceOp.SUM),
         all_reduce_max=tp_all_reduce(dist.ReduceOp.MAX),
         with_entropy=with_entropy,
-        cutoff_BT=cutoff_BS,
+        truncation_BT=truncation_BS,
     )
 
 
@@ -101,8 +101,8 @@ def logprobs_from_logits(
 ):
     """log p(target) under softmax(logits / T) over the true vocabulary (over the tokens top-k / top-p keep, when
     they truncate), from this TP rank's vocabulary slice. Differentiable; call it inside Megatron's schedule."""
-    cutoff = tp_truncation_cutoff(logits_BSV, targets_BS, temperature, true_vocab, top_k, top_p)
-    return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab, cutoff_BS=cutoff)[0]
+    truncation = tp_truncation(logits_BSV, targets_BS, temperature, true_vocab, top_k, top_p)
+    return tp_logprobs(logits_BSV, targets_BS, temperature, true_vocab, truncation_BS=truncation)[0]
 
 
 def forward_per_token(model, micro_batches: list[dict], per_token, replay=None) -> list[torch.Tensor]:

@@ -23,8 +23,7 @@ from megarl.algos import (
     value_loss,
     vocab_parallel_entropy,
 )
-from megarl.algos.sampling import mask_below
-from megarl.backend.logprobs import tp_all_reduce, tp_logprobs, tp_truncation_cutoff
+from megarl.backend.logprobs import tp_all_reduce, tp_logprobs, tp_truncation
 from megarl.config.schema import ActorConfig, AlgorithmConfig, CriticConfig
 
 
@@ -50,16 +49,14 @@ class GlobalNorm:
         return self.aggregate(x_BT.detach(), mask_BT, "token-mean")
 
 
-def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int, cutoff_BS=None) -> torch.Tensor:
-    """Entropy of softmax(logits / T) over the true vocabulary (over the scores >= ``cutoff_BS``: the sampler's
-    truncation), from this TP rank's vocabulary slice."""
+def _tp_entropy(logits_BSV: torch.Tensor, temperature: float, true_vocab: int) -> torch.Tensor:
+    """Entropy of softmax(logits / T) over the true vocabulary (the whole of it, whatever the sampler truncates: a
+    kept set of one token has entropy 0 and no gradient), from this TP rank's vocabulary slice."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     z = logits_BSV.float() / temperature if temperature != 1 else logits_BSV
-    if cutoff_BS is not None:
-        z = mask_below(z, cutoff_BS)
     return vocab_parallel_entropy(
         z,
         vocab_start=ps.get_tensor_model_parallel_rank() * logits_BSV.shape[-1],
@@ -96,11 +93,13 @@ def actor_loss(
 
     def loss_fn(mb: dict, logits_BSV: torch.Tensor):
         mask = mb["loss_mask"]
-        cutoff = tp_truncation_cutoff(logits_BSV, mb["targets"], temperature, true_vocab, top_k, top_p)
-        # the entropy metric comes from the log-probs' own pass; a bonus needs its gradient (a pass of its own)
+        truncation = tp_truncation(logits_BSV, mb["targets"], temperature, true_vocab, top_k, top_p)
+        # the entropy (of the whole softmax) comes from the log-probs' own pass where that is the whole softmax; a
+        # bonus needs its gradient, and a truncated pass has the kept set's: a pass of its own
         bonus = actor.entropy_coeff != 0
-        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=not bonus,
-                                    cutoff_BS=cutoff)  # fmt: skip
+        own_pass = not bonus and truncation is None
+        logp, entropy = tp_logprobs(logits_BSV, mb["targets"], temperature, true_vocab, with_entropy=own_pass,
+                                    truncation_BS=truncation)  # fmt: skip
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         # seq_mask's rejected sequences already left loss_mask (``learn``): the accepted ones keep their weight here
         is_w = rollout_is_weights(old, mb["rollout_logp"], mask, algo.rollout_is, algo.rollout_is_cap,
@@ -108,8 +107,10 @@ def actor_loss(
         pg = POLICY_LOSSES[actor.policy_loss](logp, old, mb["advantages"], mask, actor)
         pg_loss = norm.aggregate(pg["loss"] * is_w["weights"], mask, actor.pg_agg_mode)
         loss = pg_loss
+        if not own_pass:
+            with torch.set_grad_enabled(bonus and torch.is_grad_enabled()):
+                entropy = _tp_entropy(logits_BSV, temperature, true_vocab)
         if bonus:
-            entropy = _tp_entropy(logits_BSV, temperature, true_vocab, cutoff)
             loss = loss - actor.entropy_coeff * norm.aggregate(entropy, mask, actor.agg_mode)
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
@@ -126,7 +127,10 @@ def actor_loss(
             metrics["max/rollout/logprob_mismatch_max"] = diff.max().detach()
         if actor.kl_loss_coef > 0:  # on response positions only: elsewhere ref_logp is 0, not a log-prob
             ref = torch.where(mask.bool(), mb["ref_logp"], logp.detach())
-            kl_loss = norm.aggregate(kl_loss_terms(logp, ref, old, actor.kl_loss_type), mask, actor.agg_mode)
+            # off-policy tokens (rollout_is on: async weights, the engine's numerics) weigh by min(pi_old / mu, cap)
+            mu = mb["rollout_logp"] if algo.rollout_is != "off" else None
+            terms = kl_loss_terms(logp, ref, old, actor.kl_loss_type, mu, algo.rollout_is_cap)
+            kl_loss = norm.aggregate(terms, mask, actor.agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss * norm.scale, metrics

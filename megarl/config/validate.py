@@ -297,7 +297,8 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
             f"step do not split into mini-batches of actor.global_batch_size={a.global_batch_size}; use a "
             f"global_batch_size that divides {per_step}"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and n < 2:
+    group_estimators = ("grpo", "rloo", "reinforce_pp_baseline")  # a baseline from the prompt's own samples
+    if cfg.algorithm.adv_estimator in group_estimators and n < 2:
         errors.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt; set "
             "rollout.sampling.n >= 2"
@@ -310,6 +311,12 @@ def _batch_errors(cfg: MegarlConfig) -> list[str]:
         )
     if cfg.algorithm.dynamic_sampling.enable and n < 2:
         errors.append("algorithm.dynamic_sampling needs groups: set rollout.sampling.n >= 2")
+    elif cfg.algorithm.dynamic_sampling.enable and cfg.algorithm.adv_estimator not in group_estimators:
+        errors.append(
+            f"algorithm.dynamic_sampling drops the groups whose rewards are all equal, which carry no signal only "
+            f"against a group baseline ({', '.join(group_estimators)}); adv_estimator={cfg.algorithm.adv_estimator} "
+            "learns from them: turn dynamic_sampling off or use a group estimator"
+        )
     if cfg.trainer.val_every and not cfg.data.val_files:
         errors.append(f"trainer.val_every={cfg.trainer.val_every} but data.val_files is empty; set both or neither")
     return errors

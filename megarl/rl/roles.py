@@ -75,14 +75,13 @@ class Role:
         return self._on_host(guarded)
 
 
-def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, stats: PackStats, *, truncated: bool,
+def _logprobs(cfg, spec, model, seqs: list[Sequence], batching: Batching, stats: PackStats,
               replay=None) -> list[torch.Tensor]:  # fmt: skip
-    """Per response token, log p at the rollout's temperature; ``truncated``: over the sampler's top-k / top-p;
-    ``replay``: the sequences' routes in the model's routers."""
+    """Per response token, log p under the sampler's policy of ``model`` (the rollout's temperature, over the tokens
+    its top-k / top-p keep); ``replay``: the sequences' routes in the model's routers."""
     s = cfg.rollout.sampling
-    top_k, top_p = (s.top_k, s.top_p) if truncated else (0, 1.0)
     per_token = lambda mb, logits: logprobs_from_logits(logits, mb["targets"], s.temperature, spec.vocab_size,
-                                                        top_k, top_p)  # fmt: skip
+                                                        s.top_k, s.top_p)  # fmt: skip
     return forward_fields(model, seqs, per_token, batching, stats, replay)
 
 
@@ -112,7 +111,7 @@ class Actor(_PolicyRole):
         """Per response token, log pi(token) under the current weights: the sampler's policy (the rollout's
         temperature, top-k and top-p)."""
         return self._on_host(
-            lambda stats: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, stats, truncated=True,
+            lambda stats: _logprobs(self.cfg, self.spec, self.models.actor, seqs, self.batching, stats,
                                     replay=self.models.actor_replay)
         )  # fmt: skip
 
@@ -143,15 +142,17 @@ class Actor(_PolicyRole):
 
 
 class Reference(_PolicyRole):
-    """The frozen initial policy (a copy, or with LoRA the actor with its adapters off). Its log-probs are over the
-    whole vocabulary, whatever the sampler truncates: the KL is to the reference model itself."""
+    """The frozen initial policy (a copy, or with LoRA the actor with its adapters off). Its log-probs are under the
+    same sampler as the actor's (temperature, top-k, top-p applied to the reference's own logits, the token kept):
+    the KL is between the two truncated policies, 0 where they are equal. (Over the whole vocabulary, the reference
+    would give every token -log ref(kept set) > 0 of KL at pi = ref: a length and entropy penalty.)"""
 
     name = "reference"
 
     def logprobs(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         def compute(stats: PackStats):
             with reference_policy(self.models) as reference:
-                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching, stats, truncated=False)
+                return _logprobs(self.cfg, self.spec, reference, seqs, self.batching, stats)
 
         return self._on_host(compute)
 

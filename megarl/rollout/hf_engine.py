@@ -7,9 +7,9 @@ and the next sync grows them back and overwrites every one. A step's prompts are
 
 Sampling is HF's greedy search over Gumbel-perturbed logits (``SeededSampling``): argmax(logits / T + g) with g a
 hash of (the sample's seed, the step, the token id) is a sample of softmax(logits / T), and each sample depends on its
-own seed only, whatever else is in the batch (torch's generator would be shared by the whole batch). Log-probabilities
-are those of softmax(logits / temperature), the quantity the trainer recomputes; top-k / top-p truncation, if
-configured, is ignored by them (said once in the log).
+own seed only, whatever else is in the batch (torch's generator would be shared by the whole batch). Top-k / top-p
+truncate the scores first, by vLLM's rule (``megarl.algos.sampling``), and the log-probabilities are those of the
+softmax over the kept tokens of logits / temperature: the quantity the trainer recomputes.
 """
 
 from __future__ import annotations
