@@ -31,6 +31,7 @@ from megarl.algos import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from megarl.algos.sampling import Truncation
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -944,6 +945,7 @@ def test_logprobs_two_shards_equal_one(vocab, true_vocab, truncated):
     if truncated:  # each position keeps its top 2 scores; at [0, 0] and [1, 2] both are in shard 0
         logits[0, 0, :2] = logits[1, 2, 2:4] = 9.0
         cutoff = logits.topk(2, -1).values[..., -1]
+    truncation = None if cutoff is None else Truncation(cutoff, torch.zeros_like(cutoff))
     targets = logits.argmax(-1) if truncated else torch.randint(0, true_vocab, (2, 3))
     whole = logits[..., :true_vocab].clone().requires_grad_()
     scores = whole if cutoff is None else whole.masked_fill(whole < cutoff[..., None], float("-inf"))
@@ -964,7 +966,7 @@ def test_logprobs_two_shards_equal_one(vocab, true_vocab, truncated):
 
         results.append(vocab_parallel_logprobs(shards[rank], targets, vocab_start=rank * half, true_vocab=true_vocab,
                                                all_reduce_sum=reduce_sum, all_reduce_max=lambda t: top,
-                                               with_entropy=True, cutoff_BT=cutoff))  # fmt: skip
+                                               with_entropy=True, truncation_BT=truncation))  # fmt: skip
     for mine, theirs, want in zip(*partials, reduced):  # an all-reduce's inputs add up to its result
         close(mine + theirs, want)
     ref = torch.log_softmax(scores, -1).gather(-1, targets[..., None]).squeeze(-1)
