@@ -673,7 +673,9 @@ class TrainerConfig:
 @dataclass(kw_only=True)
 class SamplingConfig:
     """How rollouts sample. With top_k / top_p the engines return log-probabilities of the truncated softmax they
-    draw from, and the trainer recomputes the actor's over the same kept tokens (``megarl.algos.sampling``)."""
+    draw from, and the trainer recomputes the actor's and the reference's over the same rule's kept tokens
+    (``megarl.algos.sampling``, vLLM's rule for ties). Training rollouts are best left untruncated (top_p 1, top_k 0):
+    a token kept alone has log-prob 0 and no policy gradient."""
 
     n: int = 1
     """Samples per prompt."""
