@@ -3,7 +3,10 @@
     MEGARL_FAULT=<point>@<step>[,<point>@<step>...]
 
 Points: ``generate`` (SIGKILL this process in the middle of that step's generation), ``save`` (SIGKILL in the middle
-of that step's checkpoint save, after the shards are written and before the manifest), ``nan_loss`` (make that step's
+of that step's checkpoint save, after the shards are written and before the manifest), ``publish`` (SIGKILL after
+the save's manifest, before its renames), ``replace`` (a step saved again: SIGKILL once the older ``iter_N`` is set
+aside, before the new one is renamed in), ``prune`` (SIGKILL with an old checkpoint renamed for deletion and not yet
+deleted), ``nan_loss`` (make that step's
 actor loss NaN). Signals, as a scheduler's preemption sends them: ``sigterm`` (SIGTERM as that step starts: during
 its generation), ``sigterm_reward`` (as the step waits for its scores, on the rollout's first rank),
 ``sigterm_update`` (as its update starts), ``sigterm_validate`` (as its validation starts, on the rollout's first
@@ -25,8 +28,8 @@ import signal
 import threading
 
 ENV = "MEGARL_FAULT"
-POINTS = ("generate", "save", "nan_loss", "sigterm", "sigterm_reward", "sigterm_update", "sigterm_validate",
-          "sigterm_save", "sigterm_ahead", "sigusr1", "reroute")  # fmt: skip
+POINTS = ("generate", "save", "publish", "replace", "prune", "nan_loss", "sigterm", "sigterm_reward",
+          "sigterm_update", "sigterm_validate", "sigterm_save", "sigterm_ahead", "sigusr1", "reroute")  # fmt: skip
 
 
 def planned() -> dict[str, int]:
@@ -47,9 +50,10 @@ def at(point: str, step: int) -> bool:
 
 
 def fire(point: str, step: int, *, after_s: float = 0.0, here=None) -> None:
-    """Kill (``generate``, ``save``) or signal (``sigterm*``, ``sigusr1``) this process if that fault is planned here;
-    ``after_s > 0`` does it from a timer thread that much later (to land inside the call that follows); ``here()``:
-    whether this is the rank to fire on (asked only when the fault is planned; default: global rank 0)."""
+    """Kill (``generate``, ``save``, the publish's points) or signal (``sigterm*``, ``sigusr1``) this process if that
+    fault is planned here; ``after_s > 0`` does it from a timer thread that much later (to land inside the call that
+    follows); ``here()``: whether this is the rank to fire on (asked only when the fault is planned; default: global
+    rank 0)."""
     if not at(point, step):
         return
     if not (here() if here is not None else int(os.environ.get("RANK", "0")) == 0):

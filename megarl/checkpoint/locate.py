@@ -21,6 +21,11 @@ ROLLOUT_BATCH = "rollout_batch.pt"
 ROLLOUT_STREAM = "rollout_stream.pt"
 """Bounded: the rollout pool's stream when the checkpoint was saved (``megarl.rl.bounded.RolloutServer``)."""
 _ITER = re.compile(r"^iter_(\d{7})$")
+_PENDING = re.compile(r"^iter_(\d{7})\.tmp$")
+REPLACED_SUFFIX = ".tmp-replaced"
+"""``iter_N`` set aside while its re-save is renamed in (``training._publish``), deleted right after."""
+DAMAGED_DIR = "damaged"
+"""Under a checkpoints root: checkpoints whose files disagree with their manifest, kept for a look (``set_aside``)."""
 
 
 @dataclass
@@ -37,24 +42,80 @@ def checkpoints_root(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINTS)
 
 
+def _complete(path: str) -> str | None:
+    """None if ``path`` has a complete manifest, else why not."""
+    try:
+        read_manifest(path)
+        return None
+    except ManifestError as e:
+        return str(e)
+
+
 def complete_iterations(root: str) -> tuple[list[tuple[int, str]], list[str]]:
-    """(step, path) of every ``iter_N`` under ``root`` whose manifest is complete, newest first, and a note per
-    ``iter_N`` passed over. ``iter_N.tmp`` directories (interrupted saves) are never candidates."""
+    """(step, path) of every checkpoint under ``root`` whose manifest is complete, newest first, and a note per
+    ``iter_N`` passed over. A complete ``iter_N.tmp`` counts where ``iter_N`` is absent: a save that a kill cut after
+    its manifest, between the renames that publish it (``finish_interrupted_saves`` completes it); other
+    ``iter_N.tmp*`` directories (interrupted saves) are never candidates."""
     found, skipped = [], []
     if not os.path.isdir(root):
         return found, skipped
-    for name in sorted(os.listdir(root), reverse=True):
-        m = _ITER.match(name)
-        if not m:
+    names = set(os.listdir(root))
+    for name in sorted(names, reverse=True):
+        m = _ITER.match(name) or _PENDING.match(name)
+        if not m or (name.endswith(".tmp") and name[: -len(".tmp")] in names):
             continue
         path = os.path.join(root, name)
-        try:
-            read_manifest(path)
-        except ManifestError as e:
-            skipped.append(str(e))
-            continue
-        found.append((int(m.group(1)), path))
+        why = _complete(path)
+        if why is None:
+            found.append((int(m.group(1)), path))
+        elif not name.endswith(".tmp"):
+            skipped.append(why)
     return found, skipped
+
+
+def finish_interrupted_saves(root: str) -> list[str]:
+    """The launch's leader, before anything reads the checkpoints: publish each complete ``iter_N.tmp`` whose
+    ``iter_N`` is absent (the kill came between its renames), restore an ``iter_N`` set aside for a re-save that never
+    arrived, and point ``latest`` at the newest complete checkpoint. The rest of ``iter_N.tmp*`` (saves cut before
+    their manifest, a finished re-save's leftovers) is left for the start-up's tidy-up. Returns what it did."""
+    if not os.path.isdir(root):
+        return []
+    done = []
+    for name in sorted(os.listdir(root)):
+        final = os.path.join(root, name.split(".", 1)[0])
+        path = os.path.join(root, name)
+        if os.path.exists(final) or not (_PENDING.match(name) or name.endswith(REPLACED_SUFFIX)):
+            continue
+        if _complete(path) is None:  # a finished save (or the one it was to replace): it becomes iter_N again
+            os.rename(path, final)
+            fsync_dir(root)
+            done.append(f"finished an interrupted save: {path} -> {os.path.basename(final)}")
+    found, _ = complete_iterations(root)
+    if done and found:
+        ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), os.path.basename(found[0][1]) + "\n")
+    return done
+
+
+def set_aside(root: str, path: str, kind: str) -> str:
+    """Move checkpoint ``path`` into ``root/<kind>/`` (``ABANDONED_DIR``, ``DAMAGED_DIR``), keeping an earlier one of
+    the same name; returns its new path."""
+    target = os.path.join(root, kind, os.path.basename(path))
+    suffix = 1
+    while os.path.exists(target):
+        target = os.path.join(root, kind, f"{os.path.basename(path)}.{suffix}")
+        suffix += 1
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(path, target)
+    return target
+
+
+def fsync_dir(path: str) -> None:
+    """Make the directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def find_resume(output_dir: str) -> Found | None:
@@ -88,16 +149,7 @@ def abandon_later(root: str, step: int) -> list[str]:
     ``root/abandoned/`` so that pruning and ``resume=auto`` follow the new branch, and point ``latest`` at
     ``iter_<step>``. (Interrupted saves, ``iter_N.tmp``, are removed as always.) Returns the moved ones' new paths."""
     later = sorted(n for n in os.listdir(root) if (m := _ITER.match(n)) and int(m.group(1)) > step)
-    moved = []
-    for name in later:
-        target = os.path.join(root, ABANDONED_DIR, name)
-        suffix = 1
-        while os.path.exists(target):  # abandoned twice: keep both
-            target = os.path.join(root, ABANDONED_DIR, f"{name}.{suffix}")
-            suffix += 1
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.rename(os.path.join(root, name), target)
-        moved.append(target)
+    moved = [set_aside(root, os.path.join(root, name), ABANDONED_DIR) for name in later]  # abandoned twice: both kept
     if moved:
         ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
     return moved

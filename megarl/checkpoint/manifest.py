@@ -111,3 +111,14 @@ def verify_manifest(root: str, *, hashes: bool = True) -> None:
         first = sorted(problems)[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ManifestError(problems[first] + more)
+
+
+def verify_file(root: str, name: str) -> None:
+    """One file of checkpoint ``root`` against its manifest's SHA-256 (single process); ManifestError if it differs
+    or is not listed."""
+    want = read_manifest(root)["files"].get(name)
+    path = os.path.join(root, name)
+    if want is None:
+        raise ManifestError(f"{path} is not listed in {os.path.join(root, MANIFEST)}")
+    if sha256(path) != want["sha256"]:
+        raise ManifestError(f"{path} does not match its SHA-256 in {MANIFEST} (the file is damaged)")

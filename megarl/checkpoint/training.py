@@ -14,8 +14,11 @@ With resource pools a pool other than the actor's writes its models (the critic,
 always the initial weights) as its own distributed checkpoint in ``iter_N/critic/``, with its ranks' RNG states;
 loading reads the critic from there when it exists, else from ``iter_N/`` (a colocated save), at any layout.
 
-A save writes ``iter_N.tmp/``, the manifest, then renames it and replaces ``latest``; a directory without a complete
-manifest is never loaded.
+A save writes ``iter_N.tmp/`` and makes every file and directory in it durable (fsync), writes the manifest, then
+publishes it with renames only: an ``iter_N`` already there (a step saved again) is renamed aside first and deleted
+after, so at every moment a complete checkpoint of the newest step is on disk under ``iter_N`` or ``iter_N.tmp``
+(``locate.finish_interrupted_saves`` completes a publish that a kill cut); then ``latest``; older checkpoints are
+pruned last. A directory without a complete manifest is never loaded.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import format as ckpt
-from megarl.checkpoint.locate import CRITIC_DIR, TRAINER_STATE, complete_iterations
+from megarl.checkpoint.locate import CRITIC_DIR, REPLACED_SUFFIX, TRAINER_STATE, complete_iterations, fsync_dir
 from megarl.checkpoint.manifest import read_manifest, verify_manifest, write_manifest
 from megarl.compat import checkpoint_writer
 from megarl.compat.cpu import megatron_mode
@@ -105,10 +108,12 @@ def _sharded_state(models, *, loading: bool, rng: bool | dict, names=("actor", "
 
 def save_training(root: str, step: int, models, trainer_state: dict, *, keep_last: int = 0, before_manifest=None,
                   finishes: bool = True, barrier=None, extra: dict | None = None,
-                  rng: dict | None = None) -> dict:  # fmt: skip
+                  rng: dict | None = None, fault=None) -> dict:  # fmt: skip
     """Collective: write ``<root>/iter_<step>`` (see the module docstring) and point ``latest`` at it; then delete
     all but the newest ``keep_last`` complete checkpoints. The root's ``megarl_checkpoint.json`` must exist.
-    ``before_manifest()`` runs between the shards and the manifest (fault injection); ``extra``: file name ->
+    ``before_manifest()`` runs between the shards and the manifest, ``fault(point)`` at the publish's points
+    ('publish': the manifest written; 'replace': an older iter_N set aside; 'prune': an old checkpoint renamed for
+    deletion) on the leader (fault injection); ``extra``: file name ->
     object, written beside the trainer state (``torch.save``; the batch in flight); ``rng``: this rank's RNG states
     to save (``rng_states()`` captured when the saved state held; default: now). Returns sizes/times.
 
@@ -140,11 +145,13 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         if before_manifest is not None:
             before_manifest()
         t_write = time.perf_counter() - t0
+        _fsync_tree(tmp, dist.get_rank(), dist.get_world_size())  # the files before the manifest that vouches for them
+        dist.barrier()
         write_manifest(tmp)
         t_hash = time.perf_counter() - t0 - t_write
         dist.barrier()
         if lead:
-            _publish(root, step, tmp, final, keep_last)
+            _publish(root, step, tmp, final, keep_last, fault or (lambda point: None))
         dist.barrier()
         size = sum(v["bytes"] for v in read_manifest(final)["files"].values())
         report = {"path": final, "bytes": size, "seconds": time.perf_counter() - t0, "hash_seconds": t_hash}
@@ -171,13 +178,44 @@ def _write_models(models, target: str, *, fresh: bool, rng: dict | None) -> None
         )
 
 
-def _publish(root: str, step: int, tmp: str, final: str, keep_last: int) -> None:
+def _fsync_tree(root: str, rank: int, world: int) -> None:
+    """This rank's share (every ``world``-th, by name) of ``root``'s files, and (rank 0) its directories, made
+    durable. A rank's own files were written through its page cache; on a shared filesystem an fsync from the node
+    that wrote a file flushes it, so each rank syncs the files it can see with the same split as the manifest's
+    hashing, after a barrier (written by then)."""
+    files, dirs = [], [root]
+    for d, subdirs, names in os.walk(root):
+        files += [os.path.join(d, n) for n in names]
+        dirs += [os.path.join(d, n) for n in subdirs]
+    for i, path in enumerate(sorted(files)):
+        if i % world == rank:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    if rank == 0:
+        for d in dirs:
+            fsync_dir(d)
+
+
+def _publish(root: str, step: int, tmp: str, final: str, keep_last: int, fault) -> None:
     """The finished ``tmp`` becomes ``final`` and ``latest``; all but the newest ``keep_last`` complete checkpoints
-    are deleted (never the one just written)."""
+    are deleted (never the one just written). Renames only, each made durable before the next step: an older
+    ``final`` (the step saved again) is renamed aside, ``tmp`` renamed in, the older one deleted."""
+    fsync_dir(tmp)  # the manifest
+    fault("publish")
+    replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):
-        shutil.rmtree(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        fsync_dir(root)
+        fault("replace")
     os.rename(tmp, final)
+    fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
+    fsync_dir(root)
     if keep_last:
         for _, old in complete_iterations(root)[0][keep_last:]:
             if os.path.abspath(old) != os.path.abspath(final):
@@ -185,6 +223,8 @@ def _publish(root: str, step: int, tmp: str, final: str, keep_last: int) -> None
                 # start removes as an interrupted save, not a half-deleted ``iter_N`` no later prune would see
                 doomed = old.rstrip("/") + ".tmp-pruned"
                 os.rename(old, doomed)
+                fsync_dir(root)
+                fault("prune")
                 shutil.rmtree(doomed, ignore_errors=True)
 
 

@@ -10,7 +10,9 @@ import dataclasses
 import glob
 import logging
 import os
+import pickle
 import shutil
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,17 @@ from megarl.backend.models import ALL_ROLES, RLModels, build_rl_models
 from megarl.backend.offload import Offloader
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.format import atomic_write
-from megarl.checkpoint.locate import ROLLOUT_BATCH, ROLLOUT_STREAM, abandon_later, checkpoints_root, read_trainer_state
+from megarl.checkpoint.locate import (
+    DAMAGED_DIR,
+    ROLLOUT_BATCH,
+    ROLLOUT_STREAM,
+    abandon_later,
+    checkpoints_root,
+    finish_interrupted_saves,
+    read_trainer_state,
+    set_aside,
+)
+from megarl.checkpoint.manifest import ManifestError, verify_file, verify_manifest
 from megarl.checkpoint.training import load_training, set_rng_states
 from megarl.compat import cpu as cpu_compat
 from megarl.compat.host_memory import keep_freed_memory
@@ -240,7 +252,11 @@ def _held(path: str, name: str, step: int, what: str) -> dict | None:
     saved = os.path.join(path, name)
     if not os.path.isfile(saved):
         return None
-    held = torch.load(saved, weights_only=False)
+    try:  # plain types and tensors
+        held = torch.load(saved, weights_only=True)
+    except pickle.UnpicklingError:  # an environment's state_dict holds other objects: unpickled only if the file
+        verify_file(path, name)  # is the one the save hashed
+        held = torch.load(saved, weights_only=False)
     if held["step"] != step:
         raise ResumeError(f"{saved} holds the {what} of step {held['step']}, not of step {step}; the checkpoint is "
                           "inconsistent: resume from another one (trainer.resume=PATH)")  # fmt: skip
@@ -264,8 +280,8 @@ def build_job(cfg: MegarlConfig, spec: ModelSpec, source: ModelSource, engine=No
     the checkpoint ``trainer.resume`` names (``resume.plan_start``). ``engine``: reuse a running rollout engine of
     the same model and layout (tests run several jobs on one engine); it is synced from this job's actor."""
     place, layout, here, builds_models = join_groups(cfg)
-    start = plan_start(cfg, spec)
-    notes = tidy_output_dir(cfg, place, start)
+    start, notes = verified_start(cfg, spec, place)
+    notes += tidy_output_dir(cfg, place, start)
     models = None
     if builds_models:
         roles = place.pool.roles if place.pooled else ALL_ROLES
@@ -341,6 +357,39 @@ def join_groups(cfg: MegarlConfig) -> tuple[Placement, ParallelLayout, ParallelL
     return place or Placement.colocated(), layout, here, layout_of is not None
 
 
+def verified_start(cfg: MegarlConfig, spec: ModelSpec, place: Placement):
+    """Collective over the launch: where the run starts (``plan_start``), with every file of that checkpoint checked
+    against its manifest first (sizes; SHA-256 with ``trainer.verify_checkpoint``, the hashing split over the actor's
+    pool). The leader first completes a publish that a kill cut (``finish_interrupted_saves``). With
+    ``trainer.resume=auto`` a damaged newest checkpoint is moved to ``checkpoints/damaged/`` and the next newest
+    verified one is taken, said in one line; a damaged checkpoint that ``trainer.resume`` names is refused. Returns
+    (the start, the notes to say)."""
+    root = checkpoints_root(cfg.trainer.output_dir)
+    notes = finish_interrupted_saves(root) if place.leader else []
+    place.barrier()
+    start = plan_start(cfg, spec)
+    while start is not None:
+        t0, error = time.perf_counter(), None
+        if place.hosts("actor"):
+            try:
+                verify_manifest(start.path, hashes=cfg.trainer.verify_checkpoint)
+            except ManifestError as e:
+                error = str(e)
+        error = place.share(error, "actor")
+        if error is None:
+            notes.append(f"verified {start.path} against its manifest in {time.perf_counter() - t0:.2f}s")
+            return start, notes
+        if cfg.trainer.resume != "auto":
+            raise ResumeError(f"trainer.resume={cfg.trainer.resume}: {error}; resume from another checkpoint")
+        damaged = start.path
+        moved = place.share(set_aside(root, damaged, DAMAGED_DIR) if place.leader else None, "actor")
+        place.barrier()
+        start = plan_start(cfg, spec)
+        instead = f"resuming from {start.path} instead" if start else "no older checkpoint: starting over"
+        notes.append(f"{damaged} is damaged ({error}): moved to {moved}; {instead}")
+    return start, notes
+
+
 def tidy_output_dir(cfg: MegarlConfig, place: Placement, start) -> list[str]:
     """Collective: before anything is written, the leader removes interrupted saves and the STOPPED mark, moves a
     rolled-back run's later checkpoints aside, and clears (``trainer.overwrite``) or sets aside a previous run that
@@ -398,11 +447,10 @@ def restore(cfg: MegarlConfig, start, models: RLModels | None, here: ParallelLay
         _check_lora(start.path, saved, cfg.actor.lora, lora_base)
     written = saved.get("layout" if trains_actor else "critic_layout")
     same_layout = written is not None and ParallelLayout(**written) == here  # a checkpoint before EP: ep = 1
-    loaded = load_training(start.path, models, verify_hashes=cfg.trainer.verify_checkpoint, restore_rng=same_layout)
+    loaded = load_training(start.path, models, verify_hashes=False, restore_rng=same_layout)  # verified_start did
     notes += [f"skipped {s}" for s in start.skipped]
     notes.append(
-        f"resuming from {start.path} (step {state.step}; verified in {loaded.verify_seconds:.2f}s, loaded in "
-        f"{loaded.seconds:.2f}s)"
+        f"resuming from {start.path} (step {state.step}; loaded in {loaded.seconds:.2f}s)"
     )
     if not same_layout:
         notes.append(

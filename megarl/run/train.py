@@ -200,6 +200,7 @@ def save(job: Job, state: TrainerState, rng: dict | None = None) -> dict:
         trainer_state,
         keep_last=job.cfg.trainer.keep_last,
         before_manifest=lambda: faults.fire("save", state.step),
+        fault=lambda point: faults.fire(point, state.step),
         finishes=job.place.hosts("actor"),
         barrier=job.place.barrier,
         extra=extra,
