@@ -64,6 +64,57 @@ def test_auto_resume_skips_a_checkpoint_without_manifest_and_says_so(tmp_path):
     assert len(found.skipped) == 1 and "iter_0000004 has no manifest.json" in found.skipped[0]
 
 
+def test_every_moment_of_a_publish_leaves_the_newest_checkpoint_findable_and_finishable(tmp_path):
+    """The states a kill can leave between a save's manifest and its cleanup (``training._publish``: the older
+    iter_N renamed aside, the new one renamed in, the older deleted): ``resume=auto`` finds step 4's checkpoint in
+    each, and ``finish_interrupted_saves`` leaves a published iter_0000004 and ``latest`` naming it; a save cut before
+    its manifest is left for the tidy-up and the older one kept."""
+    from megarl.checkpoint.locate import REPLACED_SUFFIX, finish_interrupted_saves
+
+    def state(name, *dirs):
+        root = tmp_path / name / "checkpoints"
+        _iteration(root, 2)
+        for d, complete in dirs:
+            made = _iteration(tmp_path / name / "staging" / d, 4, files={"common.pt": d.encode()}, manifest=complete)
+            made.rename(root / d)
+        return root
+
+    cases = {
+        "cut_before_the_renames": [("iter_0000004.tmp", True)],  # no older iter_4: the first save of step 4
+        "the_older_set_aside": [("iter_0000004" + REPLACED_SUFFIX, True), ("iter_0000004.tmp", True)],
+        "renamed_in": [("iter_0000004" + REPLACED_SUFFIX, True), ("iter_0000004", True)],
+        "before_the_older_is_set_aside": [("iter_0000004", True), ("iter_0000004.tmp", True)],
+    }
+    for name, dirs in cases.items():
+        root = state(name, *dirs)
+        found = find_resume(str(root.parent))
+        assert found.step == 4, (name, found)
+        finish_interrupted_saves(str(root))
+        assert (root / "iter_0000004" / MANIFEST).is_file(), name
+        assert find_resume(str(root.parent)).path == str(root / "iter_0000004"), name
+        if name in ("cut_before_the_renames", "the_older_set_aside"):  # the new save was finished
+            assert (root / "iter_0000004" / "common.pt").read_text() == "iter_0000004.tmp"
+            assert (root / "latest").read_text() == "iter_0000004\n"
+    root = state("cut_before_the_manifest", ("iter_0000004.tmp", False))
+    assert find_resume(str(root.parent)).step == 2 and finish_interrupted_saves(str(root)) == []
+
+
+def test_a_foreign_file_in_output_dir_refuses_the_set_aside_and_moves_nothing(cfg_for, tmp_path):
+    """A run that never completed a step would be set aside: with a file megarl did not write beside it (a user's
+    recipe, data, the source tree with output_dir=.) the start is refused in one line and nothing moves."""
+    cfg, spec = cfg_for()
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("")
+    (out / "my_recipe.yaml").write_text("mine")
+    before = sorted(os.listdir(out))
+    with pytest.raises(ResumeError, match=r"also files megarl did not write \(my_recipe\.yaml\): nothing was moved"):
+        plan_start(cfg, spec)
+    assert sorted(os.listdir(out)) == before and (out / "my_recipe.yaml").read_text() == "mine"
+    (out / "my_recipe.yaml").unlink()
+    assert plan_start(cfg, spec) is None  # only megarl's files: set aside by the start
+
+
 @pytest.fixture
 def cfg_for(tiny_llama_dir, tmp_path):
     def make(*overrides):

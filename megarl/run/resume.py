@@ -15,6 +15,7 @@ import time
 
 from megarl.checkpoint import format as ckpt
 from megarl.checkpoint.locate import (
+    CHECKPOINTS,
     TRAINER_STATE,
     Found,
     checkpoints_root,
@@ -60,15 +61,29 @@ def completed_steps(out: str) -> list[int]:
     return [int(r["step"]) for r in read_metrics(path) if int(r["step"]) > 0] if os.path.isfile(path) else []
 
 
+RUN_ENTRIES = (METRICS_FILE, TIMELINE_FILE, STOPPED_FILE, "reward_curve.png", "config.yaml", "placement.json",
+               "engine", "wandb", SAMPLES_DIR, CHECKPOINTS)  # fmt: skip
+"""What a run writes in ``output_dir`` (beside the SLURM log folder, set-aside folders and ``.megarl-*`` files)."""
+
+
+def _kept_in_place(name: str) -> bool:
+    return name == SLURM_LOG_DIR or name.startswith((SET_ASIDE_PREFIX, ".megarl-"))
+
+
+def foreign_entries(out: str) -> list[str]:
+    """The names in ``out`` that no megarl run wrote (sorted)."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return sorted(n for n in names if n not in RUN_ENTRIES and not _kept_in_place(n))
+
+
 def set_aside_previous_run(out: str) -> str:
-    """Move everything ``out`` holds (but the SLURM log folder and earlier set-aside folders) into a new
-    ``set-aside-<UTC time>`` folder in it; returns that folder."""
+    """Move the run's own files in ``out`` (``RUN_ENTRIES``) into a new ``set-aside-<UTC time>`` folder in it;
+    returns that folder. Nothing else is touched (``plan_start`` refuses an ``out`` that holds anything else)."""
     aside = os.path.join(out, SET_ASIDE_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     os.makedirs(aside)
     for name in os.listdir(out):
-        path = os.path.join(out, name)
-        if name != SLURM_LOG_DIR and not name.startswith(SET_ASIDE_PREFIX) and not name.startswith(".megarl-"):
-            shutil.move(path, os.path.join(aside, name))
+        if name in RUN_ENTRIES:
+            shutil.move(os.path.join(out, name), os.path.join(aside, name))
     return aside
 
 
@@ -125,6 +140,14 @@ def plan_start(cfg: MegarlConfig, spec: ModelSpec) -> Found | None:
                 raise RunComplete(
                     f"trainer.output_dir={out} holds a run that completed its step {max(steps)} = trainer.total_steps: "
                     "the run is complete, nothing to do"
+                )
+            foreign = foreign_entries(out) if holds_previous_run(out) and not steps else []
+            if foreign:  # the run that never completed a step would be set aside: only megarl's own files move
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise ResumeError(
+                    f"trainer.output_dir={out} holds a run that never completed a step, to be set aside, and also "
+                    f"files megarl did not write ({shown}): nothing was moved; move them out of it or choose another "
+                    "trainer.output_dir"
                 )
             if holds_previous_run(out) and steps:  # a run that never completed a step starts over (set aside)
                 _, skipped = complete_iterations(checkpoints_root(out))
