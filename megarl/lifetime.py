@@ -53,6 +53,8 @@ POLL_S = 0.2
 EXIT_GRACE_S = 2.0
 """After a clean end, how long the run's last processes get to exit on their own before they are killed."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+"""The signals torchrun's agent handles (it kills its ranks on them): not SIGTERM, which stops the ranks."""
 
 _PR_SET_PDEATHSIG = 1
 _process = {"lease": None, "rank_file": None, "forks_die": False, "fork_hook": False, "held": set()}
@@ -425,17 +427,20 @@ def _running(p: psutil.Process) -> bool:
 def supervise(cmd: list[str], *, env: dict[str, str] | None = None, label: str = "launcher", say=None) -> int:
     """Run ``cmd`` (torchrun: its agent, whose children are the ranks) as one node's share of a run; its exit
     status. SIGTERM/SIGUSR1 to this process go to the ranks (a graceful stop at the next step boundary), never to
-    the agent: it dies of SIGUSR1 and on SIGTERM gives its workers a short grace period, too short for a save. The
-    agent starts with SIGUSR1 ignored (SIG_IGN survives exec; torchrun installs no handler for it), so a signal to the
-    whole process group or job step (srun) does not kill it; the ranks install their own handler. ``label`` names
-    this process in what it says."""
+    the agent: it dies of SIGUSR1 and on SIGTERM kills its workers after ``--shutdown-timeout`` (30 s), too short for
+    a save and whatever ``trainer.stop_grace_s`` says. The agent starts with both ignored (SIG_IGN survives exec) and
+    told not to handle SIGTERM (``PET_SIGNALS_TO_HANDLE``: SIGINT, SIGHUP, SIGQUIT still end it), so a signal to the
+    whole process group or job step (``scancel``, a preemption, srun) leaves it running while its ranks, which
+    install their own handlers first of all, stop and save. ``label`` names this process in what it says."""
     say = say or _say
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     with Supervisor(say=say) as sup:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         # torchrun's per-run log directory (else a new /tmp/torchelastic_* per run, never removed) is the run's
         logs = os.path.join(SHM_DIR, f"{shm_prefix(sup.run)}-torchelastic")
-        env = {"OMP_NUM_THREADS": "1", "PET_LOG_DIR": logs, **(os.environ if env is None else env)}
+        env = {"OMP_NUM_THREADS": "1", "PET_LOG_DIR": logs, "PET_SIGNALS_TO_HANDLE": AGENT_SIGNALS,
+               **(os.environ if env is None else env)}  # fmt: skip
         agent = sup.popen(cmd, env=env)
 
         def forward(signum, frame):

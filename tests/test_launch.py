@@ -1,7 +1,9 @@
 """Multi-node launchers. `megarl launch torchrun`: the command of each node and the refusals (pure). `megarl launch
 slurm`: the sbatch script's content (pure), then the script itself on a real SLURM cluster brought up on this machine
 (slurmctld + 2 slurmd, tests/slurm/bringup.sh): 2 nodes x 1 CPU rank train GRPO on a tiny model, get SIGUSR1 from
-`scancel --signal=USR1 --batch` mid-run, save, write STOPPED, requeue themselves, resume and finish."""
+`scancel --signal=USR1 --batch` (the time limit's warning) or SIGTERM to every process of its steps at once from
+`scancel --signal=TERM` mid-run, save, write STOPPED, requeue themselves, resume and finish with the metrics of the
+same run never stopped."""
 
 import json
 import os
@@ -300,20 +302,43 @@ def _until(what: str, check, timeout_s: float, log_dir, job_id: str, env: dict):
     pytest.fail(f"SLURM job {job_id}: no {what} after {timeout_s:.0f} s ({_job(job_id, env)})\n{_logs(log_dir)}")
 
 
+def _run_overrides(tiny_llama_dir, out_dir) -> list[str]:
+    return [f"model.path={tiny_llama_dir}", f"trainer.output_dir={out_dir}", "actor.parallel.tp=1",
+            "actor.parallel.dp=2", "rollout.backend=hf", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
+            "logging.wandb.mode=disabled", "logging.progress_bar=false", "data.train_batch_size=2",
+            "actor.global_batch_size=16", "rollout.sampling.max_new_tokens=4"]  # fmt: skip
+
+
+STOPS = {"USR1": ["--signal=USR1", "--batch"], "TERM": ["--signal=TERM"]}
+"""How each job is stopped: SIGUSR1 to the batch shell (as ``--signal=B:USR1@lead`` before the time limit), or
+SIGTERM to every process of the job's steps at once (the node launchers, torchrun's agents and the ranks on every
+node; not the batch shell and srun, whose SIGTERM would make srun SIGKILL the step: docs/launch.md)."""
+
+
 @pytest.fixture(scope="module")
-def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
-    """Submit the generated script (2 nodes x 1 CPU rank), SIGUSR1 its batch shell once step 1 is logged, wait for
-    the requeue, start the requeued job at once (SLURM would hold it a minute) and wait for its end."""
-    env, t0 = slurm_cluster, time.time()
-    out_dir = tmp_path_factory.mktemp("slurm") / "run"
+def uninterrupted(tiny_llama_dir, tmp_path_factory):
+    """The same run on this machine (2 local ranks), never stopped: its metrics."""
+    out_dir = tmp_path_factory.mktemp("slurm-reference") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGARL_FAULT", None)
+    cmd = [sys.executable, "-m", "megarl.cli", "train", RECIPE, *_run_overrides(tiny_llama_dir, out_dir)]
+    run = subprocess.run(cmd,
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", params=list(STOPS))
+def preempted_job(request, slurm_cluster, tiny_llama_dir, tmp_path_factory):
+    """Submit the generated script (2 nodes x 1 CPU rank), stop it (``STOPS``) once step 1 is logged, wait for the
+    requeue, start the requeued job at once (SLURM would hold it a minute) and wait for its end."""
+    env, t0, stop = slurm_cluster, time.time(), request.param
+    out_dir = tmp_path_factory.mktemp(f"slurm-{stop}") / "run"
     log_dir = out_dir / "slurm"
     submit = subprocess.run(
         [sys.executable, "-m", "megarl.cli", "launch", "slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "1",
-         "--cpu", "--rdzv-port", str(_free_port()), "--submit", f"model.path={tiny_llama_dir}",
-         f"trainer.output_dir={out_dir}", "actor.parallel.tp=1", "actor.parallel.dp=2", "rollout.backend=hf",
-         f"trainer.total_steps={STEPS}", "trainer.val_every=0", "logging.wandb.mode=disabled",
-         "logging.progress_bar=false", "data.train_batch_size=2", "actor.global_batch_size=16",
-         "rollout.sampling.max_new_tokens=4", "--env", f"MEGARL_TEST_SECRET={SECRET}"],
+         "--cpu", "--rdzv-port", str(_free_port()), "--submit", *_run_overrides(tiny_llama_dir, out_dir),
+         "--env", f"MEGARL_TEST_SECRET={SECRET}"],
         env=env, capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert submit.returncode == 0 and submit.stdout.strip().isdigit(), submit.stderr
@@ -321,7 +346,7 @@ def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
     try:
         metrics = out_dir / "metrics.jsonl"
         _until("step 1", lambda: metrics.exists() and metrics.read_text().strip(), 150, log_dir, job_id, env)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+        subprocess.run(["scancel", *STOPS[stop], job_id], env=env, check=True)
         requeued = lambda: (job := _job(job_id, env)).get("Restarts") == "1" and job.get("JobState") != "COMPLETING"  # noqa: E731
         _until("requeue", requeued, 90, log_dir, job_id, env)  # Restarts counts up while the job is still COMPLETING
         stopped = out_dir / "STOPPED"
@@ -337,26 +362,36 @@ def preempted_job(slurm_cluster, tiny_llama_dir, tmp_path_factory):
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
         _until("end", lambda: _job(job_id, env).get("JobState") in ENDED, 150, log_dir, job_id, env)
-        print(f"[test_launch] SLURM preemption + requeue + resume: {time.time() - t0:.1f} s")
-        return {"out": out_dir, "logs": log_dir, "job_id": job_id, "at_requeue": at_requeue, "end": _job(job_id, env)}
+        print(f"[test_launch] SLURM SIG{stop} + requeue + resume: {time.time() - t0:.1f} s")
+        return {"out": out_dir, "logs": log_dir, "job_id": job_id, "at_requeue": at_requeue, "end": _job(job_id, env),
+                "stop": stop}  # fmt: skip
     finally:
         subprocess.run(["scancel", job_id], env=env, capture_output=True)
 
 
-def test_slurm_job_stops_on_usr1_saves_and_requeues(preempted_job):
-    at = preempted_job["at_requeue"]
+def test_slurm_job_stops_on_usr1_or_term_saves_and_requeues(preempted_job):
+    """The ranks stop and save whichever signal reaches them first (SIGTERM directly, or the batch shell's SIGUSR1
+    through srun); torchrun's agent, which would kill them 30 s after a SIGTERM, ignores it."""
+    at, stop = preempted_job["at_requeue"], preempted_job["stop"]
     logs = _logs(preempted_job["logs"])
-    assert at["stopped"] and re.match(r"step \d+: stopped by SIGUSR1 ", at["stopped"]), logs
+    got = "SIGUSR1" if stop == "USR1" else "(SIGTERM|SIGUSR1)"
+    assert at["stopped"] and re.match(rf"step \d+: stopped by {got} ", at["stopped"]), logs
+    signal_name = at["stopped"].split("stopped by ")[1].split()[0]
     stop_step = int(at["stopped"].split()[1].rstrip(":"))
     assert 1 <= stop_step < STEPS and at["metrics_steps"] == list(range(1, stop_step + 1))
     assert at["checkpoints"] == [f"iter_{stop_step:07d}"]
     assert (preempted_job["out"] / "checkpoints" / f"iter_{stop_step:07d}" / "manifest.json").exists()
     assert at["job"]["JobState"] == "PENDING" and at["job"]["Restarts"] == "1"
-    assert "SIGUSR1: stopping the ranks (a rollout in progress is cut, an update finishes), then a save" in logs
+    if stop == "USR1":  # to the batch shell, which passes it on through srun
+        assert "SIGUSR1: stopping the ranks (a rollout in progress is cut, an update finishes), then a save" in logs
+    else:  # to every process of the step: each node's launcher passes it on to its rank, the agent ignores it
+        assert all(re.search(rf"\[megarl\] node {n} \(.*\): SIGTERM -> the 1 rank", logs) for n in (0, 1)), logs
     assert f"requeueing job {preempted_job['job_id']} to resume" in logs
-    after = f"stopped by SIGUSR1 after step {stop_step}; saved"  # it landed in an update
-    cut = rf"stopped by SIGUSR1 during step {stop_step + 1}'s rollout: it is dropped; (saved|its checkpoint holds) step"
+    after = f"stopped by {signal_name} after step {stop_step}; saved"  # it landed in an update
+    cut = (rf"stopped by {signal_name} during step {stop_step + 1}'s rollout: it is dropped; (saved|its checkpoint "
+           "holds) step")  # fmt: skip
     assert after in logs or re.search(cut, logs), logs
+    assert "SignalException" not in logs and "closing signal" not in logs  # the agent did not touch its ranks
 
 
 def test_requeued_slurm_job_resumes_and_finishes(preempted_job):
@@ -369,6 +404,16 @@ def test_requeued_slurm_job_resumes_and_finishes(preempted_job):
     assert steps == list(range(1, STEPS + 1))  # continued, never duplicated
     assert not (out / "STOPPED").exists()
     assert "(restart 1) on n[1-2]" in logs and "ranks exited with status 0" in logs
+
+
+def test_the_resumed_slurm_job_equals_the_run_never_stopped(preempted_job, uninterrupted):
+    """Every algorithmic metric of every step, equal floats (the stop's step is regenerated or continued exactly)."""
+    rows = [json.loads(line) for line in (preempted_job["out"] / "metrics.jsonl").read_text().splitlines()]
+    timing = ("timing/", "perf/", "memory/", "sync/seconds", "rollout/tokens_per_s", "pool/")
+    algorithmic = lambda row: {k: v for k, v in row.items() if not k.startswith(timing)}  # noqa: E731
+    assert len(rows) == len(uninterrupted) == STEPS
+    for mine, ref in zip(rows, uninterrupted):
+        assert algorithmic(mine) == algorithmic(ref), f"step {ref['step']}"
 
 
 def test_slurm_job_writes_one_log_per_node(preempted_job):

@@ -215,15 +215,17 @@ def _run_of(p):
         return False
 
 
-def test_a_stop_signal_reaches_the_ranks_and_spares_the_agent(tmp_path):
-    """SIGUSR1 to the supervisor and to the agent itself (srun delivers it to every process of a step): the rank
-    stops gracefully (and finishes cleanly: no death reported), the agent lives on to report its exit status."""
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_stop_signal_reaches_the_ranks_and_spares_the_agent(tmp_path, sig):
+    """SIGUSR1 or SIGTERM to the supervisor and to the agent itself (srun, scancel and a preemption deliver it to
+    every process of a step): the rank stops gracefully (and finishes cleanly: no death reported), the agent lives on
+    to report its exit status (torchrun's would kill its ranks 30 s after a SIGTERM, whatever their save needs)."""
     rank = f"""
 import signal, sys, time
 from megarl import lifetime
 lifetime.start_rank(0)
 stop = []
-signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+signal.signal({int(sig)}, lambda *a: stop.append(1))
 open({str(tmp_path / "ready")!r}, "w").close()
 while not stop:
     time.sleep(0.02)
@@ -233,13 +235,13 @@ lifetime.finish_rank()
     agent = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {rank!r}]))"
 
     def signal_when_ready(signum, frame):
-        for child in psutil.Process().children():  # the agent only (it starts with SIGUSR1 ignored), not pytest's
+        for child in psutil.Process().children():  # the agent only (it starts with both ignored), not pytest's
             try:  # own helpers (one may be an unreaped zombie: no command line to read)
                 if agent in child.cmdline():
-                    child.send_signal(signal.SIGUSR1)
+                    child.send_signal(sig)
             except psutil.Error:
                 continue
-        os.kill(os.getpid(), signal.SIGUSR1)  # the supervisor forwards it to the rank
+        os.kill(os.getpid(), sig)  # the supervisor forwards it to the rank
 
     said = []
     previous = signal.signal(signal.SIGALRM, signal_when_ready)
@@ -255,8 +257,8 @@ lifetime.finish_rank()
         signal.signal(signal.SIGALRM, previous)
         watcher.wait()
     assert rc == 0 and (tmp_path / "stopped").exists(), said
-    assert any("SIGUSR1 -> the 1 rank(s) of torchrun" in s for s in said) and not any("died" in s for s in said)
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the supervisor's handlers are undone
+    assert any(f"{sig.name} -> the 1 rank(s) of torchrun" in s for s in said) and not any("died" in s for s in said)
+    assert signal.getsignal(sig) is signal.SIG_DFL  # the supervisor's handlers are undone
 
 
 def _timeout_worker():
