@@ -96,3 +96,16 @@ def slow_graded(prompts, responses, ground_truths, extras):
     _mark("start")
     time.sleep(float(os.environ.get("MEGARL_TEST_SLOW_S", "0")))
     return graded(prompts, responses, ground_truths, extras)
+
+
+def reads_credentials(prompts, responses, ground_truths, extras):
+    """1.0 where the worker sees $MEGARL_TEST_API_KEY, 0.5 where it does not; a bad sample also needs
+    $MEGARL_TEST_PLAIN (an ordinary variable, which every worker gets)."""
+    seen = 1.0 if "MEGARL_TEST_API_KEY" in os.environ else 0.5
+    return [seen if os.environ.get("MEGARL_TEST_PLAIN") == "x" else 0.0 for _ in prompts]
+
+
+def allocates(prompts, responses, ground_truths, extras):
+    """A bad sample allocates 3 GiB (past a reward.max_memory_gb of 1: MemoryError), the others 64 MiB."""
+    blob = bytearray((3 << 30) if _misbehaves(prompts) else (64 << 20))
+    return [1.0 + 0 * len(blob)] * len(prompts)

@@ -447,14 +447,17 @@ def test_pools_size_the_launch_and_keep_each_pools_tp_groups_in_a_node(tiny_llam
 
 
 def test_slurm_signal_lead_comes_from_the_plan(capsys, tmp_path):
-    """No --signal-secs: the lead is max(300, the planned update + sync + trainer.stop_grace_s + save) on these
-    nodes, printed with its derivation; a slow checkpoint filesystem lengthens it."""
+    """No --signal-secs: the lead is max(300, the planned update + sync + trainer.stop_grace_s + save + the
+    manifest's hashing pass over what was written) on these nodes, printed with its derivation; a slow checkpoint
+    filesystem lengthens it. 70B PPO on 8 x 8: 241 GB per node written at 2 GB/s (120.5 s) and read back for the
+    hashes at 2 GB/s (8 ranks x 1 GB/s of SHA-256 would be faster): 90.4 + 0.63 + 25 + 120.5 + 120.5 -> 357 s."""
     recipe = "configs/llama2_70b_ppo_tp4pp8dp2.yaml"
     rc, out, err = _launch(capsys, "slurm", recipe, "--nodes", "8", "--gpus-per-node", "8", "--output", str(tmp_path))
     assert rc == 0, err
     line = next(line for line in err.splitlines() if "SIGUSR1 lead" in line)
-    assert "300 s = max(300, an update in progress" in line and "trainer.stop_grace_s 25 + save" in line, line
-    assert "#SBATCH --signal=B:USR1@300" in out
+    assert "357 s = max(300, an update in progress 90.4 + sync 0.63" in line, line
+    assert "trainer.stop_grace_s 25 + save 120.5 + manifest hashing 120.5 s" in line, line
+    assert "#SBATCH --signal=B:USR1@357" in out
     rc, out, err = _launch(capsys, "slurm", recipe, "--nodes", "8", "--gpus-per-node", "8", "--fs-gb-s", "0.5",
                            "--output", str(tmp_path))  # fmt: skip
     line = next(line for line in err.splitlines() if "SIGUSR1 lead" in line)

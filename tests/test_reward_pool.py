@@ -79,6 +79,32 @@ def test_workers_give_what_the_trainer_s_process_gives():
     assert score_batch(misbehaving_rewards.graded, PROMPTS, RESPONSES, [None] * 20, [{}] * 20) == expected
 
 
+def test_workers_get_no_credentials_but_those_passed_and_a_memory_limit(monkeypatch):
+    """Credential-looking variables (W&B's, HF's, cloud keys) never reach a worker unless ``reward.pass_env`` names
+    them; ordinary ones do. ``reward.max_memory_gb``: a call that allocates past it fails alone (MemoryError), the
+    others score."""
+    from megarl.rewards.worker_pool import CREDENTIAL_NAME, WorkerLimits
+
+    assert all(CREDENTIAL_NAME.search(k) for k in ("WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY",
+                                                    "GITHUB_TOKEN", "DB_PASSWORD", "OPENAI_API_KEY", "SSH_KEY"))
+    assert not any(CREDENTIAL_NAME.search(k) for k in ("PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS", "KEYBOARD"))
+    monkeypatch.setenv("MEGARL_TEST_API_KEY", "secret")
+    monkeypatch.setenv("MEGARL_TEST_PLAIN", "x")
+    with RewardPool(f"{FILE}:reads_credentials", num_workers=1, timeout_s=30) as pool:
+        assert set(_score(pool, 4).scores) == {0.5}
+    limits = WorkerLimits(pass_env=("MEGARL_TEST_API_KEY",))
+    with RewardPool(f"{FILE}:reads_credentials", num_workers=1, timeout_s=30, limits=limits) as pool:
+        assert set(_score(pool, 4).scores) == {1.0}
+    with RewardPool(f"{FILE}:allocates", num_workers=2, timeout_s=30, limits=WorkerLimits(max_memory_gb=1)) as pool:
+        result = _score(pool)
+        assert result.scores == [0.0 if i in BAD else 1.0 for i in range(20)]
+        assert result.errors == 2 and "MemoryError" in result.first_error, result.first_error
+    cfg = load_config(None, ["model.path=x", "reward.pass_env=[HF_TOKEN]", "reward.max_memory_gb=2",
+                             "env.max_memory_gb=3"])  # fmt: skip
+    assert WorkerLimits.of(cfg.reward) == WorkerLimits(("HF_TOKEN",), 2.0)
+    assert WorkerLimits.of(cfg.env).max_memory_gb == 3.0
+
+
 def test_groups_submitted_as_they_finish_are_scored_while_the_caller_goes_on(tmp_path, monkeypatch):
     """``submit`` (one prompt group of 4 samples at a time, as the engine finishes them) returns at once while the
     workers score (a call has started before ``finish`` is called); ``finish`` gives each group's result, and the

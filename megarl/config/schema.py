@@ -538,6 +538,13 @@ class RewardConfig:
     stop_on_error_fraction: float | None = 1.0
     """Stop the run (non-zero exit, the first failure printed) when at least this fraction of a step's samples failed
     to score (raised, timed out, returned a bad value); null: never stop, train on the others."""
+    pass_env: list[str] = field(default_factory=list)
+    """Environment variables that reach a user reward's worker processes although their names look like
+    credentials (``TOKEN``, ``SECRET``, ``PASSWORD``, ``API_KEY``, ``_KEY`` ...: W&B's, Hugging Face's, cloud keys),
+    which workers otherwise never get; the rest of the environment reaches them."""
+    max_memory_gb: float | None = None
+    """Address space of each reward worker process in GB (RLIMIT_AS: an allocation past it raises MemoryError in
+    that call, which fails like a raised one); null: unlimited."""
     model: RewardModelConfig | None = None
     """A trained reward model (absent: none)."""
     combine: dict[str, float] = field(default_factory=dict)
@@ -553,6 +560,7 @@ class RewardConfig:
             _require(math.isfinite(float(w)), "combine", f"the {part}'s weight must be finite, got {w}")
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(self.max_memory_gb is None or self.max_memory_gb > 0, "max_memory_gb", "must be > 0 (null: none)")
         step = self.step_timeout_s
         if step is not None:
             _require(step >= self.timeout_s, "step_timeout_s",
@@ -910,6 +918,10 @@ class EnvConfig:
     num_workers: int | None = None
     """Worker processes per rank running environments and tools (isolated like user rewards). null: the rank's share
     of the node's cores (1 to 8); 0: in the trainer's process (for a debugger: no timeout, no isolation)."""
+    pass_env: list[str] = field(default_factory=list)
+    """As ``reward.pass_env``, for the environments' and tools' worker processes."""
+    max_memory_gb: float | None = None
+    """As ``reward.max_memory_gb``, for the environments' and tools' worker processes."""
     per_turn_credit: bool = False
     """Put each turn's environment reward at that turn's last model token (else the episode's whole reward goes at
     its last model token: outcome reward)."""
@@ -920,6 +932,7 @@ class EnvConfig:
         _require(self.max_total_tokens >= 2, "max_total_tokens", f"must be >= 2, got {self.max_total_tokens}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         _require(self.num_workers is None or self.num_workers >= 0, "num_workers", "must be >= 0 (0 = in-process)")
+        _require(self.max_memory_gb is None or self.max_memory_gb > 0, "max_memory_gb", "must be > 0 (null: none)")
         _require(not self.tools or self.class_ == "builtin:tools", "tools",
                  f"tools are called by env.class=builtin:tools (env.class is {self.class_!r})")  # fmt: skip
         _require(self.class_ != "builtin:tools" or bool(self.tools), "tools",

@@ -8,7 +8,7 @@ import dataclasses
 from megarl.env.calls import env_calls
 from megarl.rewards.registry import RewardLoadError
 from megarl.rewards.results import Failure
-from megarl.rewards.worker_pool import RewardPool, default_num_workers
+from megarl.rewards.worker_pool import RewardPool, WorkerLimits, default_num_workers
 
 CALLS = "megarl.env.preload:env_calls"
 """What the environments' worker processes run (``env_calls``, the tools' imports done as they start)."""
@@ -34,7 +34,8 @@ class Environments:
         self._answered: list[tuple] = []
         """In-process calls' answers not yet taken (``done``)."""
         if workers:
-            self.pool = RewardPool(CALLS, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s, kind="calls")
+            self.pool = RewardPool(CALLS, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s, kind="calls",
+                                   limits=WorkerLimits.of(cfg))  # fmt: skip
 
     def describe(self) -> str:
         where = f"{len(self.pool.workers)} worker process(es) per rank" if self.pool else "the trainer's process"

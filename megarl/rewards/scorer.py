@@ -10,7 +10,7 @@ from __future__ import annotations
 from megarl.config.schema import RewardConfig
 from megarl.rewards.registry import BUILTIN_REWARDS, load_reward_fn
 from megarl.rewards.results import RewardFailure, ScoreResult, score_batch
-from megarl.rewards.worker_pool import RewardPool, default_num_workers
+from megarl.rewards.worker_pool import RewardPool, WorkerLimits, default_num_workers
 
 
 class _ScoredWhenSubmitted:
@@ -82,7 +82,8 @@ def open_rewards(cfg: RewardConfig, *, budget_s: float | None = None) -> InProce
     if not in_workers(cfg):
         return InProcess(cfg.function)
     workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
-    return RewardPool(cfg.function, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s)
+    return RewardPool(cfg.function, num_workers=workers, timeout_s=cfg.timeout_s, budget_s=budget_s,
+                      limits=WorkerLimits.of(cfg))
 
 
 def check_loads(cfg: RewardConfig) -> None:
@@ -91,7 +92,7 @@ def check_loads(cfg: RewardConfig) -> None:
     if not cfg.function:
         return
     if in_workers(cfg):
-        RewardPool(cfg.function, num_workers=1, timeout_s=cfg.timeout_s).close()
+        RewardPool(cfg.function, num_workers=1, timeout_s=cfg.timeout_s, limits=WorkerLimits.of(cfg)).close()
     else:
         load_reward_fn(cfg.function)
 

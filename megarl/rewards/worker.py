@@ -1,6 +1,6 @@
 """One reward worker process, started by ``megarl.rewards.worker_pool.RewardPool``:
 
-    python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID [KIND]
+    python -m megarl.rewards.worker SPEC FD LIFELINE PARENT_PID [KIND [MAX_BYTES]]
 
 It dies with its parent (the rank), ignores the stop signals (the rank decides when the run stops: a SLURM
 preemption signals every process of the job; a no-op handler, so that what the reward starts gets the default
@@ -10,11 +10,13 @@ handling back), forks a watchdog that kills this process group when the rank's e
 ``calls``: any argument lists, the values as they are) or
 ``("raised", failure, fatal)`` until the socket closes. ``fatal``: the call raised something that is not an
 ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the pool replaces this process. The user's prints go to the
-rank's stdout and stderr; the protocol has its own socket."""
+rank's stdout and stderr; the protocol has its own socket. ``MAX_BYTES`` > 0 limits its address space (RLIMIT_AS,
+set before the function loads): an allocation past it raises MemoryError in that call."""
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -56,6 +58,8 @@ def start_watchdog(lifeline: int, others: list[int]) -> None:
 def main(argv: list[str]) -> int:
     spec, fd, lifeline, parent = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     kind = argv[4] if len(argv) > 4 else "reward"
+    if len(argv) > 5 and int(argv[5]) > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (int(argv[5]), int(argv[5])))
     die_with_parent(parent)
     for s in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(s, _ignore)

@@ -18,6 +18,7 @@ created it (the rank's main thread: a worker dies with the thread that started i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 import megarl
@@ -45,8 +47,13 @@ def default_num_workers() -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cores // max(1, ranks_here)))
 
 
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
+CREDENTIAL_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|_KEY$", re.IGNORECASE)
+"""Environment variable names that look like credentials (W&B's, Hugging Face's, cloud keys): kept from workers."""
+
+
+def _worker_env(pass_env: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment without the credential-looking variables (but ``pass_env``'s)."""
+    env = {k: v for k, v in os.environ.items() if k in pass_env or not CREDENTIAL_NAME.search(k)}
     env.pop("MEGARL_CPU_SHIM", None)  # a reward needs none of megatron's CPU patches (nor torch at start-up)
     root = os.path.dirname(os.path.dirname(os.path.abspath(megarl.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -69,18 +76,34 @@ class _Task:
         self.deadline = 0.0
 
 
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What a worker process may use (``reward.*`` / ``env.*`` of the same names)."""
+
+    pass_env: tuple[str, ...] = ()
+    """Credential-looking environment variables (``CREDENTIAL_NAME``) that still reach the worker."""
+    max_memory_gb: float | None = None
+    """Its address space in GB (RLIMIT_AS: an allocation past it raises MemoryError in the call); None: unlimited."""
+
+    @classmethod
+    def of(cls, cfg) -> WorkerLimits:
+        """From ``reward.*`` or ``env.*`` (their ``pass_env`` and ``max_memory_gb``)."""
+        return cls(tuple(cfg.pass_env), cfg.max_memory_gb)
+
+
 class _Worker:
     """One worker process and the socket to it (started from the rank's main thread)."""
 
-    def __init__(self, spec: str, kind: str):
+    def __init__(self, spec: str, kind: str, limits: WorkerLimits):
         mine, theirs = socket.socketpair()
         lifeline, self.lifeline = os.pipe()  # the worker's watchdog reads; only this process (and its forks) writes
         try:
+            memory = int(limits.max_memory_gb * 2**30) if limits.max_memory_gb else 0
             cmd = [sys.executable, "-m", "megarl.rewards.worker", spec, str(theirs.fileno()), str(lifeline),
-                   str(os.getpid()), kind]  # fmt: skip
+                   str(os.getpid()), kind, str(memory)]  # fmt: skip
             self.proc = subprocess.Popen(
-                cmd, pass_fds=(theirs.fileno(), lifeline), stdin=subprocess.DEVNULL, env=_worker_env(),
-                process_group=0,
+                cmd, pass_fds=(theirs.fileno(), lifeline), stdin=subprocess.DEVNULL,
+                env=_worker_env(limits.pass_env), process_group=0,
             )  # fmt: skip
         except BaseException:
             os.close(self.lifeline)
@@ -117,10 +140,10 @@ class RewardPool:
     them). Raises RewardLoadError when the function does not load in a worker."""
 
     def __init__(self, spec: str, *, num_workers: int, timeout_s: float, budget_s: float | None = None,
-                 kind: str = "reward"):  # fmt: skip
+                 kind: str = "reward", limits: WorkerLimits = WorkerLimits()):  # fmt: skip
         if num_workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {num_workers}")
-        self.spec, self.timeout_s, self.budget_s, self.kind = spec, timeout_s, budget_s, kind
+        self.spec, self.timeout_s, self.budget_s, self.kind, self.limits = spec, timeout_s, budget_s, kind, limits
         """``kind``: 'reward' (``spec`` scores samples: ``ScoreResult``s) or 'calls' (``spec`` is any batch function
         ``fn(*lists) -> list``: each part's values, a failed call's as its ``Failure``; ``megarl.env``)."""
         self.timeout_key = "reward.timeout_s" if kind == "reward" else "env.timeout_s"
@@ -136,7 +159,7 @@ class RewardPool:
         self.workers: list[_Worker] = []
         try:
             for _ in range(num_workers):
-                self.workers.append(_Worker(spec, kind))
+                self.workers.append(_Worker(spec, kind, limits))
             while not all(w.ready for w in self.workers):
                 self._wait([w for w in self.workers if not w.ready], time.monotonic() + START_TIMEOUT_S, None)
         except BaseException:
@@ -311,7 +334,7 @@ class RewardPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.spec, self.kind)
+        self.workers[self.workers.index(w)] = _Worker(self.spec, self.kind, self.limits)
         self.restarts += 1
 
     def _late(self) -> Failure:
