@@ -95,17 +95,39 @@ def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def _picked(logp_NV: torch.Tensor, scores_NV: torch.Tensor) -> torch.Tensor:
+    """[N] the log-probabilities of the tokens HF's greedy search picks from ``scores`` (their argmax)."""
+    return logp_NV.gather(-1, scores_NV.argmax(-1, keepdim=True)).squeeze(-1)
+
+
 class SeededSampling:
     """A logits processor for HF's greedy search that makes it sample: row r's scores become
-    truncate(logits / T) + Gumbel noise keyed by ``keys[r]`` (its sample's seed) and the step."""
+    truncate(logits / T) + Gumbel noise keyed by ``keys[r]`` (its sample's seed) and the step. ``logprobs``: per
+    step, [rows] log p of the token drawn under the softmax it was drawn from (one value per row, not the
+    vocabulary's: HF keeps no logits)."""
 
     def __init__(self, keys: torch.Tensor, prompt_width: int, sampling: SamplingConfig):
         self.keys, self.width, self.sampling = keys, prompt_width, sampling
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         s = self.sampling
         z = truncate(scores.float() / s.temperature, s.top_k, s.top_p)
-        return z + gumbel_noise(self.keys, input_ids.shape[1] - self.width, z.shape[-1])
+        perturbed = z + gumbel_noise(self.keys, input_ids.shape[1] - self.width, z.shape[-1])
+        self.logprobs.append(_picked(torch.log_softmax(z, -1), perturbed))
+        return perturbed
+
+
+class GreedyLogprobs:
+    """Greedy decoding (HF's own argmax of the logits): per step, [rows] log p of the picked token under the raw
+    softmax (greedy drew from no distribution of its own)."""
+
+    def __init__(self):
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.logprobs.append(_picked(torch.log_softmax(scores.float(), -1), scores))
+        return scores
 
 
 class _Stopping:
@@ -186,15 +208,6 @@ class HFEngine:
     def wake(self) -> None:
         pass
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-        """log-probabilities of the distribution a token was drawn from: softmax over the top-k / top-p kept scores
-        of logits / T (vLLM's ``processed_logprobs``); -inf outside."""
-        if sampling.greedy:  # the raw softmax's: greedy drew from no distribution of its own
-            return torch.log_softmax(logits.float(), -1)
-        z = truncate(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
-        return torch.log_softmax(z, -1)
-
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], prompt_indices: list[int], seeds: list[int], sampling: SamplingConfig,
@@ -216,12 +229,12 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
         keys = _mix(torch.tensor([seed + j for seed in seeds for j in range(n)], device=self.device))
         config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=stops,
-                                  pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        sampler = [] if sampling.greedy else [SeededSampling(keys, width, sampling)]  # greedy: HF's own argmax
-        out = self.model.generate(ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
+                                  pad_token_id=self.pad, return_dict_in_generate=True)  # fmt: skip
+        picker = GreedyLogprobs() if sampling.greedy else SeededSampling(keys, width, sampling)
+        out = self.model.generate(ids, attention_mask=mask, generation_config=config, logits_processor=[picker],
                                   stopping_criteria=[_Stopping(self.should_stop)] if self.should_stop else None)
         new = out.sequences[:, width:]
-        logprobs = torch.stack([self._logprobs(lg, sampling) for lg in out.logits], 1)
+        logprobs = torch.stack(picker.logprobs, 1)  # [rows, steps]
         samples = []
         for i, (idx, prompt) in enumerate(zip(prompt_indices, prompts)):
             for j in range(n):
@@ -229,7 +242,7 @@ class HFEngine:
                 ids_j = new[row].tolist()
                 end = next((k + 1 for k, t in enumerate(ids_j) if t in stops), len(ids_j))
                 ids_j = ids_j[:end]
-                lps = [float(logprobs[row, k, t]) for k, t in enumerate(ids_j)]
+                lps = logprobs[row, : len(ids_j)].tolist()
                 reason = "stop" if ids_j and ids_j[-1] in stops else "length"
                 samples.append(Sample(idx, j, list(prompt), ids_j, lps, reason, [self.weight_version] * len(ids_j)))
             if on_group is not None:
