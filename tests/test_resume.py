@@ -103,10 +103,11 @@ def _chains(names) -> list:
     return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
 
 
-FIRST_KILLS = {"grpo_tp2": "save@4", "ppo_dp2_distopt": "publish@4"}
+FIRST_KILLS = {"grpo_tp2": "save@4", "ppo_dp2_distopt": "publish@2"}
 """The first kill of each fully interrupted chain: rank 0 SIGKILLed after step 4's shards and before its manifest
-(the next start removes the save and resumes from step 2), or after its manifest and before the renames that publish
-it (the next start finishes the publish and resumes from step 4)."""
+(the next start removes the save and resumes from step 2), or after step 2's manifest and before the renames that
+publish it (the next start finishes the publish and resumes from step 2: before, it removed the save, and with no
+other checkpoint refused to start)."""
 FULL_STOPS = {"grpo_tp2": "sigterm@5", "ppo_dp2_distopt": "sigterm_update@5"}
 """The stop of each fully interrupted chain: SIGTERM as step 5 starts (its generation is cut, the step dropped) or
 as its update starts (the update finishes, the step is saved)."""
@@ -278,9 +279,8 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
         runs["last"] = _run(cmd)
         return {"name": name, "ref": ref, "cut": cut, "runs": runs, "tmp": tmp}
     runs["save@4"] = _run(cmd, FIRST_KILLS[name])  # see FIRST_KILLS
-    # resumes from step 2 (or 4); `megarl train` itself SIGKILLed at a random moment of steps 4-6 (5-6): a node failure
-    after = "[megarl] step 3/6" if FIRST_KILLS[name] == "save@4" else "[megarl] step 5/6"
-    runs["launcher"] = _run(cmd, kill_launcher_after=(after, 0.3))
+    # resumes from step 2; `megarl train` itself SIGKILLed at a random moment of steps 4-6 (a node failure)
+    runs["launcher"] = _run(cmd, kill_launcher_after=("[megarl] step 3/6", 0.3))
     runs["generate@5"] = _run(cmd, "generate@5")  # resumes from 2 or 4; rank 0 SIGKILLed in step 5's generation
     runs["sigterm"] = _run(cmd, FULL_STOPS[name])  # resumes from step 4; SIGTERM in step 5 (see FULL_STOPS)
     runs["last"] = _run(cmd)  # resumes from 5
@@ -291,12 +291,13 @@ def chain(request, tiny_llama_dir, tmp_path_factory):
 def test_each_interruption_stopped_and_resumed_where_expected(chain):
     runs = chain["runs"]
     save, launcher, generate, sigterm = runs["save@4"], runs["launcher"], runs["generate@5"], runs["sigterm"]
-    point = FIRST_KILLS[chain["name"]].split("@")[0]
-    assert save.rc not in (0, None) and f"fault injection: {point} at step 4" in save.out, save.out[-3000:]
-    if point == "save":  # cut before the manifest: removed, step 2 resumed
-        assert "iter_0000002 (step 2;" in launcher.out and "removed an interrupted save" in launcher.out, launcher.out
-    else:  # cut between the manifest and the renames: the start finished the publish, step 4 resumed
-        assert "finished an interrupted save" in launcher.out and "iter_0000004 (step 4;" in launcher.out, launcher.out
+    fault = FIRST_KILLS[chain["name"]]
+    assert save.rc not in (0, None) and f"fault injection: {fault.replace('@', ' at step ')}" in save.out, save.out
+    assert "iter_0000002 (step 2;" in launcher.out, launcher.out
+    if fault.startswith("save"):  # cut before the manifest: removed
+        assert "removed an interrupted save" in launcher.out, launcher.out
+    else:  # cut between the manifest and the renames: the start finished the publish
+        assert "finished an interrupted save: " in launcher.out and "iter_0000002.tmp -> iter_0000002" in launcher.out
     assert launcher.rc is None, launcher.out[-3000:]  # killed mid-run
     assert re.search(r"iter_000000[24] \(step [24];", generate.out), generate.out[-3000:]
     assert generate.rc not in (0, None) and "fault injection: generate at step 5" in generate.out
