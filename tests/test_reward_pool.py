@@ -87,11 +87,13 @@ def test_workers_get_no_credentials_but_those_passed_and_a_memory_limit(monkeypa
 
     assert all(CREDENTIAL_NAME.search(k) for k in ("WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY",
                                                     "GITHUB_TOKEN", "DB_PASSWORD", "OPENAI_API_KEY", "SSH_KEY"))
-    assert not any(CREDENTIAL_NAME.search(k) for k in ("PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS", "KEYBOARD"))
+    assert not any(CREDENTIAL_NAME.search(k) for k in ("PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS", "KEYBOARD",
+                                                        "TOKENIZERS_PARALLELISM", "MONKEY_PATCH"))
     monkeypatch.setenv("MEGARL_TEST_API_KEY", "secret")
     monkeypatch.setenv("MEGARL_TEST_PLAIN", "x")
     with RewardPool(f"{FILE}:reads_credentials", num_workers=1, timeout_s=30) as pool:
         assert set(_score(pool, 4).scores) == {0.5}
+        assert "without " in pool.describe() and "MEGARL_TEST_API_KEY" in pool.describe()  # said at start-up
     limits = WorkerLimits(pass_env=("MEGARL_TEST_API_KEY",))
     with RewardPool(f"{FILE}:reads_credentials", num_workers=1, timeout_s=30, limits=limits) as pool:
         assert set(_score(pool, 4).scores) == {1.0}

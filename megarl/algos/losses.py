@@ -231,9 +231,10 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         kept = max(0, min(vocab, true_vocab - vocab_start))  # padding ids (>= true_vocab) are a suffix of the slice
         z = logits[..., :kept].float()  # a copy below fp32, a view in fp32: never written
         z = z / temperature if temperature != 1 else z
-        if truncation is not None:  # the sampler's truncation: the scores it drops have probability 0
-            ids = torch.arange(vocab_start, vocab_start + kept, device=z.device)
-            z = truncation.apply(z, ids == targets.unsqueeze(-1))
+        mine = (targets >= vocab_start) & (targets < vocab_start + kept)
+        index = (targets - vocab_start).clamp(0, max(kept - 1, 0)).unsqueeze(-1)
+        if truncation is not None and kept:  # the sampler's truncation: the scores it drops have probability 0
+            z = truncation.apply(z, index.squeeze(-1), mine)
         if kept:  # this slice's softmax from torch's fused kernel: exp(z - local_max) / the kernel's sum
             local_max = z.amax(-1)
             p = torch.softmax(z, -1)
@@ -250,8 +251,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         to_m = torch.exp(local_max - m)
         s = reduce_sum(torch.where(here, local_sum * to_m, 0.0))  # sum of exp(z - m) over the whole vocabulary
         p.mul_(torch.where(here, fused_sum * to_m / s, 0.0).unsqueeze(-1))  # the whole vocabulary's softmax
-        mine = (targets >= vocab_start) & (targets < vocab_start + kept)
-        index = (targets - vocab_start).clamp(0, max(kept - 1, 0)).unsqueeze(-1)
         target_z = z.gather(-1, index).squeeze(-1) if kept else torch.zeros_like(m)
         log_s = torch.log(s)
         logp = reduce_sum(torch.where(mine, target_z, 0.0)) - m - log_s

@@ -87,12 +87,18 @@ class Truncation(NamedTuple):
     tie_logw: torch.Tensor
     """[..., ] log of the share of the non-target tokens at ``cutoff`` that the sampler keeps (0: all; -inf: none)."""
 
-    def apply(self, z_NV: torch.Tensor, target_NV: torch.Tensor) -> torch.Tensor:
-        """The scores as the truncated softmax weighs them (``target_NV``: True at each position's target)."""
+    def apply(self, z_NV: torch.Tensor, target_N: torch.Tensor, here_N: torch.Tensor) -> torch.Tensor:
+        """A copy of the scores as the truncated softmax weighs them; ``target_N``: each position's target as an
+        index into these scores (a vocabulary slice), where ``here_N`` (it is in the slice). One [N, V] copy; the
+        tied tokens' weights (a bool [N, V] more) only where some position drops some of its ties."""
         c = self.cutoff.unsqueeze(-1)
         z = z_NV.masked_fill(z_NV < c, float("-inf"))
-        shared = (z_NV == c) & ~target_NV
-        return torch.where(shared, z + self.tie_logw.unsqueeze(-1), z)
+        if bool((self.tie_logw != 0).any()):
+            shared = z == c
+            index = target_N.unsqueeze(-1)
+            shared.scatter_(-1, index, shared.gather(-1, index) & ~here_N.unsqueeze(-1))  # the target counts whole
+            torch.where(shared, c + self.tie_logw.unsqueeze(-1), z, out=z)
+        return z
 
 
 @torch.no_grad()

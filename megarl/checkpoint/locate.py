@@ -76,7 +76,8 @@ def complete_iterations(root: str) -> tuple[list[tuple[int, str]], list[str]]:
 def finish_interrupted_saves(root: str) -> list[str]:
     """The launch's leader, before anything reads the checkpoints: publish each complete ``iter_N.tmp`` whose
     ``iter_N`` is absent (the kill came between its renames), restore an ``iter_N`` set aside for a re-save that never
-    arrived, and point ``latest`` at the newest complete checkpoint. The rest of ``iter_N.tmp*`` (saves cut before
+    arrived, and point ``latest`` at the newest complete checkpoint (a kill may have come before ``latest`` was
+    written). The rest of ``iter_N.tmp*`` (saves cut before
     their manifest, a finished re-save's leftovers) is left for the start-up's tidy-up. Returns what it did."""
     if not os.path.isdir(root):
         return []
@@ -90,10 +91,23 @@ def finish_interrupted_saves(root: str) -> list[str]:
             os.rename(path, final)
             fsync_dir(root)
             done.append(f"finished an interrupted save: {path} -> {os.path.basename(final)}")
-    found, _ = complete_iterations(root)
-    if done and found:
-        ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), os.path.basename(found[0][1]) + "\n")
+    point_latest(root)
     return done
+
+
+def point_latest(root: str) -> None:
+    """``latest`` names the newest complete checkpoint (written only where it names another)."""
+    found, _ = complete_iterations(root)
+    if not found:
+        return
+    path, name = os.path.join(root, ckpt.LATEST_FILE), os.path.basename(found[0][1])
+    try:
+        with open(path) as f:
+            if f.read().strip() == name:
+                return
+    except OSError:
+        pass
+    ckpt.atomic_write(path, name + "\n")
 
 
 def set_aside(root: str, path: str, kind: str) -> str:

@@ -14,7 +14,8 @@ With resource pools a pool other than the actor's writes its models (the critic,
 always the initial weights) as its own distributed checkpoint in ``iter_N/critic/``, with its ranks' RNG states;
 loading reads the critic from there when it exists, else from ``iter_N/`` (a colocated save), at any layout.
 
-A save writes ``iter_N.tmp/`` and makes every file and directory in it durable (fsync), writes the manifest, then
+A save writes ``iter_N.tmp/`` and makes every file and directory in it durable (fsync: megatron's writers their
+shards, the rank that wrote each of the other files that file, the leader the directories), writes the manifest, then
 publishes it with renames only: an ``iter_N`` already there (a step saved again) is renamed aside first and deleted
 after, so at every moment a complete checkpoint of the newest step is on disk under ``iter_N`` or ``iter_N.tmp``
 (``locate.finish_interrupted_saves`` completes a publish that a kill cut); then ``latest``; older checkpoints are
@@ -136,6 +137,7 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         ckpt.atomic_write(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state))
         for name, obj in (extra or {}).items():
             torch.save(obj, os.path.join(tmp, name))
+        _fsync_files(os.path.join(tmp, name) for name in extra or {})
     barrier()
     report = {}
     if finishes:
@@ -145,8 +147,8 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
         if before_manifest is not None:
             before_manifest()
         t_write = time.perf_counter() - t0
-        _fsync_tree(tmp, dist.get_rank(), dist.get_world_size())  # the files before the manifest that vouches for them
-        dist.barrier()
+        if lead:  # every file is durable before the manifest vouches for it (the shards: their writers, below)
+            _fsync_dirs(tmp)
         write_manifest(tmp)
         t_hash = time.perf_counter() - t0 - t_write
         dist.barrier()
@@ -176,27 +178,27 @@ def _write_models(models, target: str, *, fresh: bool, rng: dict | None) -> None
             target,
             content_metadata={"megarl_format_version": ckpt.FORMAT_VERSION, **OPTIM_METADATA},
         )
+    if dist.get_rank() == 0:  # the shards' writers fsync them (megatron's use_fsync); its rank 0 wrote the rest
+        _fsync_files(e.path for e in os.scandir(target) if e.is_file() and not e.name.endswith(".distcp"))
 
 
-def _fsync_tree(root: str, rank: int, world: int) -> None:
-    """This rank's share (every ``world``-th, by name) of ``root``'s files, and (rank 0) its directories, made
-    durable. A rank's own files were written through its page cache; on a shared filesystem an fsync from the node
-    that wrote a file flushes it, so each rank syncs the files it can see with the same split as the manifest's
-    hashing, after a barrier (written by then)."""
-    files, dirs = [], [root]
-    for d, subdirs, names in os.walk(root):
-        files += [os.path.join(d, n) for n in names]
-        dirs += [os.path.join(d, n) for n in subdirs]
-    for i, path in enumerate(sorted(files)):
-        if i % world == rank:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    if rank == 0:
-        for d in dirs:
-            fsync_dir(d)
+def _fsync_files(paths) -> None:
+    """Make these files' contents durable (each from the process that wrote it: on a shared filesystem only the
+    writing client's fsync flushes its cache)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dirs(root: str) -> None:
+    """``root`` and every directory under it: their entries (the files renamed or created in them) made durable."""
+    fsync_dir(root)
+    for d, subdirs, _ in os.walk(root):
+        for sub in subdirs:
+            fsync_dir(os.path.join(d, sub))
 
 
 def _publish(root: str, step: int, tmp: str, final: str, keep_last: int, fault) -> None:
@@ -213,9 +215,9 @@ def _publish(root: str, step: int, tmp: str, final: str, keep_last: int, fault) 
         fault("replace")
     os.rename(tmp, final)
     fsync_dir(root)
-    shutil.rmtree(replaced, ignore_errors=True)
     ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
     fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     if keep_last:
         for _, old in complete_iterations(root)[0][keep_last:]:
             if os.path.abspath(old) != os.path.abspath(final):

@@ -47,13 +47,21 @@ def default_num_workers() -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cores // max(1, ranks_here)))
 
 
-CREDENTIAL_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|_KEY$", re.IGNORECASE)
-"""Environment variable names that look like credentials (W&B's, Hugging Face's, cloud keys): kept from workers."""
+CREDENTIAL_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|APIKEY|KEY)(_|$)", re.IGNORECASE)
+"""Environment variable names that look like credentials (``WANDB_API_KEY``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``,
+``DB_PASSWORD``: a word of the name), kept from workers. Best effort: files a credential lives in (``~/.netrc``, the
+Hugging Face token file) stay readable."""
+
+
+def withheld_env(pass_env: tuple[str, ...] = ()) -> list[str]:
+    """The variables of this process's environment that workers do not get (sorted)."""
+    return sorted(k for k in os.environ if k not in pass_env and CREDENTIAL_NAME.search(k))
 
 
 def _worker_env(pass_env: tuple[str, ...] = ()) -> dict[str, str]:
     """This process's environment without the credential-looking variables (but ``pass_env``'s)."""
-    env = {k: v for k, v in os.environ.items() if k in pass_env or not CREDENTIAL_NAME.search(k)}
+    withheld = set(withheld_env(pass_env))
+    env = {k: v for k, v in os.environ.items() if k not in withheld}
     env.pop("MEGARL_CPU_SHIM", None)  # a reward needs none of megatron's CPU patches (nor torch at start-up)
     root = os.path.dirname(os.path.dirname(os.path.abspath(megarl.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -169,7 +177,9 @@ class RewardPool:
     def describe(self) -> str:
         per_step = f", {self.budget_s:g} s per step (reward.step_timeout_s)" if self.budget_s else ""
         workers = f"{len(self.workers)} worker process(es) per rank"
-        return f"{self.spec} in {workers}, {self.timeout_s:g} s per call{per_step}"
+        withheld = withheld_env(self.limits.pass_env)
+        kept = f"; without {', '.join(withheld)} (pass_env passes them)" if withheld else ""
+        return f"{self.spec} in {workers}, {self.timeout_s:g} s per call{per_step}{kept}"
 
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, extras: list[dict]) -> ScoreResult:
         """Score the batch (see the module's doc). Deterministic if the function is: a sample's outcome does not

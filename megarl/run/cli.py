@@ -4,10 +4,12 @@ this node) or as one of torchrun's ranks (``megarl.run.rank``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 from megarl import faults
+from megarl.checkpoint.locate import checkpoints_root, finish_interrupted_saves
 from megarl.compat.host_memory import HUGE_PAGES_ENV
 from megarl.config import ConfigError, validate
 from megarl.config.device_defaults import on_cuda
@@ -54,6 +56,8 @@ def _checked_recipe(args, launched: int | None):
         return 2
     if launched is None and not args.dry_run:
         try:
+            with contextlib.suppress(OSError):  # a publish a kill cut, as build_job does (unwritable: plan_start says)
+                finish_interrupted_saves(checkpoints_root(cfg.trainer.output_dir))
             plan_start(cfg, spec)  # resume target, same model, writable output_dir: before any process starts
         except RunComplete as e:
             print(f"[megarl] {e}", flush=True)

@@ -30,6 +30,7 @@ from megarl.checkpoint.locate import (
     abandon_later,
     checkpoints_root,
     finish_interrupted_saves,
+    point_latest,
     read_trainer_state,
     set_aside,
 )
@@ -383,6 +384,8 @@ def verified_start(cfg: MegarlConfig, spec: ModelSpec, place: Placement):
             raise ResumeError(f"trainer.resume={cfg.trainer.resume}: {error}; resume from another checkpoint")
         damaged = start.path
         moved = place.share(set_aside(root, damaged, DAMAGED_DIR) if place.leader else None, "actor")
+        if place.leader:
+            point_latest(root)
         place.barrier()
         start = plan_start(cfg, spec)
         instead = f"resuming from {start.path} instead" if start else "no older checkpoint: starting over"

@@ -70,10 +70,15 @@ def _kept_in_place(name: str) -> bool:
     return name == SLURM_LOG_DIR or name.startswith((SET_ASIDE_PREFIX, ".megarl-"))
 
 
+def _run_entry(name: str) -> bool:
+    """A run's own file, or one it was writing when killed (``atomic_write``'s ``NAME.tmp``)."""
+    return name in RUN_ENTRIES or name.removesuffix(".tmp") in RUN_ENTRIES
+
+
 def foreign_entries(out: str) -> list[str]:
     """The names in ``out`` that no megarl run wrote (sorted)."""
     names = os.listdir(out) if os.path.isdir(out) else []
-    return sorted(n for n in names if n not in RUN_ENTRIES and not _kept_in_place(n))
+    return sorted(n for n in names if not _run_entry(n) and not _kept_in_place(n))
 
 
 def set_aside_previous_run(out: str) -> str:
@@ -82,7 +87,7 @@ def set_aside_previous_run(out: str) -> str:
     aside = os.path.join(out, SET_ASIDE_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     os.makedirs(aside)
     for name in os.listdir(out):
-        if name in RUN_ENTRIES:
+        if _run_entry(name):
             shutil.move(os.path.join(out, name), os.path.join(aside, name))
     return aside
 
