@@ -110,7 +110,7 @@ def test_launch_warns_about_paths_this_host_cannot_see(capsys, tmp_path):
         "megarl: launch slurm: warning: /data/rlhf/train.parquet is not visible on this host (no /data here): not "
         "checked; the nodes must see it (--strict-paths makes this an error)"
     )
-    assert lead.startswith("[megarl] SIGUSR1 lead (--signal-secs): 300 s = max(300, an update in progress"), lead
+    assert lead.startswith("[megarl] SIGUSR1 lead (--signal-secs): 357 s = max(300, an update in progress"), lead
     rc, stdout, stderr = _launch(capsys, "slurm", *args, "--strict-paths")
     assert rc == 2 and stdout == "" and "data file not found: /data/rlhf/train.parquet" in stderr
 

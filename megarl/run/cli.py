@@ -57,7 +57,8 @@ def _checked_recipe(args, launched: int | None):
     if launched is None and not args.dry_run:
         try:
             with contextlib.suppress(OSError):  # a publish a kill cut, as build_job does (unwritable: plan_start says)
-                finish_interrupted_saves(checkpoints_root(cfg.trainer.output_dir))
+                for line in finish_interrupted_saves(checkpoints_root(cfg.trainer.output_dir)):
+                    print(f"[megarl] {line}", flush=True)
             plan_start(cfg, spec)  # resume target, same model, writable output_dir: before any process starts
         except RunComplete as e:
             print(f"[megarl] {e}", flush=True)
