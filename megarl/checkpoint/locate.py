@@ -89,7 +89,7 @@ def finish_interrupted_saves(root: str) -> list[str]:
             continue
         if _complete(path) is None:  # a finished save (or the one it was to replace): it becomes iter_N again
             os.rename(path, final)
-            fsync_dir(root)
+            fsync_path(root)
             done.append(f"finished an interrupted save: {path} -> {os.path.basename(final)}")
     point_latest(root)
     return done
@@ -123,8 +123,8 @@ def set_aside(root: str, path: str, kind: str) -> str:
     return target
 
 
-def fsync_dir(path: str) -> None:
-    """Make the directory's entries (renames, new files) durable."""
+def fsync_path(path: str) -> None:
+    """Make a file's contents, or a directory's entries (renames, new files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import format as ckpt
-from megarl.checkpoint.locate import CRITIC_DIR, REPLACED_SUFFIX, TRAINER_STATE, complete_iterations, fsync_dir
+from megarl.checkpoint.locate import CRITIC_DIR, REPLACED_SUFFIX, TRAINER_STATE, complete_iterations, fsync_path
 from megarl.checkpoint.manifest import read_manifest, verify_manifest, write_manifest
 from megarl.compat import checkpoint_writer
 from megarl.compat.cpu import megatron_mode
@@ -148,7 +148,7 @@ def save_training(root: str, step: int, models, trainer_state: dict, *, keep_las
             before_manifest()
         t_write = time.perf_counter() - t0
         if lead:  # every file is durable before the manifest vouches for it (the shards: their writers, below)
-            _fsync_dirs(tmp)
+            _fsync_paths(tmp)
         write_manifest(tmp)
         t_hash = time.perf_counter() - t0 - t_write
         dist.barrier()
@@ -186,37 +186,33 @@ def _fsync_files(paths) -> None:
     """Make these files' contents durable (each from the process that wrote it: on a shared filesystem only the
     writing client's fsync flushes its cache)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
-def _fsync_dirs(root: str) -> None:
+def _fsync_paths(root: str) -> None:
     """``root`` and every directory under it: their entries (the files renamed or created in them) made durable."""
-    fsync_dir(root)
+    fsync_path(root)
     for d, subdirs, _ in os.walk(root):
         for sub in subdirs:
-            fsync_dir(os.path.join(d, sub))
+            fsync_path(os.path.join(d, sub))
 
 
 def _publish(root: str, step: int, tmp: str, final: str, keep_last: int, fault) -> None:
     """The finished ``tmp`` becomes ``final`` and ``latest``; all but the newest ``keep_last`` complete checkpoints
     are deleted (never the one just written). Renames only, each made durable before the next step: an older
     ``final`` (the step saved again) is renamed aside, ``tmp`` renamed in, the older one deleted."""
-    fsync_dir(tmp)  # the manifest
+    fsync_path(tmp)  # the manifest
     fault("publish")
     replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)
-        fsync_dir(root)
+        fsync_path(root)
         fault("replace")
     os.rename(tmp, final)
-    fsync_dir(root)
+    fsync_path(root)
     ckpt.atomic_write(os.path.join(root, ckpt.LATEST_FILE), ckpt.iter_dirname(step) + "\n")
-    fsync_dir(root)
+    fsync_path(root)
     shutil.rmtree(replaced, ignore_errors=True)
     if keep_last:
         for _, old in complete_iterations(root)[0][keep_last:]:
@@ -225,7 +221,7 @@ def _publish(root: str, step: int, tmp: str, final: str, keep_last: int, fault) 
                 # start removes as an interrupted save, not a half-deleted ``iter_N`` no later prune would see
                 doomed = old.rstrip("/") + ".tmp-pruned"
                 os.rename(old, doomed)
-                fsync_dir(root)
+                fsync_path(root)
                 fault("prune")
                 shutil.rmtree(doomed, ignore_errors=True)
 
